@@ -1,0 +1,41 @@
+// gdntrain: the command-line program. Every subcommand is a thin layer over libgdn; errors are
+// caught here, printed with a `hint:` line, and turned into a non-zero exit status.
+#include <CLI/CLI.hpp>
+#include <cstdio>
+
+#include "commands.h"
+#include "gdn/core/env.h"
+#include "gdn/core/error.h"
+#include "gdn/core/log.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"gdntrain: trains Qwen3.5-class hybrid (Gated DeltaNet + gated attention) models"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "gdntrain 0.1.0");
+  gdn::cli::Commands cmds;
+  gdn::cli::add_commands(app, cmds);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    gdn::env::check_environment();
+    std::string level = gdn::env::get_string("GDN_LOG_LEVEL");
+    gdn::log::set_min_level(level == "debug"  ? gdn::log::Level::Debug
+                            : level == "warn" ? gdn::log::Level::Warn
+                            : level == "error" ? gdn::log::Level::Error
+                                               : gdn::log::Level::Info);
+    return cmds.run();
+  } catch (const gdn::Error& e) {
+    std::fprintf(stderr, "error: %s\n  at %s:%d\n", e.message().c_str(), e.file(), e.line());
+    std::fprintf(stderr, "hint: %s\n",
+                 e.hint().empty() ? "run `gdntrain <command> --help` for the expected arguments"
+                                  : e.hint().c_str());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\nhint: this is unexpected; please report it with the command "
+                         "line\n", e.what());
+    return 2;
+  }
+}

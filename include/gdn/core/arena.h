@@ -1,0 +1,56 @@
+// Memory arenas (ARCHITECTURE.md §7, the llm.c single-allocation plan): one allocation made up
+// front, sub-allocated by bumping an offset, reset between uses, with the peak reported.
+//
+// An arena can also run in planning mode (capacity unknown, no memory): the same sequence of
+// allocations is replayed to learn the size, then a real arena of exactly that size is made.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "gdn/core/tensor.h"
+
+namespace gdn {
+
+class Arena {
+ public:
+  Arena() = default;
+  // Allocates `capacity` bytes on `device` once.
+  Arena(std::string name, Device device, size_t capacity);
+  // A planning arena: records sizes only; alloc() returns nullptr-backed views.
+  static Arena planning(std::string name, Device device);
+  ~Arena();
+  Arena(Arena&& o) noexcept;
+  Arena& operator=(Arena&& o) noexcept;
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+
+  // Returns `bytes` bytes aligned to `align`; throws a clear error when the arena is full.
+  void* alloc(size_t bytes, size_t align = 256);
+  Tensor alloc_tensor(DType dtype, std::initializer_list<int64_t> shape);
+  Tensor alloc_tensor(DType dtype, std::span<const int64_t> shape);
+  // Frees everything allocated since `mark` (a value returned by used()).
+  void release_to(size_t mark);
+  void reset() { release_to(0); }
+
+  const std::string& name() const { return name_; }
+  Device device() const { return device_; }
+  size_t used() const { return used_; }
+  size_t peak() const { return peak_; }
+  size_t capacity() const { return capacity_; }
+  bool is_planning() const { return planning_; }
+
+ private:
+  std::string name_;
+  Device device_ = Device::CPU;
+  char* base_ = nullptr;
+  size_t capacity_ = 0;
+  size_t used_ = 0;
+  size_t peak_ = 0;
+  bool planning_ = false;
+};
+
+// "1.50 GiB", "312.0 MiB", "12 B".
+std::string format_bytes(double bytes);
+
+}  // namespace gdn

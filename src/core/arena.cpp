@@ -1,0 +1,82 @@
+#include "gdn/core/arena.h"
+
+#include <algorithm>
+#include <utility>
+
+namespace gdn {
+
+Arena::Arena(std::string name, Device device, size_t capacity)
+    : name_(std::move(name)), device_(device), capacity_(capacity) {
+  if (capacity_ > 0) base_ = static_cast<char*>(device_alloc(device_, capacity_));
+}
+
+Arena Arena::planning(std::string name, Device device) {
+  Arena a;
+  a.name_ = std::move(name);
+  a.device_ = device;
+  a.planning_ = true;
+  return a;
+}
+
+Arena::~Arena() { device_free(device_, base_); }
+
+Arena::Arena(Arena&& o) noexcept { *this = std::move(o); }
+
+Arena& Arena::operator=(Arena&& o) noexcept {
+  if (this != &o) {
+    device_free(device_, base_);
+    name_ = std::move(o.name_);
+    device_ = o.device_;
+    base_ = std::exchange(o.base_, nullptr);
+    capacity_ = std::exchange(o.capacity_, 0);
+    used_ = std::exchange(o.used_, 0);
+    peak_ = std::exchange(o.peak_, 0);
+    planning_ = o.planning_;
+  }
+  return *this;
+}
+
+void* Arena::alloc(size_t bytes, size_t align) {
+  GDN_CHECK(align > 0 && (align & (align - 1)) == 0, "arena '{}': alignment {} is not a power of 2",
+            name_, align);
+  size_t start = (used_ + align - 1) / align * align;
+  size_t end = start + bytes;
+  if (!planning_) {
+    GDN_CHECK_HINT(end <= capacity_,
+                   "the memory plan is sized at start-up from the largest micro-batch; a larger "
+                   "input than planned was given",
+                   "arena '{}' is full: {} requested with {} of {} in use", name_,
+                   format_bytes(static_cast<double>(bytes)), format_bytes(static_cast<double>(used_)),
+                   format_bytes(static_cast<double>(capacity_)));
+  }
+  used_ = end;
+  peak_ = std::max(peak_, used_);
+  return planning_ ? nullptr : base_ + start;
+}
+
+Tensor Arena::alloc_tensor(DType dtype, std::initializer_list<int64_t> shape) {
+  return alloc_tensor(dtype, std::span<const int64_t>(shape.begin(), shape.size()));
+}
+
+Tensor Arena::alloc_tensor(DType dtype, std::span<const int64_t> shape) {
+  Tensor probe(nullptr, dtype, shape, device_);
+  void* p = alloc(static_cast<size_t>(probe.nbytes()));
+  return Tensor(p, dtype, shape, device_);
+}
+
+void Arena::release_to(size_t mark) {
+  GDN_CHECK(mark <= used_, "arena '{}': release to {} beyond the used {}", name_, mark, used_);
+  used_ = mark;
+}
+
+std::string format_bytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024.0 && u < 4) {
+    bytes /= 1024.0;
+    ++u;
+  }
+  return u == 0 ? fmt::format("{:.0f} B", bytes) : fmt::format("{:.2f} {}", bytes, units[u]);
+}
+
+}  // namespace gdn
