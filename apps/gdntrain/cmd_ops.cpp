@@ -28,7 +28,8 @@ int run_list() {
     std::string impls;
     for (Backend b : {Backend::Ref, Backend::Cpu, Backend::Cuda})
       for (const ImplDesc* i : reg.impls(op->name, b))
-        impls += (impls.empty() ? "" : ", ") + i->name + " (prio " + std::to_string(i->priority) + ")";
+        impls +=
+            (impls.empty() ? "" : ", ") + i->name + " (prio " + std::to_string(i->priority) + ")";
     std::printf("  implementations: %s\n", impls.c_str());
   }
   return 0;

@@ -57,7 +57,8 @@ void add_probe_command(CLI::App& app, Commands& cmds) {
   auto opts = std::make_shared<ProbeOptions>();
   auto* sub = app.add_subcommand(
       "probe", "Resolve every op: capability check and numeric probe against the fp64 reference");
-  sub->add_option("--backend", opts->backends, "Backends to probe (default: cpu, and cuda if present)")
+  sub->add_option("--backend", opts->backends,
+                  "Backends to probe (default: cpu, and cuda if present)")
       ->check(CLI::IsMember({"ref", "cpu", "cuda"}));
   sub->add_option("--op", opts->op, "Probe only this op");
   sub->callback([&cmds, opts] { cmds.selected = [opts] { return run_probe(*opts); }; });

@@ -22,8 +22,8 @@ int main(int argc, char** argv) {
   try {
     gdn::env::check_environment();
     std::string level = gdn::env::get_string("GDN_LOG_LEVEL");
-    gdn::log::set_min_level(level == "debug"  ? gdn::log::Level::Debug
-                            : level == "warn" ? gdn::log::Level::Warn
+    gdn::log::set_min_level(level == "debug"   ? gdn::log::Level::Debug
+                            : level == "warn"  ? gdn::log::Level::Warn
                             : level == "error" ? gdn::log::Level::Error
                                                : gdn::log::Level::Info);
     return cmds.run();
@@ -34,8 +34,10 @@ int main(int argc, char** argv) {
                                   : e.hint().c_str());
     return 1;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\nhint: this is unexpected; please report it with the command "
-                         "line\n", e.what());
+    std::fprintf(stderr,
+                 "error: %s\nhint: this is unexpected; please report it with the command "
+                 "line\n",
+                 e.what());
     return 2;
   }
 }

@@ -20,10 +20,9 @@ class FileOpIO final : public OpIO {
     for (const auto& [k, v] : attrs) attrs_[k] = v;
   }
   Tensor input(const std::string& name, DType dtype, Device device) override {
-    GDN_CHECK_HINT(in_.contains(name),
-                   fmt::format("`gdntrain ops list` shows the tensors op '{}' reads", op_),
-                   "{}: op '{}' needs input tensor '{}' which the file does not have", in_.path(),
-                   op_, name);
+    GDN_CHECK_HINT(
+        in_.contains(name), fmt::format("`gdntrain ops list` shows the tensors op '{}' reads", op_),
+        "{}: op '{}' needs input tensor '{}' which the file does not have", in_.path(), op_, name);
     kept_.push_back(in_.load(name, dtype, device));
     return kept_.back().view();
   }

@@ -5,8 +5,7 @@
 namespace gdn {
 
 ProbeTensors::Pair ProbeTensors::input(std::span<const double> values,
-                                       std::span<const int64_t> shape,
-                                       std::optional<DType> dtype) {
+                                       std::span<const int64_t> shape, std::optional<DType> dtype) {
   DType dt = dtype.value_or(backend_dtype(backend_));
   // Round through the candidate dtype so that ref sees the same numbers.
   OwnedTensor rounded = from_f64(values, dt, shape);
@@ -39,8 +38,8 @@ ProbeTensors::Pair ProbeTensors::normal(std::initializer_list<int64_t> shape, ui
 ProbeTensors::Pair ProbeTensors::ints(std::span<const int64_t> values,
                                       std::initializer_list<int64_t> shape, DType dtype) {
   Tensor src(const_cast<int64_t*>(values.data()), DType::I64, shape);
-  GDN_CHECK(src.numel() == static_cast<int64_t>(values.size()), "ProbeTensors::ints: {} values for {}",
-            values.size(), src.shape_str());
+  GDN_CHECK(src.numel() == static_cast<int64_t>(values.size()),
+            "ProbeTensors::ints: {} values for {}", values.size(), src.shape_str());
   OwnedTensor ref = convert(src, dtype);
   OwnedTensor cand = convert(src, dtype, backend_device(backend_));
   Pair p{ref.view(), cand.view()};

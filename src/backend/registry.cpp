@@ -11,9 +11,12 @@ namespace gdn {
 
 std::string_view backend_name(Backend b) {
   switch (b) {
-    case Backend::Ref: return "ref";
-    case Backend::Cpu: return "cpu";
-    case Backend::Cuda: return "cuda";
+    case Backend::Ref:
+      return "ref";
+    case Backend::Cpu:
+      return "cpu";
+    case Backend::Cuda:
+      return "cuda";
   }
   return "?";
 }
@@ -29,9 +32,12 @@ Device backend_device(Backend b) { return b == Backend::Cuda ? Device::CUDA : De
 
 DType backend_dtype(Backend b) {
   switch (b) {
-    case Backend::Ref: return DType::F64;
-    case Backend::Cpu: return DType::F32;
-    case Backend::Cuda: return DType::BF16;
+    case Backend::Ref:
+      return DType::F64;
+    case Backend::Cpu:
+      return DType::F32;
+    case Backend::Cuda:
+      return DType::BF16;
   }
   return DType::F32;
 }
@@ -68,7 +74,8 @@ const OpDesc& Registry::op(std::string_view name) const {
   if (it == ops_.end()) {
     std::string known;
     for (const auto& [n, _] : ops_) known += (known.empty() ? "" : ", ") + n;
-    GDN_FAIL_HINT("`gdntrain ops list` prints every op", "unknown op '{}' (known: {})", name, known);
+    GDN_FAIL_HINT("`gdntrain ops list` prints every op", "unknown op '{}' (known: {})", name,
+                  known);
   }
   return it->second;
 }
@@ -178,16 +185,17 @@ void Registry::do_resolve(std::string_view op_name, const OpQuery& query, Resolu
     } catch (const Error& e) {
       failure = fmt::format("probe raised an error: {}", e.message());
     }
-    double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-                    .count();
+    double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     ProbeError tol = op.tolerance(backend_dtype(query.backend));
     if (failure.empty() && !(err.fwd <= tol.fwd && err.bwd <= tol.bwd)) {
       failure = fmt::format("probe error fwd {:.3g} (limit {:.3g}), bwd {:.3g} (limit {:.3g})",
                             err.fwd, tol.fwd, err.bwd, tol.bwd);
     }
     if (!failure.empty()) {
-      GDN_CHECK_HINT(!strict, "unset GDN_STRICT_KERNELS to fall back, or force another "
-                              "implementation with GDN_OP_<OP>",
+      GDN_CHECK_HINT(!strict,
+                     "unset GDN_STRICT_KERNELS to fall back, or force another "
+                     "implementation with GDN_OP_<OP>",
                      "GDN_STRICT_KERNELS: op '{}' implementation '{}' rejected: {}", op_name,
                      impl->name, failure);
       std::string line = fmt::format("[resolve] {}: rejecting {}: {}", where, impl->name, failure);
@@ -200,7 +208,8 @@ void Registry::do_resolve(std::string_view op_name, const OpQuery& query, Resolu
     out->probe_ms = ms;
     out->rejected = reasons;
     log::info("[resolve] {}: {} (probe fwd {:.2g}, bwd {:.2g}, {:.1f} ms){}", where, impl->name,
-              err.fwd, err.bwd, ms, forced ? " [forced by GDN_OP_" + knob_suffix(op_name) + "]" : "");
+              err.fwd, err.bwd, ms,
+              forced ? " [forced by GDN_OP_" + knob_suffix(op_name) + "]" : "");
     return;
   }
   std::string all;

@@ -46,7 +46,8 @@ void* Arena::alloc(size_t bytes, size_t align) {
                    "the memory plan is sized at start-up from the largest micro-batch; a larger "
                    "input than planned was given",
                    "arena '{}' is full: {} requested with {} of {} in use", name_,
-                   format_bytes(static_cast<double>(bytes)), format_bytes(static_cast<double>(used_)),
+                   format_bytes(static_cast<double>(bytes)),
+                   format_bytes(static_cast<double>(used_)),
                    format_bytes(static_cast<double>(capacity_)));
   }
   used_ = end;

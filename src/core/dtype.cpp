@@ -6,12 +6,18 @@ namespace gdn {
 
 std::string_view dtype_name(DType t) {
   switch (t) {
-    case DType::F64: return "F64";
-    case DType::F32: return "F32";
-    case DType::BF16: return "BF16";
-    case DType::F16: return "F16";
-    case DType::I32: return "I32";
-    case DType::I64: return "I64";
+    case DType::F64:
+      return "F64";
+    case DType::F32:
+      return "F32";
+    case DType::BF16:
+      return "BF16";
+    case DType::F16:
+      return "F16";
+    case DType::I32:
+      return "I32";
+    case DType::I64:
+      return "I64";
   }
   return "?";
 }
@@ -45,7 +51,7 @@ uint16_t float_to_f16_bits(float f) {
   if (e >= 31) return static_cast<uint16_t>(sign | 0x7c00u);  // overflow -> inf
   if (e <= 0) {
     if (e < -10) return static_cast<uint16_t>(sign);  // underflow -> signed zero
-    mant |= 0x800000u;                               // make the implicit bit explicit
+    mant |= 0x800000u;                                // make the implicit bit explicit
     uint32_t shift = static_cast<uint32_t>(14 - e);
     uint32_t half = mant >> shift;
     uint32_t rem = mant & ((1u << shift) - 1u);

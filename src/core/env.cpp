@@ -103,10 +103,17 @@ double parse_float(std::string_view name, std::string_view v) {
 
 void validate(const Knob& k, std::string_view name, std::string_view v) {
   switch (k.type) {
-    case KnobType::Bool: parse_bool(name, v); break;
-    case KnobType::Int: parse_int(name, v); break;
-    case KnobType::Float: parse_float(name, v); break;
-    case KnobType::String: break;
+    case KnobType::Bool:
+      parse_bool(name, v);
+      break;
+    case KnobType::Int:
+      parse_int(name, v);
+      break;
+    case KnobType::Float:
+      parse_float(name, v);
+      break;
+    case KnobType::String:
+      break;
     case KnobType::Choice: {
       std::string_view choices = k.choices;
       size_t pos = 0;
@@ -215,9 +222,10 @@ int check_environment() {
         best = &c;
       }
     }
-    log::warn("unknown environment variable {} is ignored; did you mean {}? (gdntrain env lists "
-              "every knob)",
-              name, best != nullptr ? best->name : "?");
+    log::warn(
+        "unknown environment variable {} is ignored; did you mean {}? (gdntrain env lists "
+        "every knob)",
+        name, best != nullptr ? best->name : "?");
     ++warnings;
   }
   return warnings;

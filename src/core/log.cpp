@@ -21,10 +21,14 @@ State& state() {
 }
 const char* level_tag(Level l) {
   switch (l) {
-    case Level::Debug: return "debug: ";
-    case Level::Info: return "";
-    case Level::Warn: return "warning: ";
-    case Level::Error: return "error: ";
+    case Level::Debug:
+      return "debug: ";
+    case Level::Info:
+      return "";
+    case Level::Warn:
+      return "warning: ";
+    case Level::Error:
+      return "error: ";
   }
   return "";
 }

@@ -31,12 +31,15 @@ uint64_t stream_id(std::string_view name) {
 namespace {
 std::array<uint32_t, 4> draw(uint64_t seed, uint64_t stream, uint64_t index) {
   std::array<uint32_t, 4> ctr = {static_cast<uint32_t>(index), static_cast<uint32_t>(index >> 32),
-                                 static_cast<uint32_t>(stream), static_cast<uint32_t>(stream >> 32)};
+                                 static_cast<uint32_t>(stream),
+                                 static_cast<uint32_t>(stream >> 32)};
   return philox4x32(ctr, {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)});
 }
 }  // namespace
 
-uint32_t bits(uint64_t seed, uint64_t stream, uint64_t index) { return draw(seed, stream, index)[0]; }
+uint32_t bits(uint64_t seed, uint64_t stream, uint64_t index) {
+  return draw(seed, stream, index)[0];
+}
 
 float uniform(uint64_t seed, uint64_t stream, uint64_t index) {
   return static_cast<float>(draw(seed, stream, index)[0] >> 8) * (1.0f / 16777216.0f);
@@ -69,13 +72,15 @@ void fill(const Tensor& t, F value) {
     case DType::F16:
       for (int64_t i = 0; i < n; ++i) t.ptr<f16>()[i] = to_f16(static_cast<float>(value(i)));
       break;
-    default: GDN_FAIL("rng fill: tensor {} is not a float tensor", t.describe());
+    default:
+      GDN_FAIL("rng fill: tensor {} is not a float tensor", t.describe());
   }
 }
 }  // namespace
 
 void fill_uniform(const Tensor& t, uint64_t seed, uint64_t stream, double lo, double hi) {
-  fill(t, [&](int64_t i) { return lo + (hi - lo) * uniform(seed, stream, static_cast<uint64_t>(i)); });
+  fill(t,
+       [&](int64_t i) { return lo + (hi - lo) * uniform(seed, stream, static_cast<uint64_t>(i)); });
 }
 
 void fill_normal(const Tensor& t, uint64_t seed, uint64_t stream, double mean, double std) {

@@ -18,10 +18,10 @@ constexpr uint64_t kMaxHeader = 100'000'000;
 
 int dtype_bits(const std::string& name) {
   static const std::map<std::string, int> bits = {
-      {"BOOL", 8},    {"U8", 8},          {"I8", 8},          {"I16", 16},      {"U16", 16},
-      {"F16", 16},    {"BF16", 16},       {"I32", 32},        {"U32", 32},      {"F32", 32},
-      {"F64", 64},    {"I64", 64},        {"U64", 64},        {"F8_E5M2", 8},   {"F8_E4M3", 8},
-      {"F8_E8M0", 8}, {"F8_E4M3FNUZ", 8}, {"F8_E5M2FNUZ", 8}, {"C64", 64},      {"F4", 4},
+      {"BOOL", 8},    {"U8", 8},          {"I8", 8},          {"I16", 16},    {"U16", 16},
+      {"F16", 16},    {"BF16", 16},       {"I32", 32},        {"U32", 32},    {"F32", 32},
+      {"F64", 64},    {"I64", 64},        {"U64", 64},        {"F8_E5M2", 8}, {"F8_E4M3", 8},
+      {"F8_E8M0", 8}, {"F8_E4M3FNUZ", 8}, {"F8_E5M2FNUZ", 8}, {"C64", 64},    {"F4", 4},
       {"F6_E2M3", 6}, {"F6_E3M2", 6}};
   auto it = bits.find(name);
   return it == bits.end() ? -1 : it->second;
@@ -40,7 +40,7 @@ nlohmann::json parse_header(const char* p, size_t n, const std::string& label) {
 SafeTensorsFile::SafeTensorsFile(const std::string& path) : path_(path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   GDN_CHECK_HINT(fd >= 0, "check the path", "cannot open '{}': {}", path, std::strerror(errno));
-  struct stat st{};
+  struct stat st {};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     ::close(fd);
     GDN_FAIL("'{}' is not a regular file", path);
@@ -115,9 +115,9 @@ void SafeTensorsFile::parse(const char* bytes, size_t size) {
               label, name);
     GDN_CHECK(v.contains("shape") && v["shape"].is_array(), "{}: tensor '{}' has no shape array",
               label, name);
-    GDN_CHECK(v.contains("data_offsets") && v["data_offsets"].is_array() &&
-                  v["data_offsets"].size() == 2,
-              "{}: tensor '{}' has no data_offsets [begin, end]", label, name);
+    GDN_CHECK(
+        v.contains("data_offsets") && v["data_offsets"].is_array() && v["data_offsets"].size() == 2,
+        "{}: tensor '{}' has no data_offsets [begin, end]", label, name);
     SafeTensorInfo t;
     t.name = name;
     t.dtype_name = v["dtype"].get<std::string>();
@@ -128,7 +128,8 @@ void SafeTensorsFile::parse(const char* bytes, size_t size) {
     bool overflow = false;
     for (const auto& d : v["shape"]) {
       GDN_CHECK(d.is_number_unsigned() || (d.is_number_integer() && d.get<int64_t>() >= 0),
-                "{}: tensor '{}' has a shape entry that is not a non-negative integer", label, name);
+                "{}: tensor '{}' has a shape entry that is not a non-negative integer", label,
+                name);
       uint64_t s = d.get<uint64_t>();
       GDN_CHECK(s < (1ull << 48), "{}: tensor '{}' has an absurd dimension {}", label, name, s);
       if (s != 0 && numel > UINT64_MAX / s) overflow = true;
@@ -170,8 +171,10 @@ void SafeTensorsFile::parse(const char* bytes, size_t size) {
               label, t->name, t->begin, pos);
     pos = t->end;
   }
-  GDN_CHECK(pos == data_size, "{}: tensors cover {} bytes but the data buffer has {} (truncated "
-            "or trailing bytes)", label, pos, data_size);
+  GDN_CHECK(pos == data_size,
+            "{}: tensors cover {} bytes but the data buffer has {} (truncated "
+            "or trailing bytes)",
+            label, pos, data_size);
 }
 
 const SafeTensorInfo& SafeTensorsFile::info(const std::string& name) const {

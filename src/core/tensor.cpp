@@ -9,7 +9,10 @@ namespace gdn {
 std::string_view device_name(Device d) { return d == Device::CPU ? "cpu" : "cuda"; }
 
 Tensor::Tensor(void* data, DType dtype, std::span<const int64_t> shape, Device device)
-    : data_(data), dtype_(dtype), device_(device), ndim_(static_cast<int>(shape.size())),
+    : data_(data),
+      dtype_(dtype),
+      device_(device),
+      ndim_(static_cast<int>(shape.size())),
       defined_(true) {
   GDN_CHECK(shape.size() <= static_cast<size_t>(kMaxDims), "tensor rank {} exceeds the maximum {}",
             shape.size(), kMaxDims);
@@ -98,7 +101,8 @@ void expect_shape(const Tensor& t, std::string_view op, std::string_view name,
   if (!ok) {
     std::string want = "[";
     int d = 0;
-    for (int64_t s : shape) want += fmt::format("{}{}", d++ ? ", " : "", s < 0 ? "*" : std::to_string(s));
+    for (int64_t s : shape)
+      want += fmt::format("{}{}", d++ ? ", " : "", s < 0 ? "*" : std::to_string(s));
     GDN_FAIL("{}: tensor '{}' has shape {}, expected {}]", op, name, t.shape_str(), want);
   }
 }
@@ -201,25 +205,41 @@ OwnedTensor OwnedTensor::zeros(DType dtype, std::span<const int64_t> shape, Devi
 namespace {
 double load_as_f64(const void* base, DType t, int64_t i) {
   switch (t) {
-    case DType::F64: return static_cast<const double*>(base)[i];
-    case DType::F32: return static_cast<const float*>(base)[i];
-    case DType::BF16: return bf16_bits_to_float(static_cast<const uint16_t*>(base)[i]);
-    case DType::F16: return f16_bits_to_float(static_cast<const uint16_t*>(base)[i]);
-    case DType::I32: return static_cast<const int32_t*>(base)[i];
-    case DType::I64: return static_cast<double>(static_cast<const int64_t*>(base)[i]);
+    case DType::F64:
+      return static_cast<const double*>(base)[i];
+    case DType::F32:
+      return static_cast<const float*>(base)[i];
+    case DType::BF16:
+      return bf16_bits_to_float(static_cast<const uint16_t*>(base)[i]);
+    case DType::F16:
+      return f16_bits_to_float(static_cast<const uint16_t*>(base)[i]);
+    case DType::I32:
+      return static_cast<const int32_t*>(base)[i];
+    case DType::I64:
+      return static_cast<double>(static_cast<const int64_t*>(base)[i]);
   }
   return 0;
 }
 void store_from_f64(void* base, DType t, int64_t i, double v) {
   switch (t) {
-    case DType::F64: static_cast<double*>(base)[i] = v; break;
-    case DType::F32: static_cast<float*>(base)[i] = static_cast<float>(v); break;
+    case DType::F64:
+      static_cast<double*>(base)[i] = v;
+      break;
+    case DType::F32:
+      static_cast<float*>(base)[i] = static_cast<float>(v);
+      break;
     case DType::BF16:
       static_cast<uint16_t*>(base)[i] = float_to_bf16_bits(static_cast<float>(v));
       break;
-    case DType::F16: static_cast<uint16_t*>(base)[i] = float_to_f16_bits(static_cast<float>(v)); break;
-    case DType::I32: static_cast<int32_t*>(base)[i] = static_cast<int32_t>(v); break;
-    case DType::I64: static_cast<int64_t*>(base)[i] = static_cast<int64_t>(v); break;
+    case DType::F16:
+      static_cast<uint16_t*>(base)[i] = float_to_f16_bits(static_cast<float>(v));
+      break;
+    case DType::I32:
+      static_cast<int32_t*>(base)[i] = static_cast<int32_t>(v);
+      break;
+    case DType::I64:
+      static_cast<int64_t*>(base)[i] = static_cast<int64_t>(v);
+      break;
   }
 }
 void convert_host(void* dst, DType dt, const void* src, DType st, int64_t n) {
@@ -233,7 +253,8 @@ void convert_host(void* dst, DType dt, const void* src, DType st, int64_t n) {
       int64_t v = st == DType::I32 ? static_cast<const int32_t*>(src)[i]
                                    : static_cast<const int64_t*>(src)[i];
       if (dt == DType::I32) {
-        GDN_CHECK(v >= INT32_MIN && v <= INT32_MAX, "value {} at index {} does not fit in I32", v, i);
+        GDN_CHECK(v >= INT32_MIN && v <= INT32_MAX, "value {} at index {} does not fit in I32", v,
+                  i);
         static_cast<int32_t*>(dst)[i] = static_cast<int32_t>(v);
       } else {
         static_cast<int64_t*>(dst)[i] = v;
@@ -271,7 +292,8 @@ void copy_into(const Tensor& dst, const Tensor& src) {
   GDN_CHECK(dst.numel() == src.numel(), "copy_into: {} elements into {}", src.numel(), dst.numel());
   GDN_CHECK(dst.is_contiguous() && src.is_contiguous(), "copy_into: tensors must be contiguous");
   if (dst.dtype() == src.dtype()) {
-    copy_bytes(dst.data(), dst.device(), src.data(), src.device(), static_cast<size_t>(src.nbytes()));
+    copy_bytes(dst.data(), dst.device(), src.data(), src.device(),
+               static_cast<size_t>(src.nbytes()));
     return;
   }
   OwnedTensor c = convert(src, dst.dtype(), Device::CPU);
@@ -293,8 +315,8 @@ OwnedTensor from_f64(std::span<const double> values, DType dtype,
 OwnedTensor from_f64(std::span<const double> values, DType dtype, std::span<const int64_t> shape,
                      Device device) {
   Tensor src(const_cast<double*>(values.data()), DType::F64, shape);
-  GDN_CHECK(src.numel() == static_cast<int64_t>(values.size()),
-            "from_f64: {} values for shape {}", values.size(), src.shape_str());
+  GDN_CHECK(src.numel() == static_cast<int64_t>(values.size()), "from_f64: {} values for shape {}",
+            values.size(), src.shape_str());
   return convert(src, dtype, device);
 }
 

@@ -11,7 +11,7 @@
 namespace gdn {
 
 struct OpRunResult {
-  std::string impl;                 // the implementation that ran
+  std::string impl;                  // the implementation that ran
   std::vector<std::string> written;  // tensor names written
 };
 

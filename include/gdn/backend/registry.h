@@ -87,8 +87,8 @@ struct OpDesc {
 
 struct Resolution {
   const ImplDesc* impl = nullptr;
-  ProbeError error;       // zero for ref
-  double probe_ms = 0;    // time spent probing the chosen implementation
+  ProbeError error;                   // zero for ref
+  double probe_ms = 0;                // time spent probing the chosen implementation
   std::vector<std::string> rejected;  // one line per rejected implementation
 };
 

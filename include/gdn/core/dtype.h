@@ -14,12 +14,18 @@ enum class DType : uint8_t { F64, F32, BF16, F16, I32, I64 };
 
 constexpr int64_t dtype_size(DType t) {
   switch (t) {
-    case DType::F64: return 8;
-    case DType::F32: return 4;
-    case DType::BF16: return 2;
-    case DType::F16: return 2;
-    case DType::I32: return 4;
-    case DType::I64: return 8;
+    case DType::F64:
+      return 8;
+    case DType::F32:
+      return 4;
+    case DType::BF16:
+      return 2;
+    case DType::F16:
+      return 2;
+    case DType::I32:
+      return 4;
+    case DType::I64:
+      return 8;
   }
   return 0;
 }
@@ -63,7 +69,9 @@ inline uint16_t float_to_bf16_bits(float f) {
   u += 0x7fffu + lsb;
   return static_cast<uint16_t>(u >> 16);
 }
-inline float bf16_bits_to_float(uint16_t b) { return f32_from_bits(static_cast<uint32_t>(b) << 16); }
+inline float bf16_bits_to_float(uint16_t b) {
+  return f32_from_bits(static_cast<uint32_t>(b) << 16);
+}
 inline bf16 to_bf16(float f) { return bf16{float_to_bf16_bits(f)}; }
 inline float to_float(bf16 b) { return bf16_bits_to_float(b.bits); }
 // Rounds a float through bf16 and back (what storing an activation in bf16 does to it).
@@ -78,16 +86,28 @@ inline float to_float(f16 h) { return f16_bits_to_float(h.bits); }
 template <class T>
 constexpr DType dtype_of();
 template <>
-constexpr DType dtype_of<double>() { return DType::F64; }
+constexpr DType dtype_of<double>() {
+  return DType::F64;
+}
 template <>
-constexpr DType dtype_of<float>() { return DType::F32; }
+constexpr DType dtype_of<float>() {
+  return DType::F32;
+}
 template <>
-constexpr DType dtype_of<bf16>() { return DType::BF16; }
+constexpr DType dtype_of<bf16>() {
+  return DType::BF16;
+}
 template <>
-constexpr DType dtype_of<f16>() { return DType::F16; }
+constexpr DType dtype_of<f16>() {
+  return DType::F16;
+}
 template <>
-constexpr DType dtype_of<int32_t>() { return DType::I32; }
+constexpr DType dtype_of<int32_t>() {
+  return DType::I32;
+}
 template <>
-constexpr DType dtype_of<int64_t>() { return DType::I64; }
+constexpr DType dtype_of<int64_t>() {
+  return DType::I64;
+}
 
 }  // namespace gdn

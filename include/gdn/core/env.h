@@ -1,6 +1,7 @@
 // Environment knobs (ARCHITECTURE.md §6). Every GDN_* variable the engine reads is declared in one
 // table (src/core/env.cpp) with its type, default, help and whether it is read once or live.
-// Invalid values are errors; an unknown GDN_* variable gets a warning naming the closest known knob.
+// Invalid values are errors; an unknown GDN_* variable gets a warning naming the closest known
+// knob.
 #pragma once
 
 #include <cstdint>
@@ -14,9 +15,9 @@ namespace gdn::env {
 enum class KnobType { Bool, Int, Float, String, Choice };
 
 struct Knob {
-  const char* name;     // "GDN_STRICT_KERNELS"; a name ending in '*' declares a family (GDN_OP_*)
+  const char* name;  // "GDN_STRICT_KERNELS"; a name ending in '*' declares a family (GDN_OP_*)
   KnobType type;
-  const char* dflt;     // default, as text
+  const char* dflt;  // default, as text
   const char* help;
   bool live;            // true: re-read at every access; false: read once per process
   const char* choices;  // Choice only: "a|b|c"

@@ -33,16 +33,16 @@ namespace detail {
 }  // namespace gdn
 
 // GDN_CHECK(cond, "fmt", args...): always on; throws gdn::Error with the formatted message.
-#define GDN_CHECK(cond, ...)                                                        \
-  do {                                                                              \
-    if (!(cond)) [[unlikely]]                                                       \
+#define GDN_CHECK(cond, ...)                                                      \
+  do {                                                                            \
+    if (!(cond)) [[unlikely]]                                                     \
       ::gdn::detail::throw_error(__FILE__, __LINE__, ::fmt::format(__VA_ARGS__)); \
   } while (0)
 
 // GDN_CHECK_HINT(cond, hint, "fmt", args...): as GDN_CHECK with a hint for the user.
-#define GDN_CHECK_HINT(cond, hint, ...)                                                    \
-  do {                                                                                     \
-    if (!(cond)) [[unlikely]]                                                              \
+#define GDN_CHECK_HINT(cond, hint, ...)                                                   \
+  do {                                                                                    \
+    if (!(cond)) [[unlikely]]                                                             \
       ::gdn::detail::throw_error(__FILE__, __LINE__, ::fmt::format(__VA_ARGS__), (hint)); \
   } while (0)
 

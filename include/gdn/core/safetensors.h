@@ -60,7 +60,7 @@ class SafeTensorsFile {
 struct NamedTensor {
   std::string name;
   Tensor tensor;
-  std::string raw_dtype;        // non-empty: write `raw` bytes under this dtype name
+  std::string raw_dtype;  // non-empty: write `raw` bytes under this dtype name
   std::vector<int64_t> raw_shape;
   const void* raw = nullptr;
   size_t raw_bytes = 0;

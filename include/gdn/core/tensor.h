@@ -1,8 +1,8 @@
 // Tensor views and owned tensors.
 //
-// Tensor is a non-owning view: pointer, dtype, shape, strides (in elements), device. Ops take views.
-// OwnedTensor owns its storage (host memory, or device memory through the device hooks) and hands
-// out views. Shapes are row-major ("C order"); the default strides are contiguous.
+// Tensor is a non-owning view: pointer, dtype, shape, strides (in elements), device. Ops take
+// views. OwnedTensor owns its storage (host memory, or device memory through the device hooks) and
+// hands out views. Shapes are row-major ("C order"); the default strides are contiguous.
 #pragma once
 
 #include <array>
@@ -28,8 +28,7 @@ class Tensor {
  public:
   Tensor() = default;
   Tensor(void* data, DType dtype, std::span<const int64_t> shape, Device device = Device::CPU);
-  Tensor(void* data, DType dtype, std::initializer_list<int64_t> shape,
-         Device device = Device::CPU)
+  Tensor(void* data, DType dtype, std::initializer_list<int64_t> shape, Device device = Device::CPU)
       : Tensor(data, dtype, std::span<const int64_t>(shape.begin(), shape.size()), device) {}
 
   void* data() const { return data_; }
