@@ -88,7 +88,7 @@ TEST(L2Norm, RefGradientExactWhenEpsMatters) {
     l2norm_forward({x, y, r, 1e-6});
     return testing::dot(y, up);
   };
-  EXPECT_LE(testing::fd_check(loss, x, g.dx, 1e-9), 1e-6) << "dx";
+  EXPECT_LE(testing::fd_check(loss, x, g.dx, 1e-9), 1e-8) << "dx";
 }
 
 // The FLA / HF convention: rstd = 1/sqrt(sum(x^2) + 1e-6), eps added to the sum inside the root.
