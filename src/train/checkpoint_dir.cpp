@@ -65,7 +65,11 @@ std::string CheckpointDir::commit(int64_t step, const std::string& summary) {
   fsync_directory(root_);
   auto all = list();
   while (static_cast<int>(all.size()) > keep_) {
-    fs::remove_all(all.front().second, ec);
+    // Rename first (atomic), then delete: a kill half-way through a recursive delete must never
+    // leave a directory that still carries its COMPLETE marker but lost its files.
+    fs::path doomed = fs::path(root_) / fmt::format(".del-step-{}", all.front().first);
+    fs::rename(all.front().second, doomed, ec);
+    if (!ec) fs::remove_all(doomed, ec);
     all.erase(all.begin());
   }
   return dst.string();
@@ -109,7 +113,8 @@ void CheckpointDir::clean_temporaries() const {
         continue;
       }
     }
-    if (name.starts_with(".tmp-step-") || name.starts_with(".old-step-")) {
+    if (name.starts_with(".tmp-step-") || name.starts_with(".old-step-") ||
+        name.starts_with(".del-step-")) {
       log::info("removing the interrupted checkpoint write {}", e.path().string());
       fs::remove_all(e.path(), ec);
     }
