@@ -183,6 +183,18 @@ void zero_bytes(void* p, Device d, size_t n) {
   g_cuda_hooks.memset_zero(p, n);
 }
 
+void copy_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
+             size_t rows, Device device) {
+  if (width == 0 || rows == 0) return;
+  if (device == Device::CUDA && g_cuda_installed && g_cuda_hooks.copy2d != nullptr) {
+    g_cuda_hooks.copy2d(dst, dst_pitch, src, src_pitch, width, rows);
+    return;
+  }
+  for (size_t r = 0; r < rows; ++r)
+    copy_bytes(static_cast<char*>(dst) + r * dst_pitch, device,
+               static_cast<const char*>(src) + r * src_pitch, device, width);
+}
+
 void device_synchronize(Device d) {
   if (d == Device::CUDA && g_cuda_installed) g_cuda_hooks.synchronize();
 }
