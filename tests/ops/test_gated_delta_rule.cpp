@@ -1,6 +1,7 @@
 // Gated delta rule: cpu (chunked WY/UT, fp32) vs ref (token recurrence, fp64) over swept shapes,
 // forward and every gradient; packing; zero-length documents; grouped heads; finite differences of
 // ref; the probe; `ops run`; bad input.
+#include <omp.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -200,6 +201,44 @@ TEST(GatedDeltaRule, ModerateSizeCpuMatchesRef) {
   Result ref = run(in, DType::F64, true);
   Result cpu = run(in, DType::F32, true);
   expect_cpu_matches_ref(cpu, ref, s.name);
+}
+
+// cpu is bitwise deterministic whatever the thread count (op.h).
+TEST(GatedDeltaRule, CpuIsBitwiseIndependentOfThreadCount) {
+  Spec s{.name = "threads", .lens = {70, 1, 33, 64}, .Hk = 2, .r = 2, .seed = 95};
+  Inputs in = make_inputs(s, true);
+  const int keep = omp_get_max_threads();
+  omp_set_num_threads(1);
+  Result one = run(in, DType::F32, true);
+  omp_set_num_threads(2);
+  Result two = run(in, DType::F32, true);
+  omp_set_num_threads(keep);
+  for (auto [a, b] : {std::pair{&one.o, &two.o},
+                      {&one.hT, &two.hT},
+                      {&one.dq, &two.dq},
+                      {&one.dk, &two.dk},
+                      {&one.dv, &two.dv},
+                      {&one.dg, &two.dg},
+                      {&one.dbeta, &two.dbeta},
+                      {&one.dh0, &two.dh0}})
+    EXPECT_EQ(to_f64_vector(*a), to_f64_vector(*b));
+}
+
+// Isolated huge decays (a document reset in all but name) next to mild ones: the chunked gates
+// are formed from direct sums of g, so a -1e30 never swamps the -0.5 beside it.
+TEST(GatedDeltaRule, ExtremeDecaySpikesCpuMatchesRef) {
+  Spec s{.name = "spikes", .lens = {150, 40}, .Hk = 1, .r = 2, .seed = 91};
+  for (bool l2 : {false, true}) {
+    Inputs in = make_inputs(s, l2);
+    double* g = in.g.ptr<double>();  // [T, Hv]
+    g[10 * 2 + 0] = -1e30;
+    g[70 * 2 + 1] = -1e4;
+    g[100 * 2 + 0] = -80;
+    g[160 * 2 + 1] = -1e30;
+    Result ref = run(in, DType::F64, l2);
+    Result cpu = run(in, DType::F32, l2);
+    expect_cpu_matches_ref(cpu, ref, std::string("spikes") + (l2 ? " l2" : ""));
+  }
 }
 
 // Every tensor of `packed` restricted to document n equals `single` (a run of that document only).
@@ -463,6 +502,31 @@ TEST(GatedDeltaRule, OpsRunFromFileMatchesDirectCall) {
   check("dg", want.dg);
   check("dbeta", want.dbeta);
   check("dh0", want.dh0);
+
+  // Without cu_seqlens and h0 the file holds one document starting from a zero state; the
+  // attributes come from --attr (scale given explicitly).
+  Spec s1{.name = "file1",
+          .lens = {69},
+          .Hk = 2,
+          .r = 1,
+          .dk = 8,
+          .dv = 6,
+          .init = false,
+          .dhT = false,
+          .seed = 82};
+  Inputs in1 = make_inputs(s1, false);
+  OwnedTensor q1 = convert(in1.q, DType::F32), k1 = convert(in1.k, DType::F32),
+              v1 = convert(in1.v, DType::F32), g1 = convert(in1.g, DType::F32),
+              beta1 = convert(in1.beta, DType::F32), dout1 = convert(in1.dout, DType::F32);
+  write_safetensors(in_path, {nt("q", q1), nt("k", k1), nt("v", v1), nt("g", g1), nt("beta", beta1),
+                              nt("do", dout1)});
+  run_op_file("gated_delta_rule", Backend::Cpu, in_path, out_path, true, {{"scale", 0.3}});
+  Result want1 = run(in1, DType::F32, false, 0.3);
+  SafeTensorsFile out1(out_path);
+  testing::expect_close(out1.load("o", DType::F32), want1.o, 0, "file1 o");
+  testing::expect_close(out1.load("dq", DType::F32), want1.dq, 0, "file1 dq");
+  testing::expect_close(out1.load("dg", DType::F32), want1.dg, 0, "file1 dg");
+  testing::expect_close(out1.load("dh0", DType::F32), want1.dh0, 0, "file1 dh0");
   std::filesystem::remove_all(dir);
 }
 

@@ -4,7 +4,8 @@
 // matrix product, OpenMP over (document, value head) pairs.
 //
 // Per chunk of L <= C rows (local index i, gamma_i the inclusive chunk-local cumsum of g,
-// G_i = e^{gamma_i}, dec_i = e^{gamma_last - gamma_i}, D_ij = e^{gamma_i - gamma_j} for j <= i):
+// G_i = e^{gamma_i}, dec_i = e^{gamma_last - gamma_i}, D_ij = e^{gamma_i - gamma_j} for j <= i;
+// every gate is formed from its own sum of g's in fp64, see chunk_prepare):
 //   M  = tril_{-1}(diag(beta) (K K^T) .* D)       T = (I + M)^{-1}          (unit lower, strsm)
 //   W  = T diag(beta G) K      U = T diag(beta) V  V' = U - W S0             (V' = the deltas)
 //   O  = s (diag(G) Q S0 + (Q K^T .* D .* [j <= i]) V')
@@ -81,8 +82,7 @@ struct Ctx {
 // Per-thread scratch for one chunk (all row-major, leading dimension = the last size).
 struct Work {
   explicit Work(int64_t dk, int64_t dv)
-      : gam(C),
-        G(C),
+      : G(C),
         dec(C),
         b(C),
         dgam(C),
@@ -111,10 +111,6 @@ struct Work {
         tv(C * dv),
         S(dk * dv),
         dS(dk * dv) {}
-  // gamma is the one fp64 intermediate: 64 scalars per chunk. With g ~ -20, |gamma| reaches 1280,
-  // where the fp32 ulp (1.2e-4) would make e^{gamma_i - gamma_j} wrong by 1e-4 relative; in fp64
-  // the differences are exact before their rounding to fp32.
-  std::vector<double> gam;       // [C] gamma_i
   std::vector<float> G, dec, b;  // [C] e^{gamma_i}, e^{gamma_last - gamma_i}, beta_i
   std::vector<float> dgam;       // [C] gate derivatives that reach dg_t for t <= i (suffix sums)
   std::vector<float> phi;        // [C] gate derivatives that reach dg_t for t > i (prefix sums)
@@ -150,19 +146,28 @@ void chunk_prepare(const Ctx& c, int64_t t0, int64_t L, int64_t h, Work& w) {
   const int64_t ldk = c.Hk * c.dk, ldv = c.Hv * c.dv;
   const float* Kc = c.kn + (t0 * c.Hk + h / c.r) * c.dk;  // [L, dk] at stride ldk
   const float* Vc = c.v + (t0 * c.Hv + h) * c.dv;         // [L, dv] at stride ldv
-  // Every exponent below is <= 0 (g <= 0, i >= j), so nothing overflows; strong decay underflows
-  // to 0.
+  // The gates. Every exponent is a sum of g's (all <= 0), so nothing overflows and strong decay
+  // underflows to 0. Each exponent gamma_i - gamma_j is summed directly over g_{j+1..i} in fp64,
+  // never formed as a difference of two cumsums: with g ~ -20, |gamma| reaches 1280, where the
+  // fp32 ulp (1.2e-4) would make e^{gamma_i - gamma_j} wrong by 1e-4 relative (the dominant error
+  // of an all-fp32 version, 10x the rest; FLA keeps fp32 cumsums).
   auto ex = [](double x) { return std::exp(static_cast<float>(x)); };
-  double acc = 0;
+  const float* gh = c.g + t0 * c.Hv + h;  // g of row i at gh[i * Hv]
+  double gamma = 0;
   for (int64_t i = 0; i < L; ++i) {
-    acc += c.g[(t0 + i) * c.Hv + h];
-    w.gam[i] = acc;
-    w.G[i] = ex(acc);
+    gamma += gh[i * c.Hv];
+    w.G[i] = ex(gamma);
     w.b[i] = c.beta[(t0 + i) * c.Hv + h];
+    float* Di = w.D.data() + i * C;
+    Di[i] = 1.f;
+    double acc = 0;
+    for (int64_t j = i - 1; j >= 0; --j) {
+      acc += gh[(j + 1) * c.Hv];
+      Di[j] = ex(acc);
+    }
+    std::fill(Di + i + 1, Di + L, 0.f);
   }
-  for (int64_t i = 0; i < L; ++i) w.dec[i] = ex(w.gam[L - 1] - w.gam[i]);
-  for (int64_t i = 0; i < L; ++i)
-    for (int64_t j = 0; j < L; ++j) w.D[i * C + j] = j <= i ? ex(w.gam[i] - w.gam[j]) : 0.f;
+  for (int64_t i = 0; i < L; ++i) w.dec[i] = w.D[(L - 1) * C + i];
   gemm(false, true, L, L, c.dk, 1.f, Kc, ldk, Kc, ldk, 0.f, w.KK.data(), C);
   for (int64_t i = 0; i < L; ++i)
     for (int64_t j = 0; j < L; ++j) {

@@ -42,16 +42,18 @@
 // contract (a saved-tensor field written by forward), not reinterpret it.
 //
 // Implementations:
-//   ref        token-by-token recurrence above and its exact reverse-time backward (gdn_spec.md
-//   §2),
-//              fp64, no threading. The oracle.
-//   cpu.chunk64  the chunked WY/UT algorithm with C = 64 (gdn_spec.md §3.1, §3.5): per chunk the
-//              local cumsum gamma, M = tril_{-1}(beta_i e^{gamma_i - gamma_j} k_i.k_j), T =
-//              (I+M)^{-1} (unit lower triangular solve), W = T diag(beta e^gamma) K, U = T
-//              diag(beta) V, V' = U - W S, O and the next state; the backward runs the chunk chain
-//              in reverse. fp32 intermediates, OpenBLAS sgemm/strsm, OpenMP over (document, value
-//              head). Every exponent it forms is gamma_i - gamma_j with i >= j, gamma_last -
-//              gamma_i or gamma_i (all <= 0), so strong decay underflows to 0 and never overflows.
+//   ref: the token-by-token recurrence above and its exact reverse-time backward (gdn_spec.md §2),
+//     fp64, no threading. The oracle.
+//   cpu.chunk64: the chunked WY/UT algorithm with C = 64 (gdn_spec.md §3.1, §3.5). Per chunk: the
+//     local cumsum gamma, M = tril_{-1}(beta_i e^{gamma_i - gamma_j} k_i.k_j), T = (I+M)^{-1}
+//     (unit lower triangular solve), W = T diag(beta e^gamma) K, U = T diag(beta) V, V' = U - W S,
+//     O and the next state; the backward runs the chunk chain in reverse. fp32 intermediates,
+//     OpenBLAS sgemm/strsm, OpenMP over (document, value head). Every gate exponent
+//     (gamma_i - gamma_j with i >= j, gamma_last - gamma_i, gamma_i) is <= 0, so strong decay
+//     underflows to 0 and never overflows; each is summed over its own g's in fp64 before the fp32
+//     exp (a difference of two fp32 cumsums loses 1e-4 relative at g ~ -20). dg is assembled from
+//     the terms that reach each token, not as a reverse cumsum of O(1) differences, which would
+//     cancel to noise when the true dg is ~e^g (strong decay).
 // Determinism: cpu is bitwise deterministic and independent of the thread count (each (document,
 // head) pair is computed by one thread in a fixed order; the sums over the r value heads of a key
 // head run afterwards in head order; BLAS runs single-threaded inside the op).
