@@ -1,7 +1,7 @@
 // Gated delta rule on the CPU: the chunked WY/UT algorithm (gdn_spec.md §3; the chunk maths of FLA
 // fla/ops/gated_delta_rule/chunk.py, wy_fast.py, fla/ops/common/chunk_delta_h.py, chunk_o.py and
-// chunk_scaled_dot_kkt.py, re-derived here in our notation), fp32 throughout, OpenBLAS for every
-// matrix product, OpenMP over (document, value head) pairs.
+// chunk_scaled_dot_kkt.py, re-derived here in our notation): fp32 (only the gate exponents are
+// summed in fp64), OpenBLAS for every matrix product, OpenMP over (document, value head) pairs.
 //
 // Per chunk of L <= C rows (local index i, gamma_i the inclusive chunk-local cumsum of g,
 // G_i = e^{gamma_i}, dec_i = e^{gamma_last - gamma_i}, D_ij = e^{gamma_i - gamma_j} for j <= i;
@@ -189,11 +189,12 @@ void chunk_prepare(const Ctx& c, int64_t t0, int64_t L, int64_t h, Work& w) {
   gemm(false, false, L, c.dv, L, 1.f, w.Tm.data(), C, w.Xv.data(), c.dv, 0.f, w.Vp.data(), c.dv);
 }
 
-// V' = U - W S0 (in place over U), then S <- G_last S + Kt^T V'.
-void chunk_state(const Ctx& c, int64_t L, Work& w) {
+// V' = U - W S0, in place over U (w.Vp), with S0 = w.S the chunk-start state.
+void chunk_vnew(const Ctx& c, int64_t L, Work& w) {
   gemm(false, false, L, c.dv, c.dk, -1.f, w.W.data(), c.dk, w.S.data(), c.dv, 1.f, w.Vp.data(),
        c.dv);
 }
+// S <- G_last S + Kt^T V': the state at the chunk's end.
 void chunk_advance(const Ctx& c, int64_t L, Work& w) {
   const float gl = w.G[L - 1];
   for (float& x : w.S) x *= gl;
@@ -287,7 +288,7 @@ void forward(const GatedDeltaRuleFwd& a) {
         const int64_t L = std::min<int64_t>(C, c.cu[n + 1] - t0);
         float* Oc = o + (t0 * c.Hv + h) * c.dv;  // [L, dv] at stride ldo
         chunk_prepare(c, t0, L, h, w);
-        chunk_state(c, L, w);
+        chunk_vnew(c, L, w);
         chunk_scores(c, t0, L, h, w);
         gemm(false, false, L, c.dv, c.dk, c.s, w.Qg.data(), c.dk, w.S.data(), c.dv, 0.f, Oc, ldo);
         gemm(false, false, L, c.dv, L, c.s, w.P.data(), C, w.Vp.data(), c.dv, 1.f, Oc, ldo);
@@ -329,7 +330,7 @@ void backward(const GatedDeltaRuleBwd& a) {
         std::copy(w.S.begin(), w.S.end(), w.states.begin() + ci * sd);
         if (ci + 1 == nc) break;  // the final state is not needed
         chunk_prepare(c, t0, L, h, w);
-        chunk_state(c, L, w);
+        chunk_vnew(c, L, w);
         chunk_advance(c, L, w);
       }
       // Pass 2: reverse over chunks; w.dS is the gradient of the state at the current chunk's end.
@@ -346,7 +347,7 @@ void backward(const GatedDeltaRuleBwd& a) {
         const float* S0 = w.states.data() + ci * sd;       // [dk, dv]
         std::copy(S0, S0 + sd, w.S.begin());
         chunk_prepare(c, t0, L, h, w);
-        chunk_state(c, L, w);
+        chunk_vnew(c, L, w);
         chunk_scores(c, t0, L, h, w);
         std::fill(w.dgam.begin(), w.dgam.end(), 0.f);
         std::fill(w.db.begin(), w.db.end(), 0.f);
