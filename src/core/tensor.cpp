@@ -143,8 +143,9 @@ bool cuda_available() { return g_cuda_installed; }
 
 void* device_alloc(Device d, size_t bytes) {
   if (d == Device::CPU) {
-    size_t n = (bytes + 63) / 64 * 64;
-    void* p = std::aligned_alloc(64, n == 0 ? 64 : n);
+    // 256-byte alignment on the host too, so arena offsets are aligned the same on every device.
+    size_t n = (bytes + 255) / 256 * 256;
+    void* p = std::aligned_alloc(256, n == 0 ? 256 : n);
     GDN_CHECK(p != nullptr, "host allocation of {} bytes failed", bytes);
     return p;
   }
