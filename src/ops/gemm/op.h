@@ -25,8 +25,9 @@
 //
 // Dtypes: ref F64 for A, B, C (plain fp64 loops); cpu F32 (OpenBLAS cblas_sgemm, fp32
 // accumulation); cuda (later): bf16 A/B, C bf16 or F32 (dW accumulates in F32).
-// Deterministic: ref yes; cpu as deterministic as OpenBLAS for a fixed thread count (it is for
-// the sgemm kernels: each output element's reduction order depends only on the blocking).
+// Deterministic: ref yes. cpu: whatever OpenBLAS gives; its reduction order depends on its
+// blocking and thread count, so expect bitwise-equal results only for the same thread count (not
+// verified here beyond the tests' tolerances).
 #pragma once
 
 #include "gdn/core/tensor.h"
