@@ -3,6 +3,7 @@
 // tensors, errors listing missing/unexpected/mis-shaped names).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -207,6 +208,19 @@ TEST(Weights, InitFollowsHfRulesAndIsReproducibleAndOrderIndependent) {
   init_param(qs, lone, c, 1234);
   EXPECT_EQ(values(lone), values(a.tensor(qs.name)));
 
+  // Large tensors are filled in parallel: the thread count changes nothing.
+  {
+    ParamSpec big{"model.layers.0.mlp.up_proj.weight", {400, 512}, InitKind::Normal};
+    OwnedTensor one = OwnedTensor::empty(DType::F32, {400, 512});
+    OwnedTensor two = OwnedTensor::empty(DType::F32, {400, 512});
+    const int keep = omp_get_max_threads();
+    omp_set_num_threads(1);
+    init_param(big, one, c, 1234);
+    omp_set_num_threads(2);
+    init_param(big, two, c, 1234);
+    omp_set_num_threads(keep);
+    EXPECT_EQ(values(one), values(two));
+  }
   for (size_t i = 0; i < a.size(); ++i) {
     const ParamSpec& s = a.spec(i);
     auto v = values(a.tensor(i));
