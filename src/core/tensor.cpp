@@ -143,8 +143,9 @@ bool cuda_available() { return g_cuda_installed; }
 
 void* device_alloc(Device d, size_t bytes) {
   if (d == Device::CPU) {
-    size_t n = (bytes + 63) / 64 * 64;
-    void* p = std::aligned_alloc(64, n == 0 ? 64 : n);
+    // 256-byte alignment on the host too, so arena offsets are aligned the same on every device.
+    size_t n = (bytes + 255) / 256 * 256;
+    void* p = std::aligned_alloc(256, n == 0 ? 256 : n);
     GDN_CHECK(p != nullptr, "host allocation of {} bytes failed", bytes);
     return p;
   }
@@ -180,6 +181,18 @@ void zero_bytes(void* p, Device d, size_t n) {
   }
   GDN_CHECK(g_cuda_installed, "device memset requested but no CUDA device is available");
   g_cuda_hooks.memset_zero(p, n);
+}
+
+void copy_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
+             size_t rows, Device device) {
+  if (width == 0 || rows == 0) return;
+  if (device == Device::CUDA && g_cuda_installed && g_cuda_hooks.copy2d != nullptr) {
+    g_cuda_hooks.copy2d(dst, dst_pitch, src, src_pitch, width, rows);
+    return;
+  }
+  for (size_t r = 0; r < rows; ++r)
+    copy_bytes(static_cast<char*>(dst) + r * dst_pitch, device,
+               static_cast<const char*>(src) + r * src_pitch, device, width);
 }
 
 void device_synchronize(Device d) {

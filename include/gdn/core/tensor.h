@@ -93,6 +93,10 @@ struct DeviceHooks {
   void (*copy)(void* dst, const void* src, size_t n) = nullptr;
   void (*memset_zero)(void* p, size_t n) = nullptr;
   void (*synchronize)() = nullptr;
+  // Strided 2-D copy (cudaMemcpy2D semantics): `height` rows of `width` bytes. Optional: without
+  // it copy_2d falls back to one copy per row.
+  void (*copy2d)(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
+                 size_t height) = nullptr;
 };
 void set_cuda_hooks(const DeviceHooks& hooks);
 bool cuda_available();
@@ -100,6 +104,10 @@ void* device_alloc(Device d, size_t bytes);
 void device_free(Device d, void* p);
 void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size_t n);
 void zero_bytes(void* p, Device d, size_t n);
+// Copies `rows` rows of `width` bytes between two buffers on the same device with the given row
+// pitches (used to split packed projections into contiguous per-part tensors and back).
+void copy_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
+             size_t rows, Device device);
 void device_synchronize(Device d);
 
 // --- owned tensors ---------------------------------------------------------------------------

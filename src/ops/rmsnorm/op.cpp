@@ -92,12 +92,16 @@ void run(const ImplDesc& impl, OpIO& io, bool backward) {
   const bool zc = io.attr("zero_centred", 0) != 0;
   Tensor y = io.output("y", dt, dev, {R, D});
   Tensor rstd = io.output("rstd", st, dev, {R});
-  t.forward({x, w, y, rstd, io.attr("eps", 1e-6), zc});
+  const RmsNormFwd fwd{x, w, y, rstd, io.attr("eps", 1e-6), zc};
+  validate_fwd(fwd);
+  t.forward(fwd);
   if (!backward) return;
   Tensor dy = io.input("dy", dt, dev).reshape({R, D});
   Tensor dx = io.output("dx", dt, dev, {R, D});
   Tensor dw = io.output("dw", st, dev, {D});
-  t.backward({x, w, rstd, dy, dx, dw, zc});
+  const RmsNormBwd bwd{x, w, rstd, dy, dx, dw, zc};
+  validate_bwd(bwd);
+  t.backward(bwd);
 }
 }  // namespace
 

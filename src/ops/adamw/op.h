@@ -1,0 +1,90 @@
+// AdamW over fp32 master weights (torch.optim.AdamW semantics: amsgrad off, maximize off), global
+// gradient-norm clipping, and the bf16 compute-copy refresh. Multi-tensor: one call updates a
+// whole list of parameters.
+//
+// Update, for every element of every parameter tensor, at step t (1-based, one counter for the
+// whole call), with s = hyper.grad_scale (the clip scale from clip_scale(), times any other
+// factor the caller folds in, e.g. 1 / accumulation steps):
+//   g  = s * grad
+//   m  = b1 * m + (1 - b1) * g
+//   v  = b2 * v + (1 - b2) * g^2
+//   p  = p - lr * wd * p                                  only for tensors with decay == true
+//   p  = p - lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+//   p_bf16 = bf16(p), round to nearest even                only for tensors with a compute copy
+// The decay uses p before the Adam term, as torch does (p.mul_(1 - lr * wd) first). Callers set
+// decay = false for norm weights, A_log, dt_bias and embeddings. A zero gradient still moves p
+// (momentum, decay), as in torch; with m = v = 0 the Adam term is exactly 0.
+// cpu evaluates it in fp32 with torch's scalar handling (foreach path): 1 - b1^t, lr / (1 - b1^t),
+// sqrt(1 - b2^t) and 1 - lr * wd are formed in fp64 on the host and rounded to fp32 once; then
+// m and v as above, denom = sqrt(v) / sqrt(1 - b2^t) + eps, p = p * (1 - lr * wd) - step_size *
+// m / denom. (torch forms m with lerp, m + (1 - b1)(g - m): equal in exact arithmetic.)
+// ref evaluates the formula above literally in fp64.
+//
+// Clipping (torch.nn.utils.clip_grad_norm_ with the L2 norm):
+//   norm  = sqrt(sum over all tensors and elements of grad^2)      grad_global_norm(), fp64 sums
+//   scale = min(1, max_norm / (norm + 1e-6)); 1 when max_norm <= 0 clip_scale()
+// The caller passes scale as hyper.grad_scale; gradients are not modified. A non-finite norm is
+// an error in clip_scale (the trainer must skip the step, not scale by NaN).
+//
+// Shapes: p, g, m, v (and p_bf16) of one entry share one shape (any rank); entries may differ.
+// Outputs: p, m, v updated in place (=); p_bf16 written (=). g is read only.
+// Dtypes: p, g, m, v F32 on cpu and cuda (fp32 masters, fp32 gradient accumulation), F64 on ref;
+// p_bf16 always BF16 (the cuda compute copy; on cpu the op exists with a host bf16 output).
+// Deterministic: yes. The step is elementwise. grad_global_norm sums fixed 64K-element chunks in
+// fp64 and adds the chunk sums in order, so the norm is bitwise independent of the thread count.
+#pragma once
+
+#include <span>
+#include <string_view>
+
+#include "gdn/core/tensor.h"
+
+namespace gdn::ops {
+
+struct AdamWParam {
+  Tensor p;               // [*] master weights, in/out
+  Tensor g;               // [*] gradient, read only
+  Tensor m;               // [*] first moment, in/out
+  Tensor v;               // [*] second moment, in/out
+  Tensor p_bf16;          // [*] BF16 compute copy, out (=); undefined: none
+  bool decay = true;      // apply decoupled weight decay to this tensor
+  std::string_view name;  // for error messages ("" -> "params[i]")
+};
+
+struct AdamWHyper {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 1e-2;
+  int64_t step = 1;         // t, 1-based: the number of updates including this one
+  double grad_scale = 1.0;  // multiplies every gradient (clip scale)
+};
+
+struct AdamWStep {
+  std::span<const AdamWParam> params;
+  AdamWHyper hyper;
+};
+
+// A master tensor and the BF16 copy refreshed from it.
+struct Bf16Copy {
+  Tensor master;  // [*] F32 (F64 on ref)
+  Tensor copy;    // [*] BF16 out (=)
+};
+
+struct AdamWTable {
+  void (*step)(const AdamWStep&);
+  double (*grad_sumsq)(std::span<const Tensor> grads);  // sum of squares, fp64 accumulation
+  void (*refresh_bf16)(std::span<const Bf16Copy> copies);
+};
+
+// Validate, resolve the implementation for the tensors' backend, run. An empty list is a no-op.
+void adamw_step(std::span<const AdamWParam> params, const AdamWHyper& hyper);
+double grad_global_norm(std::span<const Tensor> grads);
+double clip_scale(double norm, double max_norm);
+void adamw_refresh_bf16(std::span<const Bf16Copy> copies);
+
+// The dtype of p, g, m, v for a backend's activation dtype (F64 for ref, F32 otherwise).
+inline DType adamw_state_dtype(DType act) { return act == DType::F64 ? DType::F64 : DType::F32; }
+
+}  // namespace gdn::ops

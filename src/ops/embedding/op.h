@@ -1,0 +1,53 @@
+// Token embedding lookup: y[t] = W[ids[t]].
+//
+// Shapes: ids [T] (I32 or I64), W [V, D], y [T, D], dy [T, D], dW [V, D].
+//   forward:  y[t, :]   = W[ids[t], :]                 written (=); an exact copy
+//   backward: dW[v, :] += sum over t with ids[t] == v of dy[t, :]
+//             accumulated (+=) in fp32 (fp64 on ref): dW is a gradient-accumulation buffer, and
+//             with tied embeddings it also receives the LM head's gradient.
+// Every id must lie in [0, V); the entry points check this on the host before any work and
+// name the first bad position and its value ("embedding: ids[5] = 300 is out of range [0, 250)").
+// Forward saves nothing: backward needs only ids.
+// Dtypes: ref F64 W/y/dy/dW; cpu F32; cuda (later) bf16 W/y/dy with an F32 dW.
+// Deterministic: yes, bitwise, and independent of the thread count: the cpu backward gives each
+// thread a block of the D columns; a thread walks the tokens in order t = 0..T-1, so every dW
+// element receives its terms in ascending t, exactly as the serial loop does. No atomics.
+#pragma once
+
+#include "gdn/core/tensor.h"
+
+namespace gdn::ops {
+
+struct EmbeddingFwd {
+  Tensor ids;  // [T] I32 or I64
+  Tensor w;    // [V, D]
+  Tensor y;    // [T, D] out (=)
+};
+
+struct EmbeddingBwd {
+  Tensor ids;  // [T] I32 or I64
+  Tensor dy;   // [T, D]
+  Tensor dw;   // [V, D] out (+=), F32 (F64 on ref)
+};
+
+struct EmbeddingTable {
+  void (*forward)(const EmbeddingFwd&);
+  void (*backward)(const EmbeddingBwd&);
+};
+
+void embedding_forward(const EmbeddingFwd& a);
+void embedding_backward(const EmbeddingBwd& a);
+
+// Throws gdn::Error naming the first position whose id is outside [0, vocab). Host ids only.
+void embedding_check_ids(const Tensor& ids, int64_t vocab);
+
+// The id at position t of an I32 or I64 host tensor (implementations share this).
+inline int64_t embedding_id(const Tensor& ids, int64_t t) {
+  return ids.dtype() == DType::I32 ? static_cast<const int32_t*>(ids.data())[t]
+                                   : static_cast<const int64_t*>(ids.data())[t];
+}
+
+// The dtype of dW for an activation dtype (F64 for ref, F32 otherwise).
+inline DType embedding_grad_dtype(DType act) { return act == DType::F64 ? DType::F64 : DType::F32; }
+
+}  // namespace gdn::ops

@@ -1,0 +1,122 @@
+// Gated delta rule (the Gated DeltaNet core), varlen, grouped heads, forward and backward.
+//
+// Maths (gdn_spec.md §2; FLA fla/ops/gated_delta_rule/naive.py and fused_recurrent.py). For each
+// document n = [cu[n], cu[n+1]) and value head h (key head kappa = h / r, r = Hv / Hk), with
+// S_0 = h0[n, h] (or 0), per token t of the document:
+//   qh_t, kh_t = q[t, kappa], k[t, kappa], or with use_qk_l2norm x / sqrt(sum(x^2) + 1e-6)
+//   St  = exp(g_t) * S_{t-1}                 decay FIRST              S: [dk, dv], key-major
+//   p_t = St^T kh_t                          prediction of v_t        [dv]
+//   d_t = beta_t * (v_t - p_t)               delta                    [dv]
+//   S_t = St + kh_t d_t^T                    delta update
+//   o_t = S_t^T (scale * qh_t)               reads the UPDATED state  [dv]
+//   hT[n, h] = S_L (the state after the document's last token)
+// scale = 0 selects the default dk^{-1/2}; otherwise it must be finite and > 0.
+//
+// Shapes (T tokens, N documents, Hv = r * Hk, 1 <= dk, dv <= 256, dk and dv independent):
+//   q, k [T, Hk, dk]   v [T, Hv, dv]   g, beta [T, Hv]   cu_seqlens [N+1] I32
+//   h0, hT, dh0, dhT [N, Hv, dk, dv]    o, do [T, Hv, dv]
+// Dtypes: "activation" q k v o do dq dk dv; "state" g beta h0 hT dg dbeta dh0 dhT.
+//   ref:  activations F64, state F64        cpu:  activations F32, state F32
+//   cuda: activations BF16, state F32       (gdr_state_dtype below)
+// g is a log-decay and must be <= 0 (g = -exp(A_log) * softplus(a + dt_bias) always is); g and
+// beta must be finite. Both are checked on host tensors (an error names the tensor and [t, h]).
+//
+// Varlen: cu_seqlens (FlashAttention convention) starts at 0, never decreases and ends at T; no
+// state crosses a document boundary. Zero-length documents are ACCEPTED (FA tolerates them and
+// packers emit them as tail padding, gdn_spec.md §6): they produce no tokens, hT[n] = h0[n] (or 0)
+// and dh0[n] = dhT[n] (or 0).
+//
+// Forward writes (=): o, and hT when hT is given. h0 is optional (absent = zero state).
+// Backward (do given, dhT optional = zero) writes (=): dq, dk, dv, dg, dbeta, and dh0 when given
+// (the gradient w.r.t. the initial state, h0 or zero). Nothing is accumulated: q, k, v, g, beta are
+// activations produced fresh every step. dq and dk are sums over the r value heads that read each
+// key head (FLA reshapes [.., Hk, r, dk] and sums), then go through the l2norm backward when
+// use_qk_l2norm is set: dx = rstd * (dy - <dy, y> y).
+//
+// What forward saves for backward: NOTHING beyond its own inputs. Backward takes q, k, v, g, beta,
+// cu_seqlens, h0 again and recomputes the l2norm, the chunk-local cumsum of g, the UT inverse
+// T = (I + M)^{-1}, W, U, the chunk-start states and V'. FLA saves T ([T, Hv, 64], 256 B per token
+// per value head in fp32: more than q+k+v at dk = dv = 64) and recomputes the rest
+// (fla/ops/gated_delta_rule/chunk.py); on the CPU rebuilding T is ~15% of the forward FLOPs
+// (K K^T + the triangular solve), so memory wins. A backend that wants to keep T must extend this
+// contract (a saved-tensor field written by forward), not reinterpret it.
+//
+// Implementations:
+//   ref: the token-by-token recurrence above and its exact reverse-time backward (gdn_spec.md §2),
+//     fp64, no threading. The oracle.
+//   cpu.chunk64: the chunked WY/UT algorithm with C = 64 (gdn_spec.md §3.1, §3.5). Per chunk: the
+//     local cumsum gamma, M = tril_{-1}(beta_i e^{gamma_i - gamma_j} k_i.k_j), T = (I+M)^{-1}
+//     (unit lower triangular solve), W = T diag(beta e^gamma) K, U = T diag(beta) V, V' = U - W S,
+//     O and the next state; the backward runs the chunk chain in reverse. fp32 intermediates,
+//     OpenBLAS sgemm/strsm, OpenMP over (document, value head). Every gate exponent
+//     (gamma_i - gamma_j with i >= j, gamma_last - gamma_i, gamma_i) is <= 0, so strong decay
+//     underflows to 0 and never overflows; each is summed over its own g's in fp64 before the fp32
+//     exp (a difference of two fp32 cumsums loses 1e-4 relative at g ~ -20). dg is assembled from
+//     the terms that reach each token, not as a reverse cumsum of O(1) differences, which would
+//     cancel to noise when the true dg is ~e^g (strong decay).
+// Determinism: cpu is bitwise deterministic and independent of the thread count (each (document,
+// head) pair is computed by one thread in a fixed order; the sums over the r value heads of a key
+// head run afterwards in head order; BLAS runs single-threaded inside the op).
+#pragma once
+
+#include "gdn/core/tensor.h"
+
+namespace gdn::ops {
+
+constexpr int64_t kGdrChunk = 64;        // C: chunk length of the chunked algorithm
+constexpr int64_t kGdrMaxHeadDim = 256;  // dk, dv limit (FLA asserts K <= 256 in its state kernels)
+constexpr double kGdrL2NormEps = 1e-6;   // inside the sqrt of the SUM of squares, as FLA and HF
+
+struct GatedDeltaRuleFwd {
+  Tensor q;           // [T, Hk, dk]
+  Tensor k;           // [T, Hk, dk]
+  Tensor v;           // [T, Hv, dv]
+  Tensor g;           // [T, Hv] state dtype, log-decay <= 0
+  Tensor beta;        // [T, Hv] state dtype
+  Tensor cu_seqlens;  // [N+1] I32
+  Tensor h0;          // [N, Hv, dk, dv] state dtype; optional (absent = zero initial state)
+  Tensor o;           // [T, Hv, dv] out (=)
+  Tensor hT;          // [N, Hv, dk, dv] state dtype; optional out (=)
+  double scale = 0;   // 0 selects dk^{-1/2}
+  bool use_qk_l2norm = false;
+};
+
+struct GatedDeltaRuleBwd {
+  // The forward's inputs (backward recomputes everything else, see above).
+  Tensor q;           // [T, Hk, dk]
+  Tensor k;           // [T, Hk, dk]
+  Tensor v;           // [T, Hv, dv]
+  Tensor g;           // [T, Hv] state dtype
+  Tensor beta;        // [T, Hv] state dtype
+  Tensor cu_seqlens;  // [N+1] I32
+  Tensor h0;          // [N, Hv, dk, dv] state dtype; optional
+  // Upstream gradients.
+  Tensor dout;  // [T, Hv, dv] gradient of o ("do" in files)
+  Tensor dhT;   // [N, Hv, dk, dv] state dtype; optional (absent = 0)
+  // Gradients, all written (=).
+  Tensor dq;     // [T, Hk, dk]
+  Tensor dk;     // [T, Hk, dk]
+  Tensor dv;     // [T, Hv, dv]
+  Tensor dg;     // [T, Hv] state dtype
+  Tensor dbeta;  // [T, Hv] state dtype
+  Tensor dh0;    // [N, Hv, dk, dv] state dtype; optional out
+  double scale = 0;
+  bool use_qk_l2norm = false;
+};
+
+struct GatedDeltaRuleTable {
+  void (*forward)(const GatedDeltaRuleFwd&);
+  void (*backward)(const GatedDeltaRuleBwd&);
+};
+
+// Validate (shapes, dtypes, devices, cu_seqlens, finite g <= 0 and beta), resolve the
+// implementation for the tensors' backend, run.
+void gated_delta_rule_forward(const GatedDeltaRuleFwd& a);
+void gated_delta_rule_backward(const GatedDeltaRuleBwd& a);
+
+// dtype of g, beta, the states and their gradients for an activation dtype (F64 on ref, else F32).
+inline DType gdr_state_dtype(DType act) { return act == DType::F64 ? DType::F64 : DType::F32; }
+// The scale the op uses: `scale`, or dk^{-1/2} when it is 0.
+double gdr_effective_scale(double scale, int64_t dk);
+
+}  // namespace gdn::ops

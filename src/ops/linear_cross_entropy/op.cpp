@@ -1,0 +1,243 @@
+// Linear cross-entropy: validation, the chunk plan, dispatch and the op's registration (probe,
+// tolerance, file runner).
+#include "ops/linear_cross_entropy/op.h"
+
+#include <cmath>
+
+#include "gdn/backend/probe.h"
+#include "gdn/backend/registry.h"
+#include "gdn/core/env.h"
+
+namespace gdn::ops {
+
+namespace {
+constexpr const char* kOp = "linear_cross_entropy";
+
+int64_t align64(int64_t b) { return (b + 63) / 64 * 64; }
+
+int64_t target_at(const Tensor& t, int64_t i) {
+  return t.dtype() == DType::I64 ? t.ptr<int64_t>()[i] : t.ptr<int32_t>()[i];
+}
+
+// Checks shapes, dtypes, attributes and (on the host) every target; returns the number of
+// non-ignored targets (-1 when the targets live on a device and are checked by the kernel).
+int64_t validate(const LinearCrossEntropyArgs& a, bool backward) {
+  expect_shape(a.x, kOp, "x", {-1, -1});
+  expect_contiguous(a.x, kOp, "x");
+  const DType act = a.x.dtype(), st = lce_stat_dtype(act);
+  const int64_t n = a.x.size(0), d = a.x.size(1);
+  GDN_CHECK(d >= 1, "{}: tensor 'x' has hidden size 0 (shape {})", kOp, a.x.shape_str());
+  expect_shape(a.w, kOp, "w", {-1, d});
+  const int64_t v = a.w.size(0);
+  GDN_CHECK(v >= 1, "{}: tensor 'w' has an empty vocabulary (shape {})", kOp, a.w.shape_str());
+  expect_tensor(a.w, kOp, "w", act, {v, d});
+  expect_defined(a.targets, kOp, "targets");
+  GDN_CHECK(a.targets.dtype() == DType::I64 || a.targets.dtype() == DType::I32,
+            "{}: tensor 'targets' has dtype {}, expected I64 or I32", kOp,
+            dtype_name(a.targets.dtype()));
+  expect_shape(a.targets, kOp, "targets", {n});
+  expect_contiguous(a.targets, kOp, "targets");
+  const bool none = a.reduction == LceReduction::None;
+  GDN_CHECK(a.reduction == LceReduction::Mean || a.reduction == LceReduction::Sum || none,
+            "{}: unknown reduction {}", kOp, static_cast<int>(a.reduction));
+  const int64_t ln = none ? n : 1;
+  expect_tensor(a.loss, kOp, "loss", st, {ln});
+  expect_tensor(a.lse, kOp, "lse", st, {n});
+  expect_tensor(a.z_loss, kOp, "z_loss", st, {ln});
+  GDN_CHECK(std::isfinite(a.z_loss_scale) && a.z_loss_scale >= 0,
+            "{}: z_loss_scale must be finite and >= 0, got {}", kOp, a.z_loss_scale);
+  GDN_CHECK(a.label_smoothing >= 0 && a.label_smoothing < 1,
+            "{}: label_smoothing must be in [0, 1), got {}", kOp, a.label_smoothing);
+  GDN_CHECK(std::isfinite(a.denominator), "{}: denominator must be finite, got {}", kOp,
+            a.denominator);
+  GDN_CHECK(a.chunk_bytes == 0 || a.chunk_bytes >= kLceMinChunkBytes,
+            "{}: chunk_bytes = {} is below the minimum {} (0 reads GDN_FLCE_CHUNK_BYTES)", kOp,
+            a.chunk_bytes, kLceMinChunkBytes);
+  std::vector<const Tensor*> all = {&a.w, &a.targets, &a.loss, &a.lse, &a.z_loss};
+  if (backward) {
+    if (none) {
+      GDN_CHECK(a.dloss.defined(),
+                "{}: reduction none needs tensor 'dloss' [{}], the per-token upstream gradient",
+                kOp, n);
+      expect_tensor(a.dloss, kOp, "dloss", st, {n});
+    } else if (a.dloss.defined()) {
+      expect_tensor(a.dloss, kOp, "dloss", st, {1});
+    }
+    expect_tensor(a.dx, kOp, "dx", act, {n, d});
+    expect_tensor(a.dw, kOp, "dw", st, {v, d});
+    for (const Tensor* t : {&a.dloss, &a.dx, &a.dw})
+      if (t->defined()) all.push_back(t);
+  } else {
+    GDN_CHECK(!a.dx.defined() && !a.dw.defined() && !a.dloss.defined(),
+              "{}: linear_cross_entropy_forward computes no gradients (dx/dw/dloss given); use "
+              "linear_cross_entropy_forward_backward",
+              kOp);
+  }
+  if (a.workspace.defined()) {
+    expect_contiguous(a.workspace, kOp, "workspace");
+    all.push_back(&a.workspace);
+  }
+  for (const Tensor* t : all)
+    GDN_CHECK(t->device() == a.x.device(), "{}: all tensors must be on {}", kOp,
+              device_name(a.x.device()));
+  if (a.x.device() != Device::CPU) return -1;
+  int64_t valid = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t y = target_at(a.targets, i);
+    if (y == kLceIgnoreIndex) continue;
+    GDN_CHECK(y >= 0 && y < v,
+              "{}: targets[{}] = {} is out of range: a target must be in [0, {}) (the vocabulary "
+              "of 'w') or the ignore_index {}",
+              kOp, i, y, v, kLceIgnoreIndex);
+    ++valid;
+  }
+  GDN_CHECK(!(a.reduction == LceReduction::Mean && a.denominator == 0 && valid > 0),
+            "{}: the caller's mean denominator is 0 but {} targets are not ignored", kOp, valid);
+  return valid;
+}
+
+OpQuery query_for(const LinearCrossEntropyArgs& a) {
+  return OpQuery{infer_backend(a.x), "", {{"D", a.x.size(1)}, {"V", a.w.size(0)}}};
+}
+
+// Probe: odd sizes, ignored rows, one confident row (p_y ~ 1), smoothing and z-loss on; once in
+// slab mode (a 4 KiB budget: several row blocks and vocabulary slabs) with reduction mean, once in
+// full-V mode with reduction none and a per-token upstream gradient.
+ProbeError probe(const ImplDesc& impl, const OpQuery&) {
+  const auto& cand = *static_cast<const LinearCrossEntropyTable*>(impl.table);
+  const auto& ref = *static_cast<const LinearCrossEntropyTable*>(Registry::global().ref(kOp).table);
+  ProbeError err;
+  const int64_t N = 37, D = 24, V = 301;
+  const DType st = lce_stat_dtype(backend_dtype(impl.backend));
+  for (int pass = 0; pass < 2; ++pass) {
+    const bool none = pass == 1;
+    ProbeTensors p(impl.backend);
+    auto x = p.normal({N, D}, 21, 1.0);
+    auto w = p.normal({V, D}, 22, 0.5);
+    std::vector<int64_t> ty(N);
+    for (int64_t i = 0; i < N; ++i) ty[i] = (i * 97 + 13) % V;
+    ty[3] = ty[20] = kLceIgnoreIndex;
+    auto t = p.ints(ty, {N}, DType::I64);
+    const int64_t ln = none ? N : 1;
+    auto loss = p.zeros({ln}, st), z = p.zeros({ln}, st), lse = p.zeros({N}, st);
+    auto dloss = p.normal({N}, 23, 1.0, st);
+    auto dx = p.zeros({N, D}), dw = p.zeros({V, D}, st);
+    LinearCrossEntropyArgs a;
+    a.reduction = none ? LceReduction::None : LceReduction::Mean;
+    a.z_loss_scale = 1e-3;
+    a.label_smoothing = none ? 0.0 : 0.1;
+    a.chunk_bytes = none ? 0 : kLceMinChunkBytes;
+    auto fill = [&](LinearCrossEntropyArgs& b, bool is_ref) {
+      auto pick = [is_ref](const ProbeTensors::Pair& q) { return is_ref ? q.ref : q.cand; };
+      b.x = pick(x), b.w = pick(w), b.targets = pick(t), b.loss = pick(loss), b.lse = pick(lse);
+      b.z_loss = pick(z), b.dx = pick(dx), b.dw = pick(dw);
+      b.dloss = none ? pick(dloss) : Tensor();
+    };
+    LinearCrossEntropyArgs ra = a, ca = a;
+    fill(ra, true);
+    fill(ca, false);
+    ref.forward_backward(ra);
+    cand.forward_backward(ca);
+    err.fwd = std::max({err.fwd, rel_l2_error(ca.loss, ra.loss), rel_l2_error(ca.lse, ra.lse),
+                        rel_l2_error(ca.z_loss, ra.z_loss)});
+    err.bwd = std::max({err.bwd, rel_l2_error(ca.dx, ra.dx), rel_l2_error(ca.dw, ra.dw)});
+  }
+  return err;
+}
+
+ProbeError tolerance(DType dt) {
+  if (dt == DType::BF16) return {2e-2, 3e-2};
+  return {1e-5, 1e-5};
+}
+
+void run(const ImplDesc& impl, OpIO& io, bool backward) {
+  const auto& t = *static_cast<const LinearCrossEntropyTable*>(impl.table);
+  const DType dt = backend_dtype(impl.backend), st = lce_stat_dtype(dt);
+  const Device dev = backend_device(impl.backend);
+  LinearCrossEntropyArgs a;
+  a.x = io.input("x", dt, dev);
+  const int64_t D = a.x.size(-1), N = a.x.numel() / std::max<int64_t>(D, 1);
+  a.x = a.x.reshape({N, D});
+  a.w = io.input("w", dt, dev);
+  a.targets = io.input("targets", DType::I64, dev).reshape({N});
+  const int r = static_cast<int>(io.attr("reduction", 0));
+  GDN_CHECK(r >= 0 && r <= 2, "{}: attribute reduction = {} (0 mean, 1 sum, 2 none)", kOp, r);
+  a.reduction = static_cast<LceReduction>(r);
+  a.z_loss_scale = io.attr("z_loss", 0);
+  a.label_smoothing = io.attr("label_smoothing", 0);
+  a.denominator = io.attr("denominator", -1);
+  a.chunk_bytes = static_cast<int64_t>(io.attr("chunk_bytes", 0));
+  const int64_t ln = a.reduction == LceReduction::None ? N : 1;
+  a.loss = io.output("loss", st, dev, {ln});
+  a.lse = io.output("lse", st, dev, {N});
+  a.z_loss = io.output("z_loss", st, dev, {ln});
+  if (!backward) {
+    validate(a, false);
+    t.forward(a);
+    return;
+  }
+  if (io.has_input("dloss")) a.dloss = io.input("dloss", st, dev).reshape({ln});
+  a.dx = io.output("dx", dt, dev, {N, D});
+  a.dw = io.output("dw", st, dev, {a.w.size(0), D});
+  validate(a, true);
+  t.forward_backward(a);
+}
+}  // namespace
+
+LceChunkPlan linear_cross_entropy_plan(int64_t n, int64_t v, int64_t chunk_bytes) {
+  LceChunkPlan p;
+  p.budget = chunk_bytes != 0 ? chunk_bytes : env::get_int("GDN_FLCE_CHUNK_BYTES");
+  GDN_CHECK(p.budget >= kLceMinChunkBytes,
+            "{}: logits budget {} bytes is below the minimum {} (GDN_FLCE_CHUNK_BYTES or "
+            "chunk_bytes)",
+            kOp, p.budget, kLceMinChunkBytes);
+  GDN_CHECK(n >= 0 && v >= 1, "{}: plan for N = {}, V = {}", kOp, n, v);
+  if (n == 0) return p;
+  const int64_t r_min = std::min(n, kLceMinRows);
+  const int64_t full_rows = p.budget / (4 * v + kLceRowStatBytes);
+  if (full_rows >= r_min) {
+    p.rows = std::min(n, full_rows);
+    p.cols = v;
+  } else {
+    p.rows = r_min;
+    p.cols = std::min(v, p.budget / (4 * p.rows) - kLceRowStatBytes / 4);
+  }
+  p.workspace_bytes = align64(4 * p.rows * p.cols) + align64(kLceRowStatBytes * p.rows);
+  return p;
+}
+
+double lce_mean_scale(const LinearCrossEntropyArgs& a, int64_t valid) {
+  if (a.reduction != LceReduction::Mean) return 1.0;
+  const double den = a.denominator >= 0 ? a.denominator : static_cast<double>(valid);
+  return den > 0 ? 1.0 / den : 0.0;
+}
+
+void linear_cross_entropy_forward(const LinearCrossEntropyArgs& a) {
+  validate(a, false);
+  Registry::global().table<LinearCrossEntropyTable>(kOp, query_for(a)).forward(a);
+}
+
+void linear_cross_entropy_forward_backward(const LinearCrossEntropyArgs& a) {
+  validate(a, true);
+  Registry::global().table<LinearCrossEntropyTable>(kOp, query_for(a)).forward_backward(a);
+}
+
+GDN_REGISTER(linear_cross_entropy_op) {
+  OpDesc d;
+  d.name = kOp;
+  d.summary =
+      "LM head + softmax cross-entropy (z-loss, label smoothing, ignore_index -100), chunked so "
+      "the N x V logits never exist; loss and gradients in one pass";
+  d.fwd_inputs = {"x", "w", "targets"};
+  d.fwd_outputs = {"loss", "lse", "z_loss"};
+  d.bwd_inputs = {"x", "w", "targets", "dloss"};
+  d.bwd_outputs = {"dx", "dw"};
+  d.attrs = {"reduction=0 (0 mean, 1 sum, 2 none)", "z_loss=0", "label_smoothing=0",
+             "denominator=-1", "chunk_bytes=0"};
+  d.probe = probe;
+  d.tolerance = tolerance;
+  d.run = run;
+  Registry::global().add_op(std::move(d));
+}
+
+}  // namespace gdn::ops

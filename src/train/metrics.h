@@ -1,0 +1,33 @@
+// Training metrics: one JSON object per step appended to metrics.jsonl (flushed each line so a
+// crash loses at most the line being written), and the console progress line.
+#pragma once
+
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace gdn::train {
+
+class MetricsWriter {
+ public:
+  // Opens (appending) `path`; on resume the caller first truncates lines past the resumed step.
+  explicit MetricsWriter(const std::string& path);
+  ~MetricsWriter();
+  MetricsWriter(const MetricsWriter&) = delete;
+  MetricsWriter& operator=(const MetricsWriter&) = delete;
+  void write(const nlohmann::json& record);
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  std::FILE* f_ = nullptr;
+};
+
+// Keeps only the records of metrics.jsonl with "step" <= `last_step` (used when resuming, so the
+// file never holds two records of the same step). Rewritten atomically.
+void truncate_metrics(const std::string& path, int64_t last_step);
+
+// "1h02m", "3m05s", "12.3s".
+std::string format_duration(double seconds);
+
+}  // namespace gdn::train
