@@ -14,8 +14,8 @@
 // twice: read and written). Kernel-internal temporaries (e.g. rmsnorm's dw partial rows) are not
 // counted: they are overhead the ratio should show.
 //
-// Adding an op: write a make_<op>_cases() that returns OpCases (see make_rmsnorm_cases) and append
-// it in main().
+// Adding an op: write a make_<op>_cases() that returns OpCases (see make_rmsnorm_cases for a
+// memory-bound op, make_gemm_cases for a matrix-bound one) and append it in run().
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -31,6 +31,7 @@
 #include "gdn/backend/cuda_context.h"
 #include "gdn/backend/registry.h"
 #include "gdn/core/tensor.h"
+#include "ops/gemm/op.h"
 #include "ops/rmsnorm/op.h"
 
 namespace gdn::bench {
@@ -221,7 +222,8 @@ struct OpCase {
   std::string name;   // "rmsnorm.fwd"
   std::string shape;  // "[8192, 4096] plain"
   std::string op;     // registry name, for the implementation column
-  double bytes = 0;
+  double bytes = 0;   // memory-bound ops: reported as GB/s and a ratio to the copy bandwidth
+  double flops = 0;   // matrix ops: reported as TFLOP/s and a ratio to the cuBLASLt 8192^3 rate
   std::function<void(int)> run;  // iteration index -> rotates over buffer sets
   std::shared_ptr<void> keep;    // the buffers
 };
@@ -266,18 +268,53 @@ std::vector<OpCase> make_rmsnorm_cases() {
       sets->push_back(std::move(s));
     }
     const std::string shape = fmt::format("[{}, {}] {}", c.R, c.D, c.zc ? "zero-centred" : "plain");
-    OpCase f{"rmsnorm.fwd", shape, "rmsnorm", act + wb + act + rb, nullptr, sets};
+    OpCase f{"rmsnorm.fwd", shape, "rmsnorm", act + wb + act + rb, 0, nullptr, sets};
     f.run = [sets, c](int i) {
       const Set& s = (*sets)[static_cast<size_t>(i) % sets->size()];
       ops::rmsnorm_forward({s.x, s.w, s.y, s.rstd, 1e-6, c.zc});
     };
-    OpCase b{"rmsnorm.bwd", shape, "rmsnorm", act + wb + rb + act + act + 2 * dwb, nullptr, sets};
+    OpCase b{"rmsnorm.bwd", shape, "rmsnorm", act + wb + rb + act + act + 2 * dwb, 0,
+             nullptr,       sets};
     b.run = [sets, c](int i) {
       const Set& s = (*sets)[static_cast<size_t>(i) % sets->size()];
       ops::rmsnorm_backward({s.x, s.w, s.rstd, s.dy, s.dx, s.dw, c.zc});
     };
     cases.push_back(std::move(f));
     cases.push_back(std::move(b));
+  }
+  return cases;
+}
+
+// The linear layer (gemm through the registry): y = x W^T, then dx = dy W and dW += dy^T x (fp32).
+// Matrix-bound: one buffer set (the operands are re-read from L2 within a product anyway).
+std::vector<OpCase> make_gemm_cases() {
+  struct Bufs {
+    OwnedTensor x, w, y, dy, dx, dw;
+  };
+  struct Cfg {
+    int64_t T, in, out;
+  };
+  std::vector<OpCase> cases;
+  for (const Cfg& c : {Cfg{8192, 4096, 4096}, Cfg{8192, 4096, 12288}, Cfg{8192, 12288, 4096}}) {
+    auto b =
+        std::make_shared<Bufs>(Bufs{OwnedTensor::empty(DType::BF16, {c.T, c.in}, Device::CUDA),
+                                    OwnedTensor::empty(DType::BF16, {c.out, c.in}, Device::CUDA),
+                                    OwnedTensor::empty(DType::BF16, {c.T, c.out}, Device::CUDA),
+                                    OwnedTensor::empty(DType::BF16, {c.T, c.out}, Device::CUDA),
+                                    OwnedTensor::empty(DType::BF16, {c.T, c.in}, Device::CUDA),
+                                    OwnedTensor::zeros(DType::F32, {c.out, c.in}, Device::CUDA)});
+    fill_uniform(b->x, 200, -1.f, 1.f);
+    fill_uniform(b->w, 201, -0.05f, 0.05f);
+    fill_uniform(b->dy, 202, -1.f, 1.f);
+    const double mnk =
+        2.0 * static_cast<double>(c.T) * static_cast<double>(c.in) * static_cast<double>(c.out);
+    const std::string shape = fmt::format("T={} {}->{}", c.T, c.in, c.out);
+    OpCase f{"linear.fwd", shape, "gemm", 0, mnk, nullptr, b};
+    f.run = [b](int) { ops::linear_forward({b->x, b->w, b->y}); };
+    OpCase g{"linear.bwd", shape, "gemm", 0, 2 * mnk, nullptr, b};
+    g.run = [b](int) { ops::linear_backward({b->x, b->w, b->dy, b->dx, b->dw, false}); };
+    cases.push_back(std::move(f));
+    cases.push_back(std::move(g));
   }
   return cases;
 }
@@ -317,26 +354,37 @@ int run(int argc, char** argv) {
               copy.name.c_str(), copy.shape.c_str(), copy.t.median_ms, copy_gbs);
   rows.push_back(copy);
 
+  double gemm_tflops = 0;  // the bf16-output 8192^3 rate: the ceiling for matrix-bound ops
   for (bool acc : {false, true}) {
     Row g = bench_cublaslt_gemm(8192, 8192, 8192, acc, 20);
+    const double tf = g.flops / (g.t.median_ms * 1e-3) / 1e12;
+    if (!acc) gemm_tflops = tf;
     std::printf("%-26s %-28s %10.3f ms  %8.1f TFLOP/s\n", g.name.c_str(), g.shape.c_str(),
-                g.t.median_ms, g.flops / (g.t.median_ms * 1e-3) / 1e12);
+                g.t.median_ms, tf);
     rows.push_back(g);
   }
 
   std::vector<OpCase> cases;
   for (auto& c : make_rmsnorm_cases()) cases.push_back(std::move(c));
+  for (auto& c : make_gemm_cases()) cases.push_back(std::move(c));
 
-  std::printf("%-26s %-28s %-14s %10s %10s %10s %8s\n", "op", "shape", "impl", "median us",
-              "MB moved", "GB/s", "x copy");
+  std::printf("%-26s %-28s %-14s %10s %12s %10s %8s\n", "op", "shape", "impl", "median us",
+              "MB | GFLOP", "GB/s|TF/s", "x ceil");
   for (OpCase& c : cases) {
     if (!want(c.name)) continue;
-    Row r{"op", c.name, c.shape, "", {}, c.bytes, 0};
+    Row r{"op", c.name, c.shape, "", {}, c.bytes, c.flops};
     r.t = time_it(c.run, 5, iters);  // warm-up resolves (and probes) the op
     r.impl = Registry::global().resolve(c.op, OpQuery{Backend::Cuda, "", {}}).impl->name;
-    const double gbs = r.bytes / (r.t.median_ms * 1e-3) / 1e9;
-    std::printf("%-26s %-28s %-14s %10.1f %10.1f %10.1f %8.3f\n", r.name.c_str(), r.shape.c_str(),
-                r.impl.c_str(), r.t.median_ms * 1e3, r.bytes / 1e6, gbs, gbs / copy_gbs);
+    const double sec = r.t.median_ms * 1e-3;
+    if (r.flops > 0) {
+      const double tf = r.flops / sec / 1e12;
+      std::printf("%-26s %-28s %-14s %10.1f %12.1f %10.1f %8.3f\n", r.name.c_str(), r.shape.c_str(),
+                  r.impl.c_str(), r.t.median_ms * 1e3, r.flops / 1e9, tf, tf / gemm_tflops);
+    } else {
+      const double gbs = r.bytes / sec / 1e9;
+      std::printf("%-26s %-28s %-14s %10.1f %12.1f %10.1f %8.3f\n", r.name.c_str(), r.shape.c_str(),
+                  r.impl.c_str(), r.t.median_ms * 1e3, r.bytes / 1e6, gbs, gbs / copy_gbs);
+    }
     rows.push_back(r);
   }
 
@@ -347,7 +395,8 @@ int run(int argc, char** argv) {
         "\"memory_bytes\": {}}},\n",
         json_escape(p.name), p.major, p.minor, p.multiProcessorCount, p.l2CacheSize,
         p.totalGlobalMem);
-    j += fmt::format("  \"copy_gbs\": {:.1f},\n  \"results\": [\n", copy_gbs);
+    j += fmt::format("  \"copy_gbs\": {:.1f},\n  \"gemm_tflops\": {:.1f},\n  \"results\": [\n",
+                     copy_gbs, gemm_tflops);
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
       const double sec = r.t.median_ms * 1e-3;
@@ -361,6 +410,8 @@ int run(int argc, char** argv) {
                          r.bytes / sec / 1e9, r.bytes / sec / 1e9 / copy_gbs);
       if (r.flops > 0)
         j += fmt::format(", \"flops\": {:.0f}, \"tflops\": {:.1f}", r.flops, r.flops / sec / 1e12);
+      if (r.flops > 0 && r.kind == "op")
+        j += fmt::format(", \"ratio_to_gemm\": {:.4f}", r.flops / sec / 1e12 / gemm_tflops);
       j += i + 1 < rows.size() ? "},\n" : "}\n";
     }
     j += "  ]\n}\n";

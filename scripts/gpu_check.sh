@@ -33,7 +33,7 @@ step() {
   "$@" 2>&1 | tee "$OUT/$name.log"
   rc=${PIPESTATUS[0]}
   local dt=$((SECONDS - t0))
-  SUMMARY+=("$(printf '%-14s %-6s %5ss  %s' "$name" "$([ "$rc" = 0 ] && echo ok || echo "FAIL($rc)")" "$dt" "$OUT/$name.log")")
+  SUMMARY+=("$(printf '%-26s %-8s %5ss  %s' "$name" "$([ "$rc" = 0 ] && echo ok || echo "FAIL($rc)")" "$dt" "$OUT/$name.log")")
   [ "$rc" = 0 ] || FAILED=1
   return "$rc"
 }
@@ -45,7 +45,7 @@ summary() {
   if [ -f "$OUT/bench.log" ]; then
     echo
     echo "=== benchmark (from $OUT/bench.log)"
-    grep -E '^(memcpy_d2d|cublaslt|op |rmsnorm)' "$OUT/bench.log" || true
+    grep -E '^(memcpy_d2d|cublaslt|op |rmsnorm|linear)' "$OUT/bench.log" || true
   fi
   echo
   if [ "$FAILED" = 0 ]; then echo "GPU CHECK: PASS"; else echo "GPU CHECK: FAIL"; fi
@@ -100,11 +100,15 @@ if [ "${GPU_CHECK_SANITIZER:-1}" != 0 ]; then
     FILTER+=':Shapes/RmsNormCudaSweep.MatchesRef/R3_D12288_*:Shapes/RmsNormCudaSweep.MatchesRef/R7_D9001_*'
     FILTER+=':Shapes/RmsNormCudaSweep.MatchesRef/R70000_D64_plain:RmsNormCuda.Unaligned*'
     for tool in memcheck racecheck synccheck; do
-      step "sanitize_$tool" compute-sanitizer --tool "$tool" --error-exitcode 99 \
+      step "sanitize_rmsnorm_$tool" compute-sanitizer --tool "$tool" --error-exitcode 99 \
         "$BUILD/tests/test_rmsnorm_cuda" --gtest_filter="$FILTER"
     done
+    # cuBLASLt with odd sizes, sliced operands and K = 0 (our scale kernel).
+    GFILTER='Shapes/GemmCudaSweep.MatchesRef/M13_N11_K37_*:GemmCuda.Operands*:GemmCuda.EmptyProductScalesC'
+    step sanitize_gemm_memcheck compute-sanitizer --tool memcheck --error-exitcode 99 \
+      "$BUILD/tests/test_gemm_cuda" --gtest_filter="$GFILTER"
   else
-    SUMMARY+=("sanitize       skip          compute-sanitizer not on PATH")
+    SUMMARY+=("$(printf '%-26s %-8s %6s  %s' sanitize skip '' 'compute-sanitizer not on PATH')")
   fi
 fi
 
