@@ -24,10 +24,12 @@
 // Both are plain gemm calls, so they run on whatever gemm resolves to.
 //
 // Dtypes: ref F64 for A, B, C (plain fp64 loops); cpu F32 (OpenBLAS cblas_sgemm, fp32
-// accumulation); cuda (later): bf16 A/B, C bf16 or F32 (dW accumulates in F32).
+// accumulation); cuda (cuBLASLt, cuda.cu): bf16 A/B, fp32 accumulation, C bf16 or F32 (dW
+// accumulates in F32).
 // Deterministic: ref yes. cpu: whatever OpenBLAS gives; its reduction order depends on its
 // blocking and thread count, so expect bitwise-equal results only for the same thread count (not
-// verified here beyond the tests' tolerances).
+// verified here beyond the tests' tolerances). cuda: bitwise for one GPU model and toolkit (one
+// cached cuBLASLt plan per shape, split-K reduced in fp32 in a fixed order).
 #pragma once
 
 #include "gdn/core/tensor.h"

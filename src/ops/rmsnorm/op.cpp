@@ -1,6 +1,7 @@
 // RMSNorm: validation, dispatch and the op's registration (probe, tolerance, file runner).
 #include "ops/rmsnorm/op.h"
 
+#include "backend/tolerances.h"
 #include "gdn/backend/probe.h"
 #include "gdn/backend/registry.h"
 
@@ -73,7 +74,10 @@ ProbeError probe(const ImplDesc& impl, const OpQuery&) {
 }
 
 ProbeError tolerance(DType dt) {
-  if (dt == DType::BF16) return {2e-2, 3e-2};
+  if (dt == DType::BF16) {
+    constexpr ProbeError kBf16 = bf16_tolerance(kOp);  // the one table: src/backend/tolerances.h
+    return kBf16;
+  }
   return {1e-5, 1e-5};
 }
 

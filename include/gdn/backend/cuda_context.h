@@ -1,0 +1,71 @@
+// The per-process CUDA context (ARCHITECTURE.md §5, §7): the device, its properties, the one
+// compute stream every kernel and library call is issued on, a cuBLASLt handle and its workspace,
+// and a grow-only scratch buffer for kernels' temporaries. Created on first use (the first device
+// allocation, copy or kernel) and deliberately never destroyed: tearing down a stream or a cuBLASLt
+// handle from a static destructor after the CUDA runtime has unloaded crashes, and the driver frees
+// everything at exit anyway.
+//
+// Ordering: the compute stream is a *blocking* stream, so it is ordered with the legacy default
+// stream (plain cudaMemcpy, cudaMemset) as well; the device hooks of gdn/core/tensor.h issue their
+// copies and memsets on the compute stream itself, and copies synchronise it before returning.
+//
+// CUDA-only: include from .cu files (the CPU build never sees the CUDA headers).
+#pragma once
+
+#if !defined(__CUDACC__)
+#error "gdn/backend/cuda_context.h is for .cu files of CUDA builds only"
+#endif
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <mutex>
+
+namespace gdn::cuda {
+
+class Context {
+ public:
+  // The context of the current device, created on first call (thread-safe). Throws gdn::Error
+  // with a hint when no CUDA device is usable.
+  static Context& get();
+
+  int device() const { return device_; }
+  const cudaDeviceProp& props() const { return props_; }
+  int sm_count() const { return props_.multiProcessorCount; }
+  cudaStream_t stream() const { return stream_; }
+  cublasLtHandle_t cublaslt() const { return cublaslt_; }
+  // cuBLASLt workspace (32 MiB, NVIDIA's recommendation for Hopper), allocated once.
+  void* workspace() const { return workspace_; }
+  size_t workspace_bytes() const { return workspace_bytes_; }
+
+  // At least `bytes` of device memory for one op's temporaries (e.g. per-block partial sums).
+  // Stream-ordered: valid for work enqueued on stream() until the next scratch() call. Grows
+  // (synchronising the stream first) and never shrinks, so a training step allocates nothing once
+  // its first step has run.
+  void* scratch(size_t bytes);
+
+  Context(const Context&) = delete;
+  Context& operator=(const Context&) = delete;
+
+ private:
+  Context();
+  int device_ = 0;
+  cudaDeviceProp props_{};
+  cudaStream_t stream_ = nullptr;
+  cublasLtHandle_t cublaslt_ = nullptr;
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  std::mutex scratch_mu_;
+  void* scratch_ = nullptr;
+  size_t scratch_bytes_ = 0;
+};
+
+// Shorthand for the compute stream.
+inline cudaStream_t stream() { return Context::get().stream(); }
+
+// True when the CUDA runtime found at least one device at start-up (the device hooks are then
+// installed and cuda_available() of gdn/core/tensor.h is true as well).
+bool device_present();
+
+}  // namespace gdn::cuda

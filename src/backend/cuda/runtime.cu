@@ -1,0 +1,159 @@
+// The CUDA runtime of libgdn: device hooks for gdn/core/tensor.h (installed at static-init time
+// when a device is present), the per-process Context, and the error reporting behind cuda_check.h.
+#include <algorithm>
+#include <cstdio>
+#include <string>
+
+#include "gdn/backend/cuda_check.h"
+#include "gdn/backend/cuda_context.h"
+#include "gdn/core/arena.h"
+#include "gdn/core/log.h"
+#include "gdn/core/tensor.h"
+
+namespace gdn::cuda {
+
+namespace detail {
+
+void throw_cuda_error(cudaError_t err, const char* expr, const char* file, int line) {
+  (void)cudaGetLastError();  // clear the slot (a no-op for sticky errors, which stay anyway)
+  ::gdn::detail::throw_error(
+      file, line,
+      fmt::format("CUDA error {} ({}) in {}", cudaGetErrorName(err), cudaGetErrorString(err), expr),
+      err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver
+          ? "no usable GPU: check nvidia-smi and CUDA_VISIBLE_DEVICES"
+          : "");
+}
+
+void throw_cublas_error(cublasStatus_t st, const char* expr, const char* file, int line) {
+  (void)cudaGetLastError();
+  ::gdn::detail::throw_error(file, line,
+                             fmt::format("cuBLAS error {} ({}) in {}", cublasGetStatusName(st),
+                                         cublasGetStatusString(st), expr));
+}
+
+void throw_launch_error(cudaError_t err, const char* kernel, bool while_running, const char* file,
+                        int line) {
+  (void)cudaGetLastError();
+  ::gdn::detail::throw_error(
+      file, line,
+      fmt::format("kernel '{}' {}: CUDA error {} ({})", kernel,
+                  while_running ? "failed while running" : "failed to launch",
+                  cudaGetErrorName(err), cudaGetErrorString(err)),
+      while_running ? "an illegal address or similar fault: run the failing command under "
+                      "compute-sanitizer to find the access"
+                    : "");
+}
+
+}  // namespace detail
+
+namespace {
+
+constexpr size_t kCublasLtWorkspace = size_t{32} << 20;
+
+bool g_device_present = false;
+
+// --- device hooks (gdn/core/tensor.h) ----------------------------------------------------------
+void* hook_alloc(size_t bytes) {
+  Context::get();  // create the context (and select its device) before the first allocation
+  void* p = nullptr;
+  const cudaError_t err = cudaMalloc(&p, std::max<size_t>(bytes, 1));
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    size_t free_b = 0, total_b = 0;
+    (void)cudaMemGetInfo(&free_b, &total_b);
+    (void)cudaGetLastError();
+    GDN_FAIL_HINT("lower the micro-batch or sequence length, or free device memory",
+                  "cudaMalloc of {} failed: {} ({}); device has {} free of {}",
+                  format_bytes(static_cast<double>(bytes)), cudaGetErrorName(err),
+                  cudaGetErrorString(err), format_bytes(static_cast<double>(free_b)),
+                  format_bytes(static_cast<double>(total_b)));
+  }
+  return p;
+}
+
+// Called from OwnedTensor deleters and Arena destructors: must not throw. At process exit the
+// runtime may already be unloading (static destructors run after it); that is not an error.
+void hook_free(void* p) {
+  const cudaError_t err = cudaFree(p);
+  if (err == cudaSuccess) return;
+  (void)cudaGetLastError();
+  if (err == cudaErrorCudartUnloading) return;
+  std::fprintf(stderr, "warning: cudaFree(%p) failed: %s (%s)\n", p, cudaGetErrorName(err),
+               cudaGetErrorString(err));
+}
+
+void hook_copy(void* dst, const void* src, size_t n) {
+  cudaStream_t s = stream();
+  GDN_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, s));
+  GDN_CUDA_CHECK(cudaStreamSynchronize(s));
+}
+
+void hook_memset_zero(void* p, size_t n) { GDN_CUDA_CHECK(cudaMemsetAsync(p, 0, n, stream())); }
+
+void hook_synchronize() { GDN_CUDA_CHECK(cudaDeviceSynchronize()); }
+
+// Runs at static-initialisation time (the library is linked whole-archive). A machine without a
+// driver or a device is normal (CPU-only runs of a CUDA build): hooks stay uninstalled and
+// cuda_available() is false.
+bool install_hooks() {
+  int n = 0;
+  const cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess || n <= 0) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  DeviceHooks h;
+  h.alloc = hook_alloc;
+  h.free = hook_free;
+  h.copy = hook_copy;
+  h.memset_zero = hook_memset_zero;
+  h.synchronize = hook_synchronize;
+  set_cuda_hooks(h);
+  g_device_present = true;
+  return true;
+}
+
+[[maybe_unused]] const bool g_hooks_installed = install_hooks();
+
+}  // namespace
+
+bool device_present() { return g_device_present; }
+
+Context& Context::get() {
+  // Leaked on purpose (see cuda_context.h).
+  static Context* ctx = new Context();
+  return *ctx;
+}
+
+Context::Context() {
+  GDN_CHECK_HINT(g_device_present, "run on a machine with a GPU (check nvidia-smi)",
+                 "a CUDA kernel or device tensor was requested but no CUDA device is available");
+  GDN_CUDA_CHECK(cudaGetDevice(&device_));
+  GDN_CUDA_CHECK(cudaGetDeviceProperties(&props_, device_));
+  // Blocking (not cudaStreamNonBlocking): ordered with the legacy default stream too.
+  GDN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamDefault));
+  GDN_CUBLAS_CHECK(cublasLtCreate(&cublaslt_));
+  workspace_bytes_ = kCublasLtWorkspace;
+  GDN_CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
+  log::debug("[cuda] device {}: {} (sm_{}{}, {} SMs, L2 {}, {} memory)", device_, props_.name,
+             props_.major, props_.minor, props_.multiProcessorCount,
+             format_bytes(static_cast<double>(props_.l2CacheSize)),
+             format_bytes(static_cast<double>(props_.totalGlobalMem)));
+}
+
+void* Context::scratch(size_t bytes) {
+  std::lock_guard lock(scratch_mu_);
+  if (bytes <= scratch_bytes_) return scratch_;
+  // Earlier work on the stream may still read the old buffer.
+  GDN_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (scratch_ != nullptr) GDN_CUDA_CHECK(cudaFree(scratch_));
+  scratch_ = nullptr;
+  scratch_bytes_ = 0;
+  // Round up (1 MiB) so that slowly growing requests do not reallocate every time.
+  const size_t want = (bytes + (size_t{1} << 20) - 1) & ~((size_t{1} << 20) - 1);
+  GDN_CUDA_CHECK(cudaMalloc(&scratch_, want));
+  scratch_bytes_ = want;
+  return scratch_;
+}
+
+}  // namespace gdn::cuda

@@ -1,0 +1,367 @@
+// RMSNorm on CUDA: bf16 x/w/y/dy/dx, fp32 rstd and dw, fp32 arithmetic (op.h has the contract).
+//
+// Layout: a block of kBlock = 256 threads holds 256 / tpr "row groups" of tpr threads (a power of
+// two in [32, 256], whole warps); a row group owns one row at a time. Thread `lane` of a group owns
+// the packs c = lane + k * tpr (k < P) of the row, a pack being 8 bf16 (one 16-byte access) when
+// D % 8 == 0 and every pointer is 16-byte aligned, else 1 bf16 (the scalar fallback); P = 4 packs
+// of 8 or 16 of 1 per thread. tpr is the smallest that lets P packs per thread cover the row, so
+// a row is read from device memory once and kept in registers between the reduction and the
+// output pass. Rows wider than that (D > 8192 with packs of 8, D > 4096 with packs of 1) still
+// work: the packs past the first P are read again (from L2) in the second pass.
+//
+// Forward: one row per row group, one launch; rstd written by lane 0.
+// Backward: a persistent grid (as many blocks as fit on the device at once, at most one per
+// row-group batch), each row group walking rows with a grid stride. The dw contribution of every
+// row stays in the owning thread's fp32 registers (a thread owns the same columns in every row),
+// row groups of a block are summed through shared memory in a fixed order, each block writes one
+// fp32 partial row to scratch, and a second kernel sums the partial rows column by column in a
+// fixed order and adds them to dw. No float atomics: the result depends only on the shapes and the
+// device's multiprocessor count.
+//
+// Bytes moved (the floor): forward reads x, w and writes y, rstd; backward reads x, w, rstd, dy,
+// reads and writes dw, writes dx; plus the partial rows (grid x D fp32, written and read once,
+// ~4 MB at D = 4096 on an H200 against 192 MB for [8192, 4096]).
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+
+#include "backend/cuda/vec.cuh"
+#include "gdn/backend/cuda_check.h"
+#include "gdn/backend/registry.h"
+#include "ops/rmsnorm/op.h"
+
+namespace gdn::ops {
+
+namespace {
+
+using cuda::bf16_t;
+using cuda::Pack;
+
+constexpr int kBlock = 256;
+
+// Packs kept in registers per thread: 32 elements with 16-byte packs, 16 with scalar ones.
+template <int V>
+constexpr int packs_per_thread() {
+  return V == 8 ? 4 : 16;
+}
+
+// Sum of v over the tpr threads of the caller's row group, in every thread of the group. tpr is
+// uniform over the block; every thread of the block must call this (it may hold barriers).
+__device__ __forceinline__ float group_sum(float v, int tpr, float* red /* [kBlock / 32] */) {
+  v = cuda::warp_allreduce_sum(v);
+  if (tpr == 32) return v;
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  const int wpr = tpr >> 5, first = static_cast<int>(threadIdx.x / tpr) * wpr;
+  float s = 0.f;
+  for (int i = 0; i < wpr; ++i) s += red[first + i];  // fixed order: deterministic
+  __syncthreads();                                    // red is reused by the next call
+  return s;
+}
+
+template <int V>
+__global__ void __launch_bounds__(kBlock)
+    rmsnorm_fwd_kernel(const bf16_t* __restrict__ x,  // [R, D]
+                       const bf16_t* __restrict__ w,  // [D]
+                       bf16_t* __restrict__ y,        // [R, D]
+                       float* __restrict__ rstd,      // [R]
+                       int64_t R, int D, int tpr, float eps, float shift) {
+  constexpr int P = packs_per_thread<V>();
+  __shared__ float red[kBlock / 32];
+  const int npacks = D / V;  // D % V == 0 (V = 8 only when D % 8 == 0)
+  const int lane = static_cast<int>(threadIdx.x) % tpr;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kBlock / tpr) + threadIdx.x / tpr;
+  const bool active = row < R;
+  const int64_t off = active ? row * D : 0;  // element offset of the row
+
+  Pack<V> xc[P];
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    const int c = lane + k * tpr;
+    if (active && c < npacks) {
+      xc[k] = cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V);
+      float f[V];
+      cuda::unpack(xc[k], f);
+#pragma unroll
+      for (int v = 0; v < V; ++v) ss += f[v] * f[v];
+    }
+  }
+  for (int c = lane + P * tpr; active && c < npacks; c += tpr) {
+    float f[V];
+    cuda::unpack(cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V), f);
+#pragma unroll
+    for (int v = 0; v < V; ++v) ss += f[v] * f[v];
+  }
+  ss = group_sum(ss, tpr, red);
+  if (!active) return;  // past the last barrier
+  const float r = rsqrtf(ss / static_cast<float>(D) + eps);
+  if (lane == 0) rstd[row] = r;
+
+  auto emit = [&](int c, const Pack<V>& xp) {
+    float xf[V], wf[V], out[V];
+    cuda::unpack(xp, xf);
+    cuda::unpack(cuda::load_pack<V>(w, static_cast<int64_t>(c) * V), wf);
+#pragma unroll
+    for (int v = 0; v < V; ++v) out[v] = xf[v] * r * (shift + wf[v]);  // (1 + w) in fp32
+    cuda::store_pack<V>(y, off + static_cast<int64_t>(c) * V, cuda::pack(out));
+  };
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    const int c = lane + k * tpr;
+    if (c < npacks) emit(c, xc[k]);
+  }
+  for (int c = lane + P * tpr; c < npacks; c += tpr)
+    emit(c, cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V));
+}
+
+// Two blocks per multiprocessor at least (<= 128 registers): 16 warps keep enough rows in flight.
+template <int V>
+__global__ void __launch_bounds__(kBlock, 2)
+    rmsnorm_bwd_kernel(const bf16_t* __restrict__ x,    // [R, D]
+                       const bf16_t* __restrict__ w,    // [D]
+                       const float* __restrict__ rstd,  // [R]
+                       const bf16_t* __restrict__ dy,   // [R, D]
+                       bf16_t* __restrict__ dx,         // [R, D]
+                       float* __restrict__ partial,     // [gridDim.x, D] dw partial rows
+                       int64_t R, int D, int tpr, float shift) {
+  constexpr int P = packs_per_thread<V>();
+  __shared__ float red[kBlock / 32];
+  extern __shared__ float comb[];  // [rpb, D] when rpb > 1
+  const int npacks = D / V;
+  const int rpb = kBlock / tpr;
+  const int g = static_cast<int>(threadIdx.x) / tpr;
+  const int lane = static_cast<int>(threadIdx.x) % tpr;
+  float* mine = partial + static_cast<int64_t>(blockIdx.x) * D;  // [D] this block's partial row
+
+  // This thread owns the same columns in every row: its dw contributions stay in fp32 registers
+  // for the whole walk. w is re-read per row (an L1 hit after the first row) rather than held:
+  // holding it as fp32 would cost 32 registers and halve the blocks per multiprocessor.
+  float acc[P][V];
+#pragma unroll
+  for (int k = 0; k < P; ++k)
+#pragma unroll
+    for (int v = 0; v < V; ++v) acc[k][v] = 0.f;
+  // Columns past the register-held ones exist only when rpb == 1 (tpr == kBlock): their dw goes
+  // straight to this block's partial row, which only this thread touches.
+  for (int c = lane + P * tpr; c < npacks; c += tpr) {
+#pragma unroll
+    for (int v = 0; v < V; ++v) mine[c * V + v] = 0.f;
+  }
+
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * rpb;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * rpb; base < R; base += stride) {
+    // `base` is uniform over the block, so every thread runs the same number of iterations and
+    // meets the barriers in group_sum.
+    const int64_t row = base + g;
+    const bool active = row < R;
+    const int64_t off = active ? row * D : 0;
+    const float r = active ? rstd[row] : 0.f;
+    Pack<V> xc[P], dyc[P], wc[P];
+    float dot = 0.f;  // sum(dy * gw * x) over the row, gw = w or 1 + w (formed in fp32)
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const int c = lane + k * tpr;
+      if (active && c < npacks) {
+        xc[k] = cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V);
+        dyc[k] = cuda::load_pack<V>(dy, off + static_cast<int64_t>(c) * V);
+        wc[k] = cuda::load_pack<V>(w, static_cast<int64_t>(c) * V);
+        float xf[V], df[V], wf[V];
+        cuda::unpack(xc[k], xf);
+        cuda::unpack(dyc[k], df);
+        cuda::unpack(wc[k], wf);
+#pragma unroll
+        for (int v = 0; v < V; ++v) dot += df[v] * (shift + wf[v]) * xf[v];
+      }
+    }
+    for (int c = lane + P * tpr; active && c < npacks; c += tpr) {
+      float xf[V], df[V], wf[V];
+      cuda::unpack(cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V), xf);
+      cuda::unpack(cuda::load_pack<V>(dy, off + static_cast<int64_t>(c) * V), df);
+      cuda::unpack(cuda::load_pack<V>(w, static_cast<int64_t>(c) * V), wf);
+#pragma unroll
+      for (int v = 0; v < V; ++v) dot += df[v] * (shift + wf[v]) * xf[v];
+    }
+    dot = group_sum(dot, tpr, red);
+    if (!active) continue;
+    const float m = dot * r / static_cast<float>(D);  // mean(dy * gw * xhat)
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const int c = lane + k * tpr;
+      if (c < npacks) {
+        float xf[V], df[V], wf[V], out[V];
+        cuda::unpack(xc[k], xf);
+        cuda::unpack(dyc[k], df);
+        cuda::unpack(wc[k], wf);
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          const float xhat = xf[v] * r;
+          out[v] = r * (df[v] * (shift + wf[v]) - xhat * m);
+          acc[k][v] += df[v] * xhat;
+        }
+        cuda::store_pack<V>(dx, off + static_cast<int64_t>(c) * V, cuda::pack(out));
+      }
+    }
+    for (int c = lane + P * tpr; c < npacks; c += tpr) {
+      float xf[V], df[V], wf[V], out[V];
+      cuda::unpack(cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V), xf);
+      cuda::unpack(cuda::load_pack<V>(dy, off + static_cast<int64_t>(c) * V), df);
+      cuda::unpack(cuda::load_pack<V>(w, static_cast<int64_t>(c) * V), wf);
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        const float xhat = xf[v] * r;
+        out[v] = r * (df[v] * (shift + wf[v]) - xhat * m);
+        mine[c * V + v] += df[v] * xhat;
+      }
+      cuda::store_pack<V>(dx, off + static_cast<int64_t>(c) * V, cuda::pack(out));
+    }
+  }
+
+  if (rpb == 1) {
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const int c = lane + k * tpr;
+      if (c < npacks) {
+#pragma unroll
+        for (int v = 0; v < V; ++v) mine[c * V + v] = acc[k][v];
+      }
+    }
+    return;
+  }
+  // Several row groups: sum them in group order through shared memory (no overflow columns here:
+  // tpr < kBlock means P packs per thread cover the row).
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    const int c = lane + k * tpr;
+    if (c < npacks) {
+#pragma unroll
+      for (int v = 0; v < V; ++v) comb[g * D + c * V + v] = acc[k][v];
+    }
+  }
+  __syncthreads();
+  for (int col = static_cast<int>(threadIdx.x); col < D; col += kBlock) {
+    float s = 0.f;
+    for (int j = 0; j < rpb; ++j) s += comb[j * D + col];
+    mine[col] = s;
+  }
+}
+
+// dw[col] += sum over p of partial[p, col], p in a fixed order: 8 slices of p per column (each in
+// increasing p), then the 8 slice sums in slice order.
+__global__ void __launch_bounds__(256)
+    rmsnorm_dw_reduce_kernel(const float* __restrict__ partial,  // [P, D]
+                             float* __restrict__ dw,             // [D]
+                             int P, int D) {
+  __shared__ float s[8][33];
+  const int tx = static_cast<int>(threadIdx.x) & 31, ty = static_cast<int>(threadIdx.x) >> 5;
+  const int col = static_cast<int>(blockIdx.x) * 32 + tx;
+  float acc = 0.f;
+  if (col < D)
+    for (int p = ty; p < P; p += 8) acc += partial[static_cast<int64_t>(p) * D + col];
+  s[ty][tx] = acc;
+  __syncthreads();
+  if (ty == 0 && col < D) {
+    float t = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) t += s[j][tx];
+    dw[col] += t;
+  }
+}
+
+struct Layout {
+  int vec;  // elements per pack: 8 or 1
+  int tpr;  // threads per row
+  int rpb;  // rows per block
+};
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+Layout layout_for(int D, bool vec_ok) {
+  Layout l;
+  l.vec = vec_ok && D % 8 == 0 ? 8 : 1;
+  const int per_thread = l.vec == 8 ? packs_per_thread<8>() : packs_per_thread<1>();
+  const int npacks = D / l.vec;
+  const int need = (npacks + per_thread - 1) / per_thread;
+  l.tpr = 32;
+  while (l.tpr < need && l.tpr < kBlock) l.tpr *= 2;
+  l.rpb = kBlock / l.tpr;
+  return l;
+}
+
+template <class T>
+const bf16_t* dev(const Tensor& t) {
+  return reinterpret_cast<const bf16_t*>(t.ptr<T>());
+}
+
+void forward(const RmsNormFwd& a) {
+  const int64_t R = a.x.size(0), D = a.x.size(1);
+  if (R == 0) return;
+  GDN_CHECK(D <= INT_MAX / 2, "rmsnorm (cuda): row width {} is too large", D);
+  const bf16_t* x = dev<bf16>(a.x);                 // [R, D]
+  const bf16_t* w = dev<bf16>(a.w);                 // [D]
+  bf16_t* y = const_cast<bf16_t*>(dev<bf16>(a.y));  // [R, D]
+  float* rstd = a.rstd.ptr<float>();                // [R]
+  const Layout l = layout_for(static_cast<int>(D), aligned16(x) && aligned16(w) && aligned16(y));
+  const int64_t grid = (R + l.rpb - 1) / l.rpb;
+  GDN_CHECK(grid <= INT_MAX, "rmsnorm (cuda): {} rows is too many", R);
+  const float shift = a.zero_centred ? 1.f : 0.f;
+  cudaStream_t s = cuda::stream();
+  if (l.vec == 8) {
+    rmsnorm_fwd_kernel<8><<<static_cast<unsigned>(grid), kBlock, 0, s>>>(
+        x, w, y, rstd, R, static_cast<int>(D), l.tpr, static_cast<float>(a.eps), shift);
+  } else {
+    rmsnorm_fwd_kernel<1><<<static_cast<unsigned>(grid), kBlock, 0, s>>>(
+        x, w, y, rstd, R, static_cast<int>(D), l.tpr, static_cast<float>(a.eps), shift);
+  }
+  GDN_CUDA_LAUNCH_CHECK("rmsnorm_fwd_kernel");
+}
+
+void backward(const RmsNormBwd& a) {
+  const int64_t R = a.x.size(0), D = a.x.size(1);
+  if (R == 0 || D == 0) return;  // dw += 0
+  GDN_CHECK(D <= INT_MAX / 2, "rmsnorm (cuda): row width {} is too large", D);
+  const bf16_t* x = dev<bf16>(a.x);                   // [R, D]
+  const bf16_t* w = dev<bf16>(a.w);                   // [D]
+  const float* rstd = a.rstd.ptr<float>();            // [R]
+  const bf16_t* dy = dev<bf16>(a.dy);                 // [R, D]
+  bf16_t* dx = const_cast<bf16_t*>(dev<bf16>(a.dx));  // [R, D]
+  float* dw = a.dw.ptr<float>();                      // [D]
+  const Layout l = layout_for(static_cast<int>(D),
+                              aligned16(x) && aligned16(w) && aligned16(dy) && aligned16(dx));
+  const size_t smem = l.rpb > 1 ? static_cast<size_t>(l.rpb) * static_cast<size_t>(D) * 4 : 0;
+  GDN_CHECK(smem <= 48 * 1024, "rmsnorm (cuda): internal: {} bytes of shared memory for D = {}",
+            smem, D);
+  const void* kernel = l.vec == 8 ? reinterpret_cast<const void*>(&rmsnorm_bwd_kernel<8>)
+                                  : reinterpret_cast<const void*>(&rmsnorm_bwd_kernel<1>);
+  cuda::Context& ctx = cuda::Context::get();
+  int per_sm = 0;
+  GDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlock, smem));
+  const int64_t batches = (R + l.rpb - 1) / l.rpb;
+  const int grid = static_cast<int>(
+      std::min<int64_t>(batches, static_cast<int64_t>(ctx.sm_count()) * std::max(per_sm, 1)));
+  float* partial = static_cast<float*>(  // [grid, D]
+      ctx.scratch(static_cast<size_t>(grid) * static_cast<size_t>(D) * sizeof(float)));
+  const float shift = a.zero_centred ? 1.f : 0.f;
+  cudaStream_t s = ctx.stream();
+  if (l.vec == 8) {
+    rmsnorm_bwd_kernel<8><<<grid, kBlock, smem, s>>>(x, w, rstd, dy, dx, partial, R,
+                                                     static_cast<int>(D), l.tpr, shift);
+  } else {
+    rmsnorm_bwd_kernel<1><<<grid, kBlock, smem, s>>>(x, w, rstd, dy, dx, partial, R,
+                                                     static_cast<int>(D), l.tpr, shift);
+  }
+  GDN_CUDA_LAUNCH_CHECK("rmsnorm_bwd_kernel");
+  rmsnorm_dw_reduce_kernel<<<static_cast<unsigned>((D + 31) / 32), 256, 0, s>>>(
+      partial, dw, grid, static_cast<int>(D));
+  GDN_CUDA_LAUNCH_CHECK("rmsnorm_dw_reduce_kernel");
+}
+
+const RmsNormTable kTable{forward, backward};
+
+}  // namespace
+
+GDN_REGISTER(rmsnorm_cuda) {
+  Registry::global().add_impl({"rmsnorm", "cuda.rowwise", Backend::Cuda, 10, nullptr, &kTable});
+}
+
+}  // namespace gdn::ops

@@ -1,0 +1,318 @@
+// RMSNorm on CUDA (label gpu): cuda vs ref over swept shapes (forward and both gradients, both
+// flavours, both the 16-byte and the scalar paths, rows wider than the register-held part), dw
+// accumulation and determinism, the resolver's choice and probe, a deliberately wrong CUDA
+// implementation rejected by the probe, `ops run` on the cuda backend, and bad input.
+// Tolerances come from the one table, src/backend/tolerances.h.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <limits>
+
+#include "backend/tolerances.h"
+#include "gdn/backend/op_run.h"
+#include "gdn/core/safetensors.h"
+#include "ops/rmsnorm/op.h"
+#include "support/op_test_util.h"
+
+namespace gdn::ops {
+namespace {
+
+using testing::randn;
+
+constexpr ProbeError kTol = bf16_tolerance("rmsnorm");
+
+// Every test needs the device; say plainly when there is none instead of failing obscurely.
+class RmsNormCuda : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(cuda_available())
+        << "no CUDA device: the CUDA runtime did not install its device hooks (is a GPU visible? "
+           "check nvidia-smi and CUDA_VISIBLE_DEVICES)";
+  }
+};
+
+// A device tensor whose every element is NaN: outputs start poisoned, so an element the kernel
+// does not write fails the comparison as non-finite.
+OwnedTensor poisoned(DType dt, std::initializer_list<int64_t> shape) {
+  Tensor probe(nullptr, dt, shape);
+  std::vector<double> v(static_cast<size_t>(probe.numel()),
+                        std::numeric_limits<double>::quiet_NaN());
+  return from_f64(v, dt, std::span<const int64_t>(shape.begin(), shape.size()), Device::CUDA);
+}
+
+struct Inputs {
+  OwnedTensor x, w, dy;  // F64 host, rounded through bf16 (both paths see the same numbers)
+};
+
+Inputs make_inputs(int64_t R, int64_t D, bool zc, uint64_t seed) {
+  return {testing::rounded(randn({R, D}, seed, 3.0), DType::BF16),
+          testing::rounded(randn({D}, seed + 1, zc ? 0.2 : 0.3, zc ? 0.0 : 1.0), DType::BF16),
+          testing::rounded(randn({R, D}, seed + 2), DType::BF16)};
+}
+
+struct Ref {
+  OwnedTensor y, rstd, dx, dw;
+};
+
+Ref run_ref(const Inputs& in, bool zc) {
+  const int64_t R = in.x.view().size(0), D = in.x.view().size(1);
+  Ref r{OwnedTensor::zeros(DType::F64, {R, D}), OwnedTensor::zeros(DType::F64, {R}),
+        OwnedTensor::zeros(DType::F64, {R, D}), OwnedTensor::zeros(DType::F64, {D})};
+  rmsnorm_forward({in.x, in.w, r.y, r.rstd, 1e-6, zc});
+  rmsnorm_backward({in.x, in.w, r.rstd, in.dy, r.dx, r.dw, zc});
+  return r;
+}
+
+struct Dev {
+  OwnedTensor x, w, dy, y, rstd, dx, dw;
+};
+
+// Device copies of the inputs; outputs poisoned, dw = dw0 (zeros unless given).
+Dev to_device(const Inputs& in, const Tensor* dw0 = nullptr) {
+  const int64_t R = in.x.view().size(0), D = in.x.view().size(1);
+  Dev d{convert(in.x, DType::BF16, Device::CUDA),
+        convert(in.w, DType::BF16, Device::CUDA),
+        convert(in.dy, DType::BF16, Device::CUDA),
+        poisoned(DType::BF16, {R, D}),
+        poisoned(DType::F32, {R}),
+        poisoned(DType::BF16, {R, D}),
+        dw0 != nullptr ? convert(*dw0, DType::F32, Device::CUDA)
+                       : OwnedTensor::zeros(DType::F32, {D}, Device::CUDA)};
+  return d;
+}
+
+void run_cuda(Dev& d, bool zc) {
+  rmsnorm_forward({d.x, d.w, d.y, d.rstd, 1e-6, zc});
+  rmsnorm_backward({d.x, d.w, d.rstd, d.dy, d.dx, d.dw, zc});
+}
+
+// y is x * r * gw computed in fp32 and rounded once to bf16: within half a bf16 ulp of the fp64
+// value (plus fp32 noise), i.e. |y - y_ref| <= 2^-8 |y_ref|, element by element.
+void expect_y_within_half_ulp(const Tensor& got, const Tensor& want) {
+  auto g = to_f64_vector(got), w = to_f64_vector(want);
+  ASSERT_EQ(g.size(), w.size());
+  int bad = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    const double lim = std::ldexp(std::abs(w[i]), -8) * (1 + 1e-4) + 1e-30;
+    if (!(std::abs(g[i] - w[i]) <= lim) && bad++ < 5)
+      ADD_FAILURE() << "y[" << i << "] = " << g[i] << ", ref " << w[i] << " (more than half a "
+                    << "bf16 ulp away)";
+  }
+  EXPECT_EQ(bad, 0) << "elements of y off by more than half a bf16 ulp";
+}
+
+void compare(const Dev& d, const Ref& r, const Tensor& dy64) {
+  testing::expect_close(d.y, r.y, kTol.fwd, "y");
+  expect_y_within_half_ulp(d.y, r.y);
+  testing::expect_close(d.rstd, r.rstd, kTol.fwd, "rstd");
+  // dx cancels to ~0 when D = 1 (xhat = +-1): measure it against the scale of r * dy.
+  auto rs = to_f64_vector(r.rstd);
+  const double rmax = *std::max_element(rs.begin(), rs.end());
+  testing::expect_close(d.dx, r.dx, kTol.bwd, "dx", testing::l2(dy64) * rmax);
+  testing::expect_close(d.dw, r.dw, kTol.bwd, "dw");
+}
+
+// (R, D): one row, odd and tiny widths (scalar path), widths with D % 8 == 0 (16-byte path) from
+// one warp per row up to the register limit (D = 8192) and past it (D = 12288 with 16-byte packs,
+// D = 9001 / 4100 scalar: re-read tail and dw accumulated in the partial rows), many rows (the
+// backward's grid-stride walk takes several turns), and the benchmark's width.
+struct Shape {
+  int64_t R, D;
+};
+void PrintTo(const Shape& s, std::ostream* os) { *os << "[" << s.R << ", " << s.D << "]"; }
+const Shape kShapes[] = {{1, 1},     {1, 7},      {3, 97},   {1, 128},    {64, 128},
+                         {33, 1000}, {257, 1031}, {5, 4096}, {130, 4096}, {2, 4100},
+                         {16, 8192}, {3, 12288},  {7, 9001}, {70000, 64}, {4099, 2048}};
+
+class RmsNormCudaSweep : public RmsNormCuda,
+                         public ::testing::WithParamInterface<std::tuple<Shape, bool>> {};
+
+TEST_P(RmsNormCudaSweep, MatchesRef) {
+  auto [shape, zc] = GetParam();
+  Inputs in = make_inputs(shape.R, shape.D, zc, 100 + static_cast<uint64_t>(shape.D));
+  Ref ref = run_ref(in, zc);
+  Dev d = to_device(in);
+  run_cuda(d, zc);
+  compare(d, ref, in.dy);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, RmsNormCudaSweep,
+                         ::testing::Combine(::testing::ValuesIn(kShapes), ::testing::Bool()),
+                         [](const auto& info) {
+                           const Shape s = std::get<0>(info.param);
+                           return "R" + std::to_string(s.R) + "_D" + std::to_string(s.D) +
+                                  (std::get<1>(info.param) ? "_zc" : "_plain");
+                         });
+
+TEST_F(RmsNormCuda, ZeroCentredFormsOnePlusWInFp32) {
+  // w ~ 1e-3: in bf16, 1 + w would round to 1 and y would equal the w = 0 result.
+  const int64_t R = 4, D = 256;
+  Inputs in = make_inputs(R, D, true, 7);
+  in.w = testing::rounded(randn({D}, 8, 1e-3), DType::BF16);
+  Ref ref = run_ref(in, true);
+  Dev d = to_device(in);
+  run_cuda(d, true);
+  compare(d, ref, in.dy);
+}
+
+TEST_F(RmsNormCuda, BackwardAccumulatesDwAndIsDeterministic) {
+  const int64_t R = 3000, D = 4096;
+  Inputs in = make_inputs(R, D, false, 21);
+  Ref ref = run_ref(in, false);
+  OwnedTensor dw0 = randn({D}, 24, 5.0);
+  Dev d = to_device(in, &dw0.view());
+  run_cuda(d, false);
+  // dw = dw0 + ref
+  auto got = to_f64_vector(d.dw), base = to_f64_vector(dw0), add = to_f64_vector(ref.dw);
+  double num = 0, den = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double want = static_cast<double>(static_cast<float>(base[i])) + add[i];
+    num += (got[i] - want) * (got[i] - want);
+    den += add[i] * add[i];
+  }
+  EXPECT_LE(std::sqrt(num / den), kTol.bwd) << "dw after += (error relative to the added part)";
+  // The same backward again from the same dw0: bit-identical dx and dw.
+  auto dx1 = to_f64_vector(d.dx), dw1 = to_f64_vector(d.dw);
+  for (int rep = 0; rep < 3; ++rep) {
+    OwnedTensor dw = convert(dw0, DType::F32, Device::CUDA);
+    OwnedTensor dx = poisoned(DType::BF16, {R, D});
+    rmsnorm_backward({d.x, d.w, d.rstd, d.dy, dx, dw, false});
+    EXPECT_EQ(to_f64_vector(dx), dx1) << "dx differs between identical runs (rep " << rep << ")";
+    EXPECT_EQ(to_f64_vector(dw), dw1) << "dw differs between identical runs (rep " << rep << ")";
+  }
+}
+
+TEST_F(RmsNormCuda, UnalignedTensorsTakeTheScalarPath) {
+  // D % 8 == 0 but x, y, dy, dx start 2 bytes past a 16-byte boundary.
+  const int64_t R = 9, D = 512;
+  Inputs in = make_inputs(R, D, false, 31);
+  Ref ref = run_ref(in, false);
+  Dev d = to_device(in);
+  auto shifted = [&](const Tensor& src) {
+    OwnedTensor buf = OwnedTensor::zeros(DType::BF16, {R * D + 8}, Device::CUDA);
+    Tensor v(static_cast<char*>(buf.view().data()) + 2, DType::BF16, {R, D}, Device::CUDA);
+    copy_into(v, src);
+    return std::make_pair(std::move(buf), v);
+  };
+  auto [xb, x] = shifted(d.x);
+  auto [dyb, dy] = shifted(d.dy);
+  auto [yb, y] = shifted(d.y);
+  auto [dxb, dx] = shifted(d.dx);
+  rmsnorm_forward({x, d.w, y, d.rstd, 1e-6, false});
+  rmsnorm_backward({x, d.w, d.rstd, dy, dx, d.dw, false});
+  testing::expect_close(y, ref.y, kTol.fwd, "y (unaligned)");
+  expect_y_within_half_ulp(y, ref.y);
+  testing::expect_close(dx, ref.dx, kTol.bwd, "dx (unaligned)");
+  testing::expect_close(d.dw, ref.dw, kTol.bwd, "dw (unaligned)");
+}
+
+TEST_F(RmsNormCuda, ResolverChoosesCudaAndItPassesItsProbe) {
+  const Resolution& r = Registry::global().resolve("rmsnorm", OpQuery{Backend::Cuda, "", {}});
+  ASSERT_NE(r.impl, nullptr);
+  EXPECT_EQ(r.impl->name, "cuda.rowwise");
+  EXPECT_EQ(r.impl->backend, Backend::Cuda);
+  EXPECT_LE(r.error.fwd, kTol.fwd);
+  EXPECT_LE(r.error.bwd, kTol.bwd);
+  // bf16 outputs cannot match fp64 exactly: a zero error would mean the probe compared nothing.
+  EXPECT_GT(r.error.fwd, 0.0);
+  EXPECT_GT(r.error.bwd, 0.0);
+  EXPECT_TRUE(r.rejected.empty()) << r.rejected.front();
+}
+
+// Deliberately wrong CUDA implementations, built from the real one.
+const RmsNormTable* real_cuda_table() {
+  for (const ImplDesc* i : Registry::global().impls("rmsnorm", Backend::Cuda))
+    if (i->name == "cuda.rowwise") return static_cast<const RmsNormTable*>(i->table);
+  return nullptr;
+}
+// Forward uses w where it should use 1 + w and vice versa.
+void wrong_forward(const RmsNormFwd& a) {
+  RmsNormFwd b = a;
+  b.zero_centred = !a.zero_centred;
+  real_cuda_table()->forward(b);
+}
+// Backward forgets to accumulate dw (writes its dw into a throw-away buffer).
+void wrong_backward(const RmsNormBwd& a) {
+  OwnedTensor junk = OwnedTensor::zeros(DType::F32, {a.dw.size(0)}, Device::CUDA);
+  RmsNormBwd b = a;
+  b.dw = junk;
+  real_cuda_table()->backward(b);
+  device_synchronize(Device::CUDA);  // junk is freed on return
+}
+void real_forward(const RmsNormFwd& a) { real_cuda_table()->forward(a); }
+void real_backward(const RmsNormBwd& a) { real_cuda_table()->backward(a); }
+const RmsNormTable kWrongFwd{wrong_forward, real_backward};
+const RmsNormTable kWrongBwd{real_forward, wrong_backward};
+
+TEST_F(RmsNormCuda, ProbeRejectsWrongCudaKernels) {
+  ASSERT_NE(real_cuda_table(), nullptr) << "cuda.rowwise is not registered";
+  Registry reg;  // private: the global registry is untouched
+  reg.add_op(Registry::global().op("rmsnorm"));
+  reg.add_impl(Registry::global().ref("rmsnorm"));
+  for (const ImplDesc* i : Registry::global().impls("rmsnorm", Backend::Cuda)) reg.add_impl(*i);
+  reg.add_impl({"rmsnorm", "cuda.wrong_fwd", Backend::Cuda, 20, nullptr, &kWrongFwd});
+  reg.add_impl({"rmsnorm", "cuda.wrong_dw", Backend::Cuda, 30, nullptr, &kWrongBwd});
+  const Resolution& r = reg.resolve("rmsnorm", OpQuery{Backend::Cuda, "", {}});
+  ASSERT_NE(r.impl, nullptr);
+  EXPECT_EQ(r.impl->name, "cuda.rowwise");
+  ASSERT_EQ(r.rejected.size(), 2u);
+  // Highest priority first; each line names the implementation and the failing direction.
+  EXPECT_NE(r.rejected[0].find("rejecting cuda.wrong_dw: probe error"), std::string::npos)
+      << r.rejected[0];
+  EXPECT_NE(r.rejected[1].find("rejecting cuda.wrong_fwd: probe error"), std::string::npos)
+      << r.rejected[1];
+}
+
+TEST_F(RmsNormCuda, OpsRunOnCudaBackend) {
+  const int64_t R = 6, D = 40;
+  Inputs in = make_inputs(R, D, true, 41);
+  Ref ref = run_ref(in, true);
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("gdn_rmsnorm_cuda_" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  const std::string inp = (dir / "in.safetensors").string(),
+                    out = (dir / "out.safetensors").string();
+  OwnedTensor x = convert(in.x, DType::F32), w = convert(in.w, DType::F32),
+              dy = convert(in.dy, DType::F32);
+  write_safetensors(inp, {{"x", x.view(), {}, {}, nullptr, 0},
+                          {"w", w.view(), {}, {}, nullptr, 0},
+                          {"dy", dy.view(), {}, {}, nullptr, 0}});
+  OpRunResult res = run_op_file("rmsnorm", Backend::Cuda, inp, out, true, {{"zero_centred", 1}});
+  EXPECT_EQ(res.impl, "cuda.rowwise");
+  SafeTensorsFile f(out);
+  testing::expect_close(f.load("y", DType::F64), ref.y, kTol.fwd, "y (ops run)");
+  testing::expect_close(f.load("rstd", DType::F64), ref.rstd, kTol.fwd, "rstd (ops run)");
+  testing::expect_close(f.load("dx", DType::F64), ref.dx, kTol.bwd, "dx (ops run)");
+  testing::expect_close(f.load("dw", DType::F64), ref.dw, kTol.bwd, "dw (ops run)");
+  fs::remove_all(dir);
+}
+
+TEST_F(RmsNormCuda, BadInputIsAClearError) {
+  auto x = OwnedTensor::zeros(DType::BF16, {4, 8}, Device::CUDA);
+  auto y = OwnedTensor::zeros(DType::BF16, {4, 8}, Device::CUDA);
+  auto r = OwnedTensor::zeros(DType::F32, {4}, Device::CUDA);
+  auto w_host = OwnedTensor::zeros(DType::BF16, {8});
+  try {
+    rmsnorm_forward({x, w_host, y, r, 1e-6, false});
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rmsnorm: all tensors must be on cuda"), std::string::npos)
+        << e.what();
+  }
+  auto w = OwnedTensor::zeros(DType::BF16, {8}, Device::CUDA);
+  auto r_bf16 = OwnedTensor::zeros(DType::BF16, {4}, Device::CUDA);
+  try {
+    rmsnorm_forward({x, w, y, r_bf16, 1e-6, false});
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor 'rstd' has dtype BF16, expected F32"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace gdn::ops
