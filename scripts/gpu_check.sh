@@ -7,8 +7,8 @@
 #   OUT=/some/dir scripts/gpu_check.sh          (OUT defaults to ./gpu_check_out)
 #
 # Knobs (environment): JOBS (build parallelism, default nproc), GPU_CHECK_SANITIZER=0 skips the
-# compute-sanitizer step, GPU_CHECK_CPU_TESTS=1 also runs the cpu-labelled tests of the CUDA build,
-# GPU_CHECK_BENCH_ARGS extra arguments for cuda_bench_ops (e.g. "--filter rmsnorm").
+# compute-sanitizer steps, GPU_CHECK_BENCH_ARGS extra arguments for cuda_bench_ops (e.g.
+# "--filter rmsnorm"). The cuda preset builds only the gpu-labelled tests (GDN_CPU_TESTS=OFF).
 # Exit status: 0 when every step passed, 1 otherwise (a failed build stops the script early).
 set -u -o pipefail
 
@@ -114,11 +114,6 @@ fi
 
 # shellcheck disable=SC2086
 step bench "$BUILD/bench/cuda_bench_ops" "$OUT/bench_ops.json" ${GPU_CHECK_BENCH_ARGS:-}
-
-if [ "${GPU_CHECK_CPU_TESTS:-0}" = 1 ]; then
-  step ctest_cpu ctest --test-dir "$BUILD" -L cpu --output-on-failure -j "$JOBS" \
-    --output-junit "$OUT/ctest_cpu.xml"
-fi
 
 summary
 exit "$FAILED"
