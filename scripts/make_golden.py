@@ -14,9 +14,12 @@ the CPU, runs every document separately through HF's forward and backward. It wr
 `gdntrain dump --model DIR --docs docs.safetensors --out X.safetensors` packs the same documents
 into one batch and must reproduce out.safetensors (tests/model/test_golden.cpp checks it in CI).
 
-Notes on precision: HF upcasts its RMSNorms, the gated norm and the torch gated-delta-rule
-fallback to float32 internally even when the model is float64, so the fixtures themselves carry
-relative errors around 1e-7..1e-6; gdntrain's CPU path is compared against them at 1e-4.
+Precision: HF's code casts to float32 in several places even in a float64 model (its RMSNorms,
+the gated norm, the gates, the torch gated-delta-rule fallback, the RoPE frequencies). While the
+fixtures are computed, `Tensor.float()` / `Tensor.to(float32)` keep float64 tensors in float64 and
+the RoPE inverse frequencies are recomputed in float64, so the fixtures are HF's own code evaluated
+in float64 end to end (gdntrain's fp64 `ref` path then agrees to ~1e-10, its fp32 `cpu` path to
+~1e-6).
 
 Usage (needs torch and transformers >= 5.17; runs on CPU in under a minute):
   python3 scripts/make_golden.py tests/data/golden
@@ -36,6 +39,52 @@ try:
     from transformers import Qwen3_5ForConditionalGeneration
 except ImportError:  # pragma: no cover
     Qwen3_5ForConditionalGeneration = None
+
+_ORIG_FLOAT = torch.Tensor.float
+_ORIG_TO = torch.Tensor.to
+
+
+def _float64_float(self, *args, **kwargs):
+    if self.dtype == torch.float64:
+        return self
+    if not self.is_floating_point():  # integer positions, boolean masks: straight to float64
+        return self.double()
+    return _ORIG_FLOAT(self, *args, **kwargs)
+
+
+def _float64_to(self, *args, **kwargs):
+    if self.dtype == torch.float64:
+        args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+        if kwargs.get("dtype") is torch.float32:
+            kwargs["dtype"] = torch.float64
+    return _ORIG_TO(self, *args, **kwargs)
+
+
+class float64_everywhere:
+    """Within the block, no float64 tensor is downcast to float32 by HF's internal upcasts."""
+
+    def __enter__(self):
+        torch.Tensor.float = _float64_float
+        torch.Tensor.to = _float64_to
+
+    def __exit__(self, *exc):
+        torch.Tensor.float = _ORIG_FLOAT
+        torch.Tensor.to = _ORIG_TO
+
+
+def recompute_rope_float64(model, text_cfg):
+    """HF builds inv_freq in float32; rebuild it in float64 with the same formula."""
+    rp = text_cfg.rope_parameters
+    dim = int(text_cfg.head_dim * rp.get("partial_rotary_factor", 1.0))
+    inv = 1.0 / (rp["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    found = 0
+    for mod in model.modules():
+        if type(mod).__name__ == "Qwen3_5TextRotaryEmbedding":
+            mod.inv_freq = inv.clone()
+            mod.original_inv_freq = inv.clone()
+            found += 1
+    assert found == 1, found
+
 
 TEXT_BASE = dict(
     vocab_size=97,
@@ -98,8 +147,9 @@ def build(name, spec):
     return model, text_cfg
 
 
-def run_docs(model, vocab, docs):
+def run_docs(model, text_cfg, docs):
     model.double().eval()  # eval: no dropout (there is none); gradients still flow
+    recompute_rope_float64(model, text_cfg)
     model.zero_grad(set_to_none=True)
     total_targets = sum(len(d) - 1 for d in docs)
     out = {}
@@ -130,7 +180,8 @@ def main(out_root):
         vocab = text_cfg.vocab_size
         g = torch.Generator().manual_seed(99)
         docs = [torch.randint(0, vocab, (n,), generator=g, dtype=torch.int64) for n in DOC_LENGTHS]
-        out = run_docs(model, vocab, docs)
+        with float64_everywhere():
+            out = run_docs(model, text_cfg, docs)
         trained = 0
         for pname, p in model.named_parameters():
             if ".visual." in pname or pname.startswith("model.visual") or pname.startswith("mtp."):

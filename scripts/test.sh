@@ -11,6 +11,9 @@ if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
   has_nvcc=1
   scripts/build.sh cuda
 fi
+# Passive OpenMP waiting: with several test processes on few cores, spinning threads starve
+# the ones doing work.
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 ctest --preset cpu -j "$(nproc)"
 if [ $has_nvcc = 1 ] && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   ctest --preset gpu

@@ -222,6 +222,12 @@ int64_t IndexedDataset::document_length(int64_t doc) const {
   return n;
 }
 
+std::vector<int64_t> IndexedDataset::document_lengths() const {
+  std::vector<int64_t> v(static_cast<size_t>(num_documents()));
+  for (int64_t d = 0; d < num_documents(); ++d) v[static_cast<size_t>(d)] = document_length(d);
+  return v;
+}
+
 void IndexedDataset::read_sequence(int64_t seq, int64_t begin, int64_t end, int32_t* out) const {
   const int64_t len = sequence_length(seq);
   GDN_CHECK(0 <= begin && begin <= end && end <= len,

@@ -70,7 +70,8 @@ class IndexedDataset {
   int64_t sequence_pointer(int64_t seq) const;  // byte offset in .bin
   // Sequences [first, last) of document `doc`.
   std::pair<int64_t, int64_t> document_sequences(int64_t doc) const;
-  int64_t document_length(int64_t doc) const;  // tokens over all its sequences
+  int64_t document_length(int64_t doc) const;     // tokens over all its sequences
+  std::vector<int64_t> document_lengths() const;  // [num_documents()], for plan_packing()
 
   // Tokens [begin, end) of a sequence / of a document (across its sequences), as int32.
   void read_sequence(int64_t seq, int64_t begin, int64_t end, int32_t* out) const;  // [end-begin]

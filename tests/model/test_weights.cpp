@@ -3,6 +3,7 @@
 // tensors, errors listing missing/unexpected/mis-shaped names).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -207,6 +208,19 @@ TEST(Weights, InitFollowsHfRulesAndIsReproducibleAndOrderIndependent) {
   init_param(qs, lone, c, 1234);
   EXPECT_EQ(values(lone), values(a.tensor(qs.name)));
 
+  // Large tensors are filled in parallel: the thread count changes nothing.
+  {
+    ParamSpec big{"model.layers.0.mlp.up_proj.weight", {400, 512}, InitKind::Normal};
+    OwnedTensor one = OwnedTensor::empty(DType::F32, {400, 512});
+    OwnedTensor two = OwnedTensor::empty(DType::F32, {400, 512});
+    const int keep = omp_get_max_threads();
+    omp_set_num_threads(1);
+    init_param(big, one, c, 1234);
+    omp_set_num_threads(2);
+    init_param(big, two, c, 1234);
+    omp_set_num_threads(keep);
+    EXPECT_EQ(values(one), values(two));
+  }
   for (size_t i = 0; i < a.size(); ++i) {
     const ParamSpec& s = a.spec(i);
     auto v = values(a.tensor(i));
@@ -536,6 +550,66 @@ TEST(Weights, CheckpointWithConfigRoundTrip) {
   EXPECT_THAT(error_of([&] { save_hf_weights(dir.string(), c, s, SaveOptions{}, wrong); }),
               HasSubstr("is not of an untouched family"));
   fs::remove_all(dir);
+}
+
+// Checkpoints written by HF transformers 5.24 save_pretrained (tests/data/golden, made by
+// scripts/make_golden.py): our names, shapes, prefixes and untouched families must match HF's own
+// files exactly, and a load -> save round trip must reproduce every tensor byte for byte and the
+// config.json verbatim.
+TEST(Weights, HfSavedGoldenCheckpointsLoadAndRoundTripExactly) {
+  struct Case {
+    const char* name;
+    WeightPrefix prefix;
+    size_t untouched;
+  };
+  auto out = temp_dir("golden");
+  for (const Case& k :
+       {Case{"r1_tied", WeightPrefix::Text, 0}, Case{"r2_untied", WeightPrefix::Text, 0},
+        Case{"nested_vl", WeightPrefix::Multimodal, 21}}) {
+    SCOPED_TRACE(k.name);
+    const fs::path dir = fs::path(GDN_TEST_DATA_DIR) / "golden" / k.name;
+    HfCheckpoint ck = load_hf_checkpoint(dir.string());
+    EXPECT_EQ(ck.extras.prefix, k.prefix);
+    EXPECT_EQ(prefix_for(ck.config), k.prefix);
+    EXPECT_EQ(ck.extras.untouched.size(), k.untouched);
+    for (const auto& r : ck.extras.untouched)
+      EXPECT_TRUE(r.name.starts_with("model.visual.")) << r.name;
+    SafeTensorsFile hf((dir / "model.safetensors").string());
+    EXPECT_EQ(hf.tensors().size(), ck.params.size() + k.untouched);
+    EXPECT_EQ(hf.contains("lm_head.weight"), !ck.config.tie_word_embeddings);
+    for (size_t i = 0; i < ck.params.size(); ++i) {
+      const std::string n = hf_name(ck.params.spec(i).name, k.prefix);
+      ASSERT_TRUE(hf.contains(n)) << n;
+      const SafeTensorInfo& info = hf.info(n);
+      EXPECT_EQ(info.shape, ck.params.spec(i).shape) << n;
+      ASSERT_EQ(info.dtype, DType::F32);
+      EXPECT_EQ(std::memcmp(hf.raw(info), ck.params.tensor(i).data(), info.end - info.begin), 0)
+          << n;
+    }
+
+    const fs::path o = out / k.name;
+    SaveOptions opt;
+    opt.dtype = DType::F32;
+    opt.prefix = prefix_for(ck.config);
+    save_hf_checkpoint(o.string(), ck.config, ck.params, opt, ck.extras.untouched);
+    SafeTensorsFile ours((o / "model.safetensors").string());
+    EXPECT_EQ(ours.metadata(), hf.metadata());
+    ASSERT_EQ(ours.tensors().size(), hf.tensors().size());
+    for (const auto& t : hf.tensors()) {
+      ASSERT_TRUE(ours.contains(t.name)) << t.name;
+      const SafeTensorInfo& u = ours.info(t.name);
+      EXPECT_EQ(u.dtype_name, t.dtype_name) << t.name;
+      EXPECT_EQ(u.shape, t.shape) << t.name;
+      ASSERT_EQ(u.end - u.begin, t.end - t.begin) << t.name;
+      EXPECT_EQ(std::memcmp(ours.raw(u), hf.raw(t), t.end - t.begin), 0) << t.name;
+    }
+    std::ifstream a(dir / "config.json"), b(o / "config.json");
+    std::stringstream sa, sb;
+    sa << a.rdbuf();
+    sb << b.rdbuf();
+    EXPECT_EQ(json::parse(sb.str()), json::parse(sa.str()));
+  }
+  fs::remove_all(out);
 }
 
 }  // namespace

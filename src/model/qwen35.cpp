@@ -1,0 +1,478 @@
+// The Qwen3.5 decoder forward and backward (see qwen35.h for the layer walk).
+#include "model/qwen35.h"
+
+#include <cmath>
+#include <cstring>
+#include <map>
+
+#include "gdn/core/log.h"
+#include "ops/axpy/op.h"
+#include "ops/causal_conv1d/op.h"
+#include "ops/embedding/op.h"
+#include "ops/gated_attention/op.h"
+#include "ops/gated_delta_rule/op.h"
+#include "ops/gated_rmsnorm/op.h"
+#include "ops/gdn_gates/op.h"
+#include "ops/gemm/op.h"
+#include "ops/linear_cross_entropy/op.h"
+#include "ops/rmsnorm/op.h"
+#include "ops/swiglu/op.h"
+
+namespace gdn::model {
+
+using namespace gdn::ops;
+
+DType param_compute_dtype(const ParamSpec& spec, Backend backend) {
+  if (backend == Backend::Ref) return DType::F64;
+  if (backend == Backend::Cpu) return DType::F32;
+  const std::string& n = spec.name;
+  if (n.ends_with("linear_attn.A_log") || n.ends_with("linear_attn.dt_bias")) return DType::F32;
+  return DType::BF16;
+}
+
+namespace {
+size_t bytes_of(const ParamSpec& s, DType dt) {
+  return static_cast<size_t>(s.numel() * dtype_size(dt));
+}
+size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
+// Parameter indices by HF name, from the specs alone (no parameter memory needed).
+ModelParamIds param_ids_from_specs(const std::vector<ParamSpec>& specs, const Qwen35Config& c) {
+  std::map<std::string, int64_t, std::less<>> index;
+  for (size_t i = 0; i < specs.size(); ++i) index[specs[i].name] = static_cast<int64_t>(i);
+  auto id = [&](const std::string& name, bool required = true) -> int64_t {
+    auto it = index.find(name);
+    GDN_CHECK(it != index.end() || !required, "model: parameter '{}' missing from the specs", name);
+    return it == index.end() ? -1 : it->second;
+  };
+  ModelParamIds m;
+  m.embed = id("model.embed_tokens.weight");
+  m.final_norm = id("model.norm.weight");
+  m.lm_head = c.tie_word_embeddings ? -1 : id("lm_head.weight");
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const std::string p = fmt::format("model.layers.{}.", l);
+    LayerParamIds w;
+    w.type = c.layer_types[static_cast<size_t>(l)];
+    w.input_norm = id(p + "input_layernorm.weight");
+    w.post_norm = id(p + "post_attention_layernorm.weight");
+    w.mlp_gate = id(p + "mlp.gate_proj.weight");
+    w.mlp_up = id(p + "mlp.up_proj.weight");
+    w.mlp_down = id(p + "mlp.down_proj.weight");
+    if (w.type == LayerType::Linear) {
+      w.in_proj_qkv = id(p + "linear_attn.in_proj_qkv.weight");
+      w.in_proj_z = id(p + "linear_attn.in_proj_z.weight");
+      w.in_proj_b = id(p + "linear_attn.in_proj_b.weight");
+      w.in_proj_a = id(p + "linear_attn.in_proj_a.weight");
+      w.conv1d = id(p + "linear_attn.conv1d.weight");
+      w.dt_bias = id(p + "linear_attn.dt_bias");
+      w.a_log = id(p + "linear_attn.A_log");
+      w.gated_norm = id(p + "linear_attn.norm.weight");
+      w.out_proj = id(p + "linear_attn.out_proj.weight");
+    } else {
+      w.q_proj = id(p + "self_attn.q_proj.weight");
+      w.k_proj = id(p + "self_attn.k_proj.weight");
+      w.v_proj = id(p + "self_attn.v_proj.weight");
+      w.o_proj = id(p + "self_attn.o_proj.weight");
+      w.q_norm = id(p + "self_attn.q_norm.weight");
+      w.k_norm = id(p + "self_attn.k_norm.weight");
+    }
+    m.layers.push_back(w);
+  }
+  return m;
+}
+}  // namespace
+
+Qwen35Model::Qwen35Model(Qwen35Config cfg, Backend backend, int64_t max_tokens, int64_t max_docs)
+    : cfg_(std::move(cfg)), backend_(backend), max_tokens_(max_tokens), max_docs_(max_docs) {
+  validate(cfg_);
+  GDN_CHECK(max_tokens_ >= 1 && max_docs_ >= 1 && max_docs_ <= max_tokens_,
+            "model: max_tokens {} and max_docs {} must satisfy 1 <= max_docs <= max_tokens",
+            max_tokens_, max_docs_);
+  specs_ = param_specs(cfg_);
+  ids_ = param_ids_from_specs(specs_, cfg_);
+  const Device dev = backend_device(backend_);
+  const DType gdt = backend_ == Backend::Ref ? DType::F64 : DType::F32;
+  size_t pbytes = 0, gbytes = 0;
+  for (const auto& s : specs_) {
+    pbytes += align256(bytes_of(s, param_compute_dtype(s, backend_)));
+    gbytes += align256(bytes_of(s, gdt));
+  }
+  param_arena_ = Arena("parameters", dev, pbytes);
+  grad_arena_ = Arena("gradients", dev, gbytes);
+  for (const auto& s : specs_) {
+    params_.push_back(param_arena_.alloc_tensor(param_compute_dtype(s, backend_), s.shape));
+    grads_.push_back(grad_arena_.alloc_tensor(gdt, s.shape));
+  }
+  zero_grads();
+  // Size the activation arena by replaying a step of the largest micro-batch in planning mode.
+  Arena plan = Arena::planning("activations", dev);
+  StepOptions opt;
+  run(plan, nullptr, opt, nullptr);
+  act_arena_ = Arena("activations", dev, plan.peak());
+}
+
+void Qwen35Model::load_params(const ParamStore& master) {
+  GDN_CHECK(master.size() == specs_.size(), "model: parameter store has {} tensors, expected {}",
+            master.size(), specs_.size());
+  for (size_t i = 0; i < specs_.size(); ++i) {
+    GDN_CHECK(master.spec(i).name == specs_[i].name, "model: parameter {} is '{}', expected '{}'",
+              i, master.spec(i).name, specs_[i].name);
+    copy_into(params_[i], master.tensor(i));
+  }
+}
+
+void Qwen35Model::read_grad(size_t i, const Tensor& out) const { copy_into(out, grads_.at(i)); }
+
+void Qwen35Model::zero_grads() {
+  zero_bytes(grad_arena_.capacity() ? grads_.front().data() : nullptr, backend_device(backend_),
+             grad_arena_.used());
+}
+
+std::string Qwen35Model::memory_plan() const {
+  return fmt::format(
+      "memory plan ({} backend, micro-batch up to {} tokens / {} documents): parameters {}, "
+      "gradients {}, activations {}; total {}",
+      backend_name(backend_), max_tokens_, max_docs_,
+      format_bytes(static_cast<double>(param_bytes())),
+      format_bytes(static_cast<double>(grad_bytes())),
+      format_bytes(static_cast<double>(activation_bytes())),
+      format_bytes(static_cast<double>(param_bytes() + grad_bytes() + activation_bytes())));
+}
+
+StepStats Qwen35Model::step(const MicroBatch& mb, const StepOptions& opt) {
+  GDN_CHECK(mb.num_tokens() >= 1, "model: empty micro-batch");
+  GDN_CHECK(mb.num_tokens() <= max_tokens_,
+            "model: micro-batch of {} tokens exceeds the planned maximum {}", mb.num_tokens(),
+            max_tokens_);
+  GDN_CHECK(mb.num_segments() >= 1 && mb.num_segments() <= max_docs_,
+            "model: micro-batch of {} documents exceeds the planned maximum {}", mb.num_segments(),
+            max_docs_);
+  GDN_CHECK(mb.labels.size() == mb.input_ids.size(), "model: {} labels for {} tokens",
+            mb.labels.size(), mb.input_ids.size());
+  GDN_CHECK(mb.cu_seqlens.front() == 0 && mb.cu_seqlens.back() == mb.num_tokens(),
+            "model: cu_seqlens must run from 0 to {} tokens", mb.num_tokens());
+  for (int32_t id : mb.input_ids)
+    GDN_CHECK(id >= 0 && id < cfg_.vocab_size, "model: token id {} outside the vocabulary [0, {})",
+              id, cfg_.vocab_size);
+  StepStats stats;
+  act_arena_.reset();
+  run(act_arena_, &mb, opt, &stats);
+  return stats;
+}
+
+// ------------------------------------------------------------------------------------------------
+// The step itself. With a planning arena (mb == nullptr) every allocation happens with the
+// largest sizes and no op runs, which is how the activation arena is sized.
+namespace {
+
+struct LayerActs {
+  Tensor h_in, rstd_in, xn;                                    // [T, D], [T], [T, D]
+  Tensor qkv, q, k, v, z, a, b, g, beta, o, nrstd;             // GDN
+  Tensor qg, ak, av, q_hat, k_hat, attn, lse, q_rstd, k_rstd;  // attention
+  Tensor y;                                     // mixer output before the out projection
+  Tensor h_mid, rstd_post, xn2, gate, up, act;  // MLP
+};
+
+void copy_tensor(const Tensor& dst, const Tensor& src) {
+  copy_bytes(dst.data(), dst.device(), src.data(), src.device(), static_cast<size_t>(src.nbytes()));
+}
+
+// dst [T, w] <- src[:, col : col + w] of src [T, C] (or the reverse with `to_src`).
+void copy_cols(const Tensor& part, const Tensor& whole, int64_t col, bool into_whole) {
+  const int64_t T = whole.size(0), C = whole.size(1), w = part.numel() / std::max<int64_t>(T, 1);
+  const size_t es = static_cast<size_t>(dtype_size(whole.dtype()));
+  char* wp = static_cast<char*>(whole.data()) + col * static_cast<int64_t>(es);
+  if (into_whole)
+    copy_2d(wp, C * es, part.data(), w * es, w * es, static_cast<size_t>(T), whole.device());
+  else
+    copy_2d(part.data(), w * es, wp, C * es, w * es, static_cast<size_t>(T), whole.device());
+}
+
+}  // namespace
+
+struct Qwen35Model::Pass {
+  const Qwen35Model& m;
+  Arena& A;
+  bool live;
+  int64_t T, N;
+  DType act, stat;
+  Device dev;
+  Tensor P(int64_t id) const { return m.params_.at(static_cast<size_t>(id)); }
+  Tensor G(int64_t id) const { return m.grads_.at(static_cast<size_t>(id)); }
+  Tensor alloc(DType dt, std::initializer_list<int64_t> shape) { return A.alloc_tensor(dt, shape); }
+  Tensor alloc_act(std::initializer_list<int64_t> shape) { return A.alloc_tensor(act, shape); }
+};
+
+void Qwen35Model::run(Arena& arena, const MicroBatch* mb, const StepOptions& opt,
+                      StepStats* stats) {
+  const Qwen35Config& c = cfg_;
+  const bool live = !arena.is_planning();
+  Pass p{*this,
+         arena,
+         live,
+         live ? mb->num_tokens() : max_tokens_,
+         live ? mb->num_segments() : max_docs_,
+         backend_dtype(backend_),
+         backend_ == Backend::Ref ? DType::F64 : DType::F32,
+         backend_device(backend_)};
+  auto P = [&p](int64_t id) { return p.P(id); };
+  auto G = [&p](int64_t id) { return p.G(id); };
+  const int64_t T = p.T, N = p.N, D = c.hidden_size, I = c.intermediate_size, V = c.vocab_size;
+  const int64_t Hk = c.linear_num_key_heads, Hv = c.linear_num_value_heads,
+                dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, C = c.conv_dim(),
+                W = c.linear_conv_kernel_dim, KD = c.key_dim(), VD = c.value_dim();
+  const int64_t Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim;
+  const double eps = c.rms_norm_eps;
+  const int64_t L = c.num_hidden_layers;
+  const bool backward = opt.backward;
+
+  // Inputs.
+  Tensor ids = p.alloc(DType::I32, {T});     // [T]
+  Tensor labels = p.alloc(DType::I32, {T});  // [T]
+  Tensor cu = p.alloc(DType::I32, {N + 1});  // [N+1]
+  Tensor cu_host;                            // host copy for ops that validate on the host
+  if (live) {
+    copy_bytes(ids.data(), p.dev, mb->input_ids.data(), Device::CPU, static_cast<size_t>(T) * 4);
+    copy_bytes(labels.data(), p.dev, mb->labels.data(), Device::CPU, static_cast<size_t>(T) * 4);
+    copy_bytes(cu.data(), p.dev, mb->cu_seqlens.data(), Device::CPU,
+               static_cast<size_t>(N + 1) * 4);
+  }
+
+  // Residual stream: H[l] is the input of layer l, H[L] the input of the final norm.
+  std::vector<Tensor> H(static_cast<size_t>(L + 1));
+  H[0] = p.alloc_act({T, D});
+  if (live) embedding_forward({ids, P(ids_.embed), H[0]});
+
+  std::vector<LayerActs> acts(static_cast<size_t>(L));
+  for (int64_t l = 0; l < L; ++l) {
+    const LayerParamIds& w = ids_.layers[static_cast<size_t>(l)];
+    LayerActs& s = acts[static_cast<size_t>(l)];
+    s.h_in = H[static_cast<size_t>(l)];
+    s.rstd_in = p.alloc(p.stat, {T});
+    s.xn = p.alloc_act({T, D});
+    if (live) rmsnorm_forward({s.h_in, P(w.input_norm), s.xn, s.rstd_in, eps, true});
+    Tensor y_out_w;  // the out projection weight of the mixer
+    if (w.type == LayerType::Linear) {
+      s.qkv = p.alloc_act({T, C});
+      s.z = p.alloc_act({T, VD});
+      s.b = p.alloc_act({T, Hv});
+      s.a = p.alloc_act({T, Hv});
+      Tensor conv = p.alloc_act({T, C});
+      s.q = p.alloc_act({T, Hk, dk});
+      s.k = p.alloc_act({T, Hk, dk});
+      s.v = p.alloc_act({T, Hv, dv});
+      s.g = p.alloc(p.stat, {T, Hv});
+      s.beta = p.alloc(p.stat, {T, Hv});
+      s.o = p.alloc_act({T, Hv, dv});
+      s.nrstd = p.alloc(p.stat, {T * Hv});
+      s.y = p.alloc_act({T, VD});
+      if (live) {
+        linear_forward({s.xn, P(w.in_proj_qkv), s.qkv});
+        linear_forward({s.xn, P(w.in_proj_z), s.z});
+        linear_forward({s.xn, P(w.in_proj_b), s.b});
+        linear_forward({s.xn, P(w.in_proj_a), s.a});
+        causal_conv1d_forward(
+            {s.qkv, P(w.conv1d).reshape({C, W}), Tensor(), cu, Tensor(), conv, Tensor(), true});
+        copy_cols(s.q, conv, 0, false);
+        copy_cols(s.k, conv, KD, false);
+        copy_cols(s.v, conv, 2 * KD, false);
+        gdn_gates_forward({s.a, s.b, P(w.a_log), P(w.dt_bias), s.g, s.beta});
+        gated_delta_rule_forward(
+            {s.q, s.k, s.v, s.g, s.beta, cu, Tensor(), s.o, Tensor(), 0.0, true});
+        gated_rmsnorm_forward({s.o.reshape({T * Hv, dv}), s.z.reshape({T * Hv, dv}),
+                               P(w.gated_norm), s.y.reshape({T * Hv, dv}), s.nrstd, eps});
+      }
+      y_out_w = P(w.out_proj);
+    } else {
+      s.qg = p.alloc_act({T, Hq, 2 * hd});
+      s.ak = p.alloc_act({T, Hkv, hd});
+      s.av = p.alloc_act({T, Hkv, hd});
+      s.y = p.alloc_act({T, Hq, hd});
+      s.q_hat = p.alloc_act({T, Hq, hd});
+      s.k_hat = p.alloc_act({T, Hkv, hd});
+      s.attn = p.alloc_act({T, Hq, hd});
+      s.lse = p.alloc(p.stat, {T, Hq});
+      s.q_rstd = p.alloc(p.stat, {T, Hq});
+      s.k_rstd = p.alloc(p.stat, {T, Hkv});
+      if (live) {
+        linear_forward({s.xn, P(w.q_proj), s.qg.reshape({T, Hq * 2 * hd})});
+        linear_forward({s.xn, P(w.k_proj), s.ak.reshape({T, Hkv * hd})});
+        linear_forward({s.xn, P(w.v_proj), s.av.reshape({T, Hkv * hd})});
+        gated_attention_forward({s.qg, s.ak, s.av, P(w.q_norm), P(w.k_norm), cu, s.y, s.q_hat,
+                                 s.k_hat, s.attn, s.lse, s.q_rstd, s.k_rstd, c.rotary_dim(),
+                                 c.rope_theta, eps});
+      }
+      y_out_w = P(w.o_proj);
+    }
+    // h_mid = h_in + y·W_outᵀ: copy, then the GEMM accumulates (β = 1).
+    s.h_mid = p.alloc_act({T, D});
+    s.rstd_post = p.alloc(p.stat, {T});
+    s.xn2 = p.alloc_act({T, D});
+    s.gate = p.alloc_act({T, I});
+    s.up = p.alloc_act({T, I});
+    s.act = p.alloc_act({T, I});
+    H[static_cast<size_t>(l + 1)] = p.alloc_act({T, D});
+    const Tensor& h_out = H[static_cast<size_t>(l + 1)];
+    if (live) {
+      copy_tensor(s.h_mid, s.h_in);
+      Tensor y2 = s.y.reshape({T, s.y.numel() / T});
+      gemm({y2, y_out_w, s.h_mid, false, true, 1.0, 1.0});
+      rmsnorm_forward({s.h_mid, P(w.post_norm), s.xn2, s.rstd_post, eps, true});
+      linear_forward({s.xn2, P(w.mlp_gate), s.gate});
+      linear_forward({s.xn2, P(w.mlp_up), s.up});
+      swiglu_forward({s.gate, s.up, s.act});
+      copy_tensor(h_out, s.h_mid);
+      gemm({s.act, P(w.mlp_down), h_out, false, true, 1.0, 1.0});
+    }
+  }
+
+  // Final norm and the LM head loss.
+  Tensor hn = p.alloc_act({T, D});
+  Tensor hn_rstd = p.alloc(p.stat, {T});
+  const int64_t head = ids_.lm_head >= 0 ? ids_.lm_head : ids_.embed;
+  const int64_t ws_bytes = linear_cross_entropy_workspace_bytes(max_tokens_, V, 0);
+  Tensor ws = p.alloc(DType::F32, {(ws_bytes + 3) / 4});
+  Tensor loss = p.alloc(p.stat, {1});
+  Tensor lse = p.alloc(p.stat, {T});
+  Tensor zl = p.alloc(p.stat, {1});
+  Tensor dhn = p.alloc_act({T, D});
+  Tensor tl_lse = p.alloc(p.stat, {T});  // per-token lse / z-loss when token_loss is asked for
+  Tensor tl_z = p.alloc(p.stat, {T});
+  int64_t targets = 0;
+  if (live) {
+    for (int32_t lab : mb->labels) targets += lab != -100;
+    rmsnorm_forward({H[static_cast<size_t>(L)], P(ids_.final_norm), hn, hn_rstd, eps, true});
+    if (opt.logits.defined()) linear_forward({hn, P(head), opt.logits});
+    if (opt.token_loss.defined()) {
+      LinearCrossEntropyArgs la;
+      la.x = hn;
+      la.w = P(head);
+      la.targets = labels;
+      la.loss = opt.token_loss;
+      la.lse = tl_lse;
+      la.z_loss = tl_z;
+      la.workspace = ws;
+      la.reduction = LceReduction::None;
+      linear_cross_entropy_forward(la);
+    }
+    LinearCrossEntropyArgs la;
+    la.x = hn;
+    la.w = P(head);
+    la.targets = labels;
+    la.loss = loss;
+    la.lse = lse;
+    la.z_loss = zl;
+    la.workspace = ws;
+    la.reduction = LceReduction::Mean;
+    la.z_loss_scale = opt.z_loss;
+    la.denominator = opt.loss_denominator;
+    if (backward) {
+      la.dx = dhn;
+      la.dw = G(head);
+      linear_cross_entropy_forward_backward(la);
+    } else {
+      linear_cross_entropy_forward(la);
+    }
+    auto lv = to_f64_vector(loss), zv = to_f64_vector(zl);
+    stats->loss = lv[0];
+    stats->z_loss = zv[0];
+    stats->targets = targets;
+  }
+  if (!backward && live) return;
+
+  // ---------------------------------------------------------------- backward
+  Tensor dh = p.alloc_act({T, D});  // gradient of the residual stream, carried down the layers
+  Tensor dtmp = p.alloc_act({T, D});
+  if (live) {
+    rmsnorm_backward({H[static_cast<size_t>(L)], P(ids_.final_norm), hn_rstd, dhn, dh,
+                      G(ids_.final_norm), true});
+  }
+  for (int64_t l = L - 1; l >= 0; --l) {
+    const LayerParamIds& w = ids_.layers[static_cast<size_t>(l)];
+    const LayerActs& s = acts[static_cast<size_t>(l)];
+    const size_t mark = arena.used();
+    // MLP: h_out = h_mid + act·W_downᵀ.
+    Tensor dact = p.alloc_act({T, I}), dgate = p.alloc_act({T, I}), dup = p.alloc_act({T, I});
+    Tensor dxn2 = p.alloc_act({T, D});
+    if (live) {
+      linear_backward({s.act, P(w.mlp_down), dh, dact, G(w.mlp_down), false});
+      swiglu_backward({s.gate, s.up, dact, dgate, dup});
+      linear_backward({s.xn2, P(w.mlp_gate), dgate, dxn2, G(w.mlp_gate), false});
+      linear_backward({s.xn2, P(w.mlp_up), dup, dxn2, G(w.mlp_up), true});
+      rmsnorm_backward({s.h_mid, P(w.post_norm), s.rstd_post, dxn2, dtmp, G(w.post_norm), true});
+      axpy({dtmp, dh, 1.0});  // dh = d h_mid
+    }
+    Tensor dxn = p.alloc_act({T, D});
+    Tensor dy = p.alloc_act({T, s.y.numel() / std::max<int64_t>(p.T, 1)});
+    if (w.type == LayerType::Linear) {
+      Tensor dz = p.alloc_act({T, VD}), d_o = p.alloc_act({T, Hv, dv});
+      Tensor dq = p.alloc_act({T, Hk, dk}), dkk = p.alloc_act({T, Hk, dk}),
+             dvv = p.alloc_act({T, Hv, dv});
+      Tensor dg = p.alloc(p.stat, {T, Hv}), dbeta = p.alloc(p.stat, {T, Hv});
+      Tensor da = p.alloc_act({T, Hv}), db = p.alloc_act({T, Hv});
+      Tensor dconv = p.alloc_act({T, C}), dqkv = p.alloc_act({T, C});
+      if (live) {
+        linear_backward({s.y, P(w.out_proj), dh, dy, G(w.out_proj), false});
+        gated_rmsnorm_backward({s.o.reshape({T * Hv, dv}), s.z.reshape({T * Hv, dv}),
+                                P(w.gated_norm), s.nrstd, dy.reshape({T * Hv, dv}),
+                                d_o.reshape({T * Hv, dv}), dz.reshape({T * Hv, dv}),
+                                G(w.gated_norm)});
+        gated_delta_rule_backward({s.q, s.k, s.v, s.g, s.beta, cu, Tensor(), d_o, Tensor(), dq, dkk,
+                                   dvv, dg, dbeta, Tensor(), 0.0, true});
+        gdn_gates_backward(
+            {s.a, s.b, P(w.a_log), P(w.dt_bias), dg, dbeta, da, db, G(w.a_log), G(w.dt_bias)});
+        copy_cols(dq, dconv, 0, true);
+        copy_cols(dkk, dconv, KD, true);
+        copy_cols(dvv, dconv, 2 * KD, true);
+        causal_conv1d_backward({s.qkv, P(w.conv1d).reshape({C, W}), Tensor(), cu, Tensor(), dconv,
+                                Tensor(), dqkv, G(w.conv1d).reshape({C, W}), Tensor(), Tensor(),
+                                true});
+        linear_backward({s.xn, P(w.in_proj_qkv), dqkv, dxn, G(w.in_proj_qkv), false});
+        linear_backward({s.xn, P(w.in_proj_z), dz, dxn, G(w.in_proj_z), true});
+        linear_backward({s.xn, P(w.in_proj_b), db, dxn, G(w.in_proj_b), true});
+        linear_backward({s.xn, P(w.in_proj_a), da, dxn, G(w.in_proj_a), true});
+      }
+    } else {
+      Tensor dqg = p.alloc_act({T, Hq, 2 * hd}), dk = p.alloc_act({T, Hkv, hd}),
+             dv2 = p.alloc_act({T, Hkv, hd});
+      if (live) {
+        Tensor y2 = s.y.reshape({T, Hq * hd});
+        linear_backward({y2, P(w.o_proj), dh, dy, G(w.o_proj), false});
+        gated_attention_backward({s.qg,
+                                  s.ak,
+                                  s.av,
+                                  P(w.q_norm),
+                                  P(w.k_norm),
+                                  cu,
+                                  s.q_hat,
+                                  s.k_hat,
+                                  s.attn,
+                                  s.lse,
+                                  s.q_rstd,
+                                  s.k_rstd,
+                                  dy.reshape({T, Hq, hd}),
+                                  dqg,
+                                  dk,
+                                  dv2,
+                                  G(w.q_norm),
+                                  G(w.k_norm),
+                                  c.rotary_dim(),
+                                  c.rope_theta,
+                                  eps});
+        linear_backward(
+            {s.xn, P(w.q_proj), dqg.reshape({T, Hq * 2 * hd}), dxn, G(w.q_proj), false});
+        linear_backward({s.xn, P(w.k_proj), dk.reshape({T, Hkv * hd}), dxn, G(w.k_proj), true});
+        linear_backward({s.xn, P(w.v_proj), dv2.reshape({T, Hkv * hd}), dxn, G(w.v_proj), true});
+      }
+    }
+    if (live) {
+      rmsnorm_backward({s.h_in, P(w.input_norm), s.rstd_in, dxn, dtmp, G(w.input_norm), true});
+      axpy({dtmp, dh, 1.0});  // dh = d h_in
+    }
+    arena.release_to(mark);
+  }
+  if (live) embedding_backward({ids, dh, G(ids_.embed)});
+  (void)N;
+}
+
+}  // namespace gdn::model

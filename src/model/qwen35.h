@@ -1,0 +1,102 @@
+// The Qwen3.5 decoder: explicit forward and backward through every layer on one backend (ref:
+// fp64, cpu: fp32, cuda: bf16 with fp32 gates/states/gradients), built only from the registered
+// ops. gdn_spec.md §1.3-§1.7 is the maths; the layer walk is:
+//
+//   h0 = embed(ids)
+//   per layer l:  xn = rmsnorm1p(h, input_layernorm)
+//     GDN:        qkv = xn·Wqkvᵀ, z = xn·Wzᵀ, b = xn·Wbᵀ, a = xn·Waᵀ
+//                 c = silu(causal_conv1d(qkv, conv1d)) split into q [T,Hk,dk], k, v [T,Hv,dv]
+//                 g, β = gates(a, b, A_log, dt_bias)
+//                 o = gated_delta_rule(q, k, v, g, β, l2norm(q, k) in kernel, scale dk^-1/2)
+//                 y = gated_rmsnorm(o, z, norm) ; mix = y·Woutᵀ
+//     attention:  qg = xn·Wqᵀ, k = xn·Wkᵀ, v = xn·Wvᵀ ; y = gated_attention(...) ; mix = y·Woᵀ
+//                 h' = h + mix                     (copy, then the GEMM accumulates with β = 1)
+//                 x2 = rmsnorm1p(h', post_attention_layernorm)
+//                 h'' = h' + down(swiglu(x2·Wgᵀ, x2·Wuᵀ))
+//   hn = rmsnorm1p(h, model.norm) ; loss = linear_cross_entropy(hn, lm_head or embed, labels)
+//
+// Packed documents: every op receives cu_seqlens, so no recurrent state, conv window, RoPE
+// position or attention crosses a document boundary.
+//
+// Memory (ARCHITECTURE.md §7): the compute copy of the parameters, the gradients (+=, fp32 or
+// fp64) and every activation live in three arenas sized once at construction from
+// (config, max_tokens, max_docs); nothing is allocated per step. The activation arena is sized by
+// running the same allocation sequence as a step in planning mode.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "gdn/backend/registry.h"
+#include "gdn/core/arena.h"
+#include "model/config.h"
+#include "model/weights.h"
+#include "train/packing.h"
+
+namespace gdn::model {
+
+// Micro-batches come from the packer (train/packing.h): ids, labels, cu_seqlens on the host.
+using train::MicroBatch;
+
+struct StepOptions {
+  bool backward = true;          // accumulate parameter gradients (+=)
+  double z_loss = 0.0;           // λ of the z-loss λ·lse²
+  double loss_denominator = -1;  // mean over this many targets (< 0: this micro-batch's count)
+  Tensor logits;                 // optional out [T, V] (forward only diagnostics and `dump`)
+  Tensor token_loss;             // optional out [T] per-token cross-entropy (forward)
+};
+
+struct StepStats {
+  double loss = 0;      // mean cross-entropy (+ z-loss) over the denominator
+  double z_loss = 0;    // the z-loss part, same normalisation
+  int64_t targets = 0;  // non-ignored labels in this micro-batch
+};
+
+class Qwen35Model {
+ public:
+  Qwen35Model(Qwen35Config cfg, Backend backend, int64_t max_tokens, int64_t max_docs);
+
+  const Qwen35Config& config() const { return cfg_; }
+  Backend backend() const { return backend_; }
+  const std::vector<ParamSpec>& specs() const { return specs_; }
+  // Compute copy of parameter i (HF shape; backend dtype and device).
+  const Tensor& param(size_t i) const { return params_.at(i); }
+  // Gradient of parameter i (HF shape; F64 on ref, F32 otherwise; backend device).
+  const Tensor& grad(size_t i) const { return grads_.at(i); }
+  const std::vector<Tensor>& grads() const { return grads_; }
+
+  // Copies the fp32 master weights (host) into the compute copy (converting the dtype).
+  void load_params(const ParamStore& master);
+  // Copies gradient i into an F32 host tensor of the same shape.
+  void read_grad(size_t i, const Tensor& out_f32_host) const;
+  void zero_grads();
+
+  // Forward (and backward) of one micro-batch. Throws if it exceeds the planned sizes.
+  StepStats step(const MicroBatch& mb, const StepOptions& opt);
+
+  // Bytes planned per arena, as printed at start-up.
+  size_t param_bytes() const { return param_arena_.capacity(); }
+  size_t grad_bytes() const { return grad_arena_.capacity(); }
+  size_t activation_bytes() const { return act_arena_.capacity(); }
+  size_t activation_peak() const { return act_arena_.peak(); }
+  std::string memory_plan() const;
+
+ private:
+  struct Pass;  // the per-step state (implementation detail)
+  void run(Arena& arena, const MicroBatch* mb, const StepOptions& opt, StepStats* stats);
+
+  Qwen35Config cfg_;
+  Backend backend_;
+  int64_t max_tokens_, max_docs_;
+  std::vector<ParamSpec> specs_;
+  ModelParamIds ids_;
+  Arena param_arena_, grad_arena_, act_arena_;
+  std::vector<Tensor> params_, grads_;
+};
+
+// The compute dtype of parameter `spec` on `backend`: F64 on ref, F32 on cpu; on cuda bf16, but
+// fp32 for A_log and dt_bias (gates are fp32, ARCHITECTURE.md §4).
+DType param_compute_dtype(const ParamSpec& spec, Backend backend);
+
+}  // namespace gdn::model

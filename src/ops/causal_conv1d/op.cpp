@@ -1,0 +1,230 @@
+// Causal conv1d: validation, dispatch and the op's registration (probe, tolerance, file runner).
+#include <algorithm>
+#include <vector>
+
+#include "gdn/backend/probe.h"
+#include "gdn/backend/registry.h"
+#include "ops/causal_conv1d/op.h"
+
+namespace gdn::ops {
+
+namespace {
+constexpr const char* kOp = "causal_conv1d";
+
+void expect_on(const Tensor& t, const char* name, const Tensor& x) {
+  if (t.defined()) expect_device(t, kOp, name, x.device());
+}
+
+// x [T, C], weight [C, W] with W in 1..8, cu_seqlens [N+1] I32 with values 0 = c_0 <= ... <= c_N
+// = T; returns {C, W, N}.
+struct Dims {
+  int64_t T, C, W, N;
+};
+Dims validate_common(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                     const Tensor& cu_seqlens) {
+  expect_shape(x, kOp, "x", {-1, -1});
+  expect_contiguous(x, kOp, "x");
+  const int64_t T = x.size(0), C = x.size(1);
+  expect_tensor(weight, kOp, "weight", x.dtype(), {C, -1});
+  const int64_t W = weight.size(1);
+  GDN_CHECK(W >= 1 && W <= kConvMaxWidth,
+            "{}: tensor 'weight' has shape {}: width W = {} is outside 1..{}", kOp,
+            weight.shape_str(), W, kConvMaxWidth);
+  expect_on(weight, "weight", x);
+  if (bias.defined()) {
+    expect_tensor(bias, kOp, "bias", x.dtype(), {C});
+    expect_on(bias, "bias", x);
+  }
+  int64_t N = 1;
+  if (cu_seqlens.defined()) {
+    expect_tensor(cu_seqlens, kOp, "cu_seqlens", DType::I32, {-1});
+    expect_on(cu_seqlens, "cu_seqlens", x);
+    GDN_CHECK(cu_seqlens.numel() >= 1,
+              "{}: tensor 'cu_seqlens' is empty; it needs N+1 >= 1 entries (0, ..., T)", kOp);
+    N = cu_seqlens.numel() - 1;
+    if (cu_seqlens.device() == Device::CPU) {
+      const int32_t* cu = cu_seqlens.ptr<int32_t>();  // [N+1]
+      GDN_CHECK(cu[0] == 0, "{}: tensor 'cu_seqlens' must start at 0, got cu_seqlens[0] = {}", kOp,
+                cu[0]);
+      for (int64_t i = 1; i <= N; ++i)
+        GDN_CHECK(cu[i] >= cu[i - 1],
+                  "{}: tensor 'cu_seqlens' decreases at index {}: cu_seqlens[{}] = {} < "
+                  "cu_seqlens[{}] = {}",
+                  kOp, i, i, cu[i], i - 1, cu[i - 1]);
+      GDN_CHECK(cu[N] == T,
+                "{}: tensor 'cu_seqlens' must end at T = {} (the rows of 'x'), got "
+                "cu_seqlens[{}] = {}",
+                kOp, T, N, cu[N]);
+    }
+  }
+  return {T, C, W, N};
+}
+
+void expect_state(const Tensor& t, const char* name, const Tensor& x, const Dims& d) {
+  if (!t.defined()) return;
+  expect_tensor(t, kOp, name, x.dtype(), {d.N, d.C, d.W - 1});
+  expect_on(t, name, x);
+}
+
+void validate_fwd(const CausalConv1dFwd& p) {
+  const Dims d = validate_common(p.x, p.weight, p.bias, p.cu_seqlens);
+  expect_state(p.initial_state, "initial_state", p.x, d);
+  expect_tensor(p.y, kOp, "y", p.x.dtype(), {d.T, d.C});
+  expect_on(p.y, "y", p.x);
+  expect_state(p.final_state, "final_state", p.x, d);
+}
+
+void validate_bwd(const CausalConv1dBwd& p) {
+  const Dims d = validate_common(p.x, p.weight, p.bias, p.cu_seqlens);
+  expect_state(p.initial_state, "initial_state", p.x, d);
+  expect_tensor(p.dy, kOp, "dy", p.x.dtype(), {d.T, d.C});
+  expect_on(p.dy, "dy", p.x);
+  expect_state(p.dfinal_state, "dfinal_state", p.x, d);
+  expect_tensor(p.dx, kOp, "dx", p.x.dtype(), {d.T, d.C});
+  expect_on(p.dx, "dx", p.x);
+  const DType gt = causal_conv1d_grad_dtype(p.x.dtype());
+  expect_tensor(p.dweight, kOp, "dweight", gt, {d.C, d.W});
+  expect_on(p.dweight, "dweight", p.x);
+  if (p.dbias.defined()) {
+    GDN_CHECK(p.bias.defined(), "{}: tensor 'dbias' was given but 'bias' was not", kOp);
+    expect_tensor(p.dbias, kOp, "dbias", gt, {d.C});
+    expect_on(p.dbias, "dbias", p.x);
+  }
+  if (p.dinitial_state.defined()) {
+    GDN_CHECK(p.initial_state.defined(),
+              "{}: tensor 'dinitial_state' was given but 'initial_state' was not (a zero initial "
+              "state is a constant)",
+              kOp);
+    expect_state(p.dinitial_state, "dinitial_state", p.x, d);
+  }
+}
+
+OpQuery query_for(const CausalConv1dFwd& p) {
+  return OpQuery{infer_backend(p.x), "", {{"W", p.weight.size(1)}}};
+}
+OpQuery query_for(const CausalConv1dBwd& p) {
+  return OpQuery{infer_backend(p.x), "", {{"W", p.weight.size(1)}}};
+}
+
+// Probe: W = 4 over 13 channels and six documents of lengths 1, 0, 2, 8, 9 and 3 (a 1-token
+// document, a zero-length one, one shorter than W-1, one that reads all of its initial state),
+// with initial state, final state and its gradient, bias, SiLU on; then the plain variant
+// (no bias, no state, no SiLU) at W = 3.
+ProbeError probe(const ImplDesc& impl, const OpQuery&) {
+  const auto& cand = *static_cast<const CausalConv1dTable*>(impl.table);
+  const auto& ref = *static_cast<const CausalConv1dTable*>(Registry::global().ref(kOp).table);
+  const DType gt = causal_conv1d_grad_dtype(backend_dtype(impl.backend));
+  ProbeError err;
+  for (int variant = 0; variant < 2; ++variant) {
+    const bool full = variant == 0;
+    const int64_t C = 13, W = full ? 4 : 3, S = W - 1;
+    const std::vector<int64_t> cuv = {0, 1, 1, 3, 11, 20, 23};
+    const int64_t T = cuv.back(), N = static_cast<int64_t>(cuv.size()) - 1;
+    ProbeTensors p(impl.backend);
+    auto x = p.normal({T, C}, 41, 1.5);
+    auto w = p.normal({C, W}, 42, 0.5);
+    auto bias = p.normal({C}, 43, 0.3);
+    auto cu = p.ints(cuv, {N + 1}, DType::I32);
+    auto init = p.normal({N, C, S}, 44, 1.0);
+    auto dy = p.normal({T, C}, 45, 1.0);
+    auto dfin = p.normal({N, C, S}, 46, 1.0);
+    auto y = p.zeros({T, C}), fin = p.zeros({N, C, S});
+    auto dx = p.zeros({T, C}), dinit = p.zeros({N, C, S});
+    auto dw = p.zeros({C, W}, gt), db = p.zeros({C}, gt);
+    auto pick = [&](const ProbeTensors::Pair& t, bool r) { return r ? t.ref : t.cand; };
+    for (bool r : {false, true}) {
+      const auto& t = r ? ref : cand;
+      t.forward({pick(x, r), pick(w, r), full ? pick(bias, r) : Tensor(), pick(cu, r),
+                 full ? pick(init, r) : Tensor(), pick(y, r), pick(fin, r), full});
+      t.backward({pick(x, r), pick(w, r), full ? pick(bias, r) : Tensor(), pick(cu, r),
+                  full ? pick(init, r) : Tensor(), pick(dy, r), full ? pick(dfin, r) : Tensor(),
+                  pick(dx, r), pick(dw, r), full ? pick(db, r) : Tensor(),
+                  full ? pick(dinit, r) : Tensor(), full});
+    }
+    err.fwd = std::max({err.fwd, rel_l2_error(y.cand, y.ref), rel_l2_error(fin.cand, fin.ref)});
+    err.bwd = std::max({err.bwd, rel_l2_error(dx.cand, dx.ref), rel_l2_error(dw.cand, dw.ref)});
+    if (full)
+      err.bwd =
+          std::max({err.bwd, rel_l2_error(db.cand, db.ref), rel_l2_error(dinit.cand, dinit.ref)});
+  }
+  return err;
+}
+
+ProbeError tolerance(DType dt) {
+  if (dt == DType::BF16) return {1e-2, 2e-2};
+  return {1e-5, 1e-5};
+}
+
+// `gdntrain ops run causal_conv1d`: x and weight are required; bias, cu_seqlens, initial_state
+// (and dfinal_state for backward) are used when the file has them. final_state is always
+// written. Attribute silu (default 1).
+void run(const ImplDesc& impl, OpIO& io, bool backward) {
+  const auto& t = *static_cast<const CausalConv1dTable*>(impl.table);
+  const DType dt = backend_dtype(impl.backend), gt = causal_conv1d_grad_dtype(dt);
+  const Device dev = backend_device(impl.backend);
+  auto opt = [&](const char* name, DType type) {
+    return io.has_input(name) ? io.input(name, type, dev) : Tensor();
+  };
+  Tensor x = io.input("x", dt, dev);
+  Tensor weight = io.input("weight", dt, dev);
+  GDN_CHECK(x.ndim() == 2 && weight.ndim() >= 2, "{}: 'x' must be [T, C] and 'weight' [C, W]", kOp);
+  const int64_t T = x.size(0), C = x.size(1), W = weight.size(-1);
+  weight = weight.reshape({weight.numel() / std::max<int64_t>(W, 1), W});  // HF's [C, 1, W]
+  Tensor bias = opt("bias", dt);
+  Tensor cu = opt("cu_seqlens", DType::I32);
+  Tensor init = opt("initial_state", dt);
+  const bool silu = io.attr("silu", 1) != 0;
+  const int64_t N = causal_conv1d_num_docs(cu);
+  Tensor y = io.output("y", dt, dev, {T, C});
+  Tensor fin = io.output("final_state", dt, dev, {N, C, std::max<int64_t>(W - 1, 0)});
+  const CausalConv1dFwd fa{x, weight, bias, cu, init, y, fin, silu};
+  validate_fwd(fa);
+  t.forward(fa);
+  if (!backward) return;
+  Tensor dy = io.input("dy", dt, dev);
+  Tensor dfin = opt("dfinal_state", dt);
+  Tensor dx = io.output("dx", dt, dev, {T, C});
+  Tensor dw = io.output("dweight", gt, dev, {C, W});
+  Tensor db = bias.defined() ? io.output("dbias", gt, dev, {C}) : Tensor();
+  Tensor dinit = init.defined() ? io.output("dinitial_state", dt, dev, {N, C, W - 1}) : Tensor();
+  const CausalConv1dBwd ba{x, weight, bias, cu, init, dy, dfin, dx, dw, db, dinit, silu};
+  validate_bwd(ba);
+  t.backward(ba);
+}
+}  // namespace
+
+void causal_conv1d_forward(const CausalConv1dFwd& args) {
+  validate_fwd(args);
+  Registry::global().table<CausalConv1dTable>(kOp, query_for(args)).forward(args);
+}
+
+void causal_conv1d_backward(const CausalConv1dBwd& args) {
+  validate_bwd(args);
+  Registry::global().table<CausalConv1dTable>(kOp, query_for(args)).backward(args);
+}
+
+GDN_REGISTER(causal_conv1d_op) {
+  OpDesc d;
+  d.name = kOp;
+  d.summary =
+      "depthwise causal conv1d over packed documents (cu_seqlens), optional bias, SiLU, "
+      "initial/final state [N, C, W-1]";
+  d.fwd_inputs = {"x", "weight", "bias (optional)", "cu_seqlens (optional, I32)",
+                  "initial_state (optional)"};
+  d.fwd_outputs = {"y", "final_state"};
+  d.bwd_inputs = {"x",
+                  "weight",
+                  "bias (optional)",
+                  "cu_seqlens (optional, I32)",
+                  "initial_state (optional)",
+                  "dy",
+                  "dfinal_state (optional)"};
+  d.bwd_outputs = {"dx", "dweight", "dbias (with bias)", "dinitial_state (with initial_state)"};
+  d.attrs = {"silu=1"};
+  d.probe = probe;
+  d.tolerance = tolerance;
+  d.run = run;
+  Registry::global().add_op(std::move(d));
+}
+
+}  // namespace gdn::ops
