@@ -7,6 +7,7 @@ void add_commands(CLI::App& app, Commands& cmds) {
   add_probe_command(app, cmds);
   add_ops_command(app, cmds);
   add_dump_command(app, cmds);
+  add_train_command(app, cmds);
   add_prepare_command(app, cmds);
 }
 

@@ -21,6 +21,7 @@ void add_env_command(CLI::App& app, Commands& cmds);
 void add_probe_command(CLI::App& app, Commands& cmds);
 void add_ops_command(CLI::App& app, Commands& cmds);
 void add_dump_command(CLI::App& app, Commands& cmds);
+void add_train_command(CLI::App& app, Commands& cmds);
 void add_prepare_command(CLI::App& app, Commands& cmds);
 
 }  // namespace gdn::cli

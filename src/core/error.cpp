@@ -26,6 +26,9 @@ namespace detail {
 void throw_error(const char* file, int line, std::string message, std::string hint) {
   throw Error(std::move(message), std::move(hint), file, line);
 }
+void throw_nonfinite(const char* file, int line, std::string message) {
+  throw NonFiniteError(std::move(message), "", file, line);
+}
 }  // namespace detail
 
 }  // namespace gdn

@@ -190,6 +190,15 @@ void copy_cols(const Tensor& part, const Tensor& whole, int64_t col, bool into_w
 
 }  // namespace
 
+// Adds the layer to a non-finite finding, so the trainer's guard can name where it happened.
+[[noreturn]] void rethrow_in_layer(const NonFiniteError& e, int64_t layer, const char* pass,
+                                   const Qwen35Config& c) {
+  throw NonFiniteError(
+      fmt::format("layer {} ({}, {}): {}", layer, c.is_full_attention(layer) ? "attention" : "GDN",
+                  pass, e.message()),
+      e.hint(), e.file(), e.line());
+}
+
 struct Qwen35Model::Pass {
   const Qwen35Model& m;
   Arena& A;
@@ -244,87 +253,89 @@ void Qwen35Model::run(Arena& arena, const MicroBatch* mb, const StepOptions& opt
   if (live) embedding_forward({ids, P(ids_.embed), H[0]});
 
   std::vector<LayerActs> acts(static_cast<size_t>(L));
-  for (int64_t l = 0; l < L; ++l) {
-    const LayerParamIds& w = ids_.layers[static_cast<size_t>(l)];
-    LayerActs& s = acts[static_cast<size_t>(l)];
-    s.h_in = H[static_cast<size_t>(l)];
-    s.rstd_in = p.alloc(p.stat, {T});
-    s.xn = p.alloc_act({T, D});
-    if (live) rmsnorm_forward({s.h_in, P(w.input_norm), s.xn, s.rstd_in, eps, true});
-    Tensor y_out_w;  // the out projection weight of the mixer
-    if (w.type == LayerType::Linear) {
-      s.qkv = p.alloc_act({T, C});
-      s.z = p.alloc_act({T, VD});
-      s.b = p.alloc_act({T, Hv});
-      s.a = p.alloc_act({T, Hv});
-      Tensor conv = p.alloc_act({T, C});
-      s.q = p.alloc_act({T, Hk, dk});
-      s.k = p.alloc_act({T, Hk, dk});
-      s.v = p.alloc_act({T, Hv, dv});
-      s.g = p.alloc(p.stat, {T, Hv});
-      s.beta = p.alloc(p.stat, {T, Hv});
-      s.o = p.alloc_act({T, Hv, dv});
-      s.nrstd = p.alloc(p.stat, {T * Hv});
-      s.y = p.alloc_act({T, VD});
-      if (live) {
-        linear_forward({s.xn, P(w.in_proj_qkv), s.qkv});
-        linear_forward({s.xn, P(w.in_proj_z), s.z});
-        linear_forward({s.xn, P(w.in_proj_b), s.b});
-        linear_forward({s.xn, P(w.in_proj_a), s.a});
-        causal_conv1d_forward(
-            {s.qkv, P(w.conv1d).reshape({C, W}), Tensor(), cu, Tensor(), conv, Tensor(), true});
-        copy_cols(s.q, conv, 0, false);
-        copy_cols(s.k, conv, KD, false);
-        copy_cols(s.v, conv, 2 * KD, false);
-        gdn_gates_forward({s.a, s.b, P(w.a_log), P(w.dt_bias), s.g, s.beta});
-        gated_delta_rule_forward(
-            {s.q, s.k, s.v, s.g, s.beta, cu, Tensor(), s.o, Tensor(), 0.0, true});
-        gated_rmsnorm_forward({s.o.reshape({T * Hv, dv}), s.z.reshape({T * Hv, dv}),
-                               P(w.gated_norm), s.y.reshape({T * Hv, dv}), s.nrstd, eps});
+  for (int64_t l = 0; l < L; ++l) try {
+      const LayerParamIds& w = ids_.layers[static_cast<size_t>(l)];
+      LayerActs& s = acts[static_cast<size_t>(l)];
+      s.h_in = H[static_cast<size_t>(l)];
+      s.rstd_in = p.alloc(p.stat, {T});
+      s.xn = p.alloc_act({T, D});
+      if (live) rmsnorm_forward({s.h_in, P(w.input_norm), s.xn, s.rstd_in, eps, true});
+      Tensor y_out_w;  // the out projection weight of the mixer
+      if (w.type == LayerType::Linear) {
+        s.qkv = p.alloc_act({T, C});
+        s.z = p.alloc_act({T, VD});
+        s.b = p.alloc_act({T, Hv});
+        s.a = p.alloc_act({T, Hv});
+        Tensor conv = p.alloc_act({T, C});
+        s.q = p.alloc_act({T, Hk, dk});
+        s.k = p.alloc_act({T, Hk, dk});
+        s.v = p.alloc_act({T, Hv, dv});
+        s.g = p.alloc(p.stat, {T, Hv});
+        s.beta = p.alloc(p.stat, {T, Hv});
+        s.o = p.alloc_act({T, Hv, dv});
+        s.nrstd = p.alloc(p.stat, {T * Hv});
+        s.y = p.alloc_act({T, VD});
+        if (live) {
+          linear_forward({s.xn, P(w.in_proj_qkv), s.qkv});
+          linear_forward({s.xn, P(w.in_proj_z), s.z});
+          linear_forward({s.xn, P(w.in_proj_b), s.b});
+          linear_forward({s.xn, P(w.in_proj_a), s.a});
+          causal_conv1d_forward(
+              {s.qkv, P(w.conv1d).reshape({C, W}), Tensor(), cu, Tensor(), conv, Tensor(), true});
+          copy_cols(s.q, conv, 0, false);
+          copy_cols(s.k, conv, KD, false);
+          copy_cols(s.v, conv, 2 * KD, false);
+          gdn_gates_forward({s.a, s.b, P(w.a_log), P(w.dt_bias), s.g, s.beta});
+          gated_delta_rule_forward(
+              {s.q, s.k, s.v, s.g, s.beta, cu, Tensor(), s.o, Tensor(), 0.0, true});
+          gated_rmsnorm_forward({s.o.reshape({T * Hv, dv}), s.z.reshape({T * Hv, dv}),
+                                 P(w.gated_norm), s.y.reshape({T * Hv, dv}), s.nrstd, eps});
+        }
+        y_out_w = P(w.out_proj);
+      } else {
+        s.qg = p.alloc_act({T, Hq, 2 * hd});
+        s.ak = p.alloc_act({T, Hkv, hd});
+        s.av = p.alloc_act({T, Hkv, hd});
+        s.y = p.alloc_act({T, Hq, hd});
+        s.q_hat = p.alloc_act({T, Hq, hd});
+        s.k_hat = p.alloc_act({T, Hkv, hd});
+        s.attn = p.alloc_act({T, Hq, hd});
+        s.lse = p.alloc(p.stat, {T, Hq});
+        s.q_rstd = p.alloc(p.stat, {T, Hq});
+        s.k_rstd = p.alloc(p.stat, {T, Hkv});
+        if (live) {
+          linear_forward({s.xn, P(w.q_proj), s.qg.reshape({T, Hq * 2 * hd})});
+          linear_forward({s.xn, P(w.k_proj), s.ak.reshape({T, Hkv * hd})});
+          linear_forward({s.xn, P(w.v_proj), s.av.reshape({T, Hkv * hd})});
+          gated_attention_forward({s.qg, s.ak, s.av, P(w.q_norm), P(w.k_norm), cu, s.y, s.q_hat,
+                                   s.k_hat, s.attn, s.lse, s.q_rstd, s.k_rstd, c.rotary_dim(),
+                                   c.rope_theta, eps});
+        }
+        y_out_w = P(w.o_proj);
       }
-      y_out_w = P(w.out_proj);
-    } else {
-      s.qg = p.alloc_act({T, Hq, 2 * hd});
-      s.ak = p.alloc_act({T, Hkv, hd});
-      s.av = p.alloc_act({T, Hkv, hd});
-      s.y = p.alloc_act({T, Hq, hd});
-      s.q_hat = p.alloc_act({T, Hq, hd});
-      s.k_hat = p.alloc_act({T, Hkv, hd});
-      s.attn = p.alloc_act({T, Hq, hd});
-      s.lse = p.alloc(p.stat, {T, Hq});
-      s.q_rstd = p.alloc(p.stat, {T, Hq});
-      s.k_rstd = p.alloc(p.stat, {T, Hkv});
+      // h_mid = h_in + y·W_outᵀ: copy, then the GEMM accumulates (β = 1).
+      s.h_mid = p.alloc_act({T, D});
+      s.rstd_post = p.alloc(p.stat, {T});
+      s.xn2 = p.alloc_act({T, D});
+      s.gate = p.alloc_act({T, I});
+      s.up = p.alloc_act({T, I});
+      s.act = p.alloc_act({T, I});
+      H[static_cast<size_t>(l + 1)] = p.alloc_act({T, D});
+      const Tensor& h_out = H[static_cast<size_t>(l + 1)];
       if (live) {
-        linear_forward({s.xn, P(w.q_proj), s.qg.reshape({T, Hq * 2 * hd})});
-        linear_forward({s.xn, P(w.k_proj), s.ak.reshape({T, Hkv * hd})});
-        linear_forward({s.xn, P(w.v_proj), s.av.reshape({T, Hkv * hd})});
-        gated_attention_forward({s.qg, s.ak, s.av, P(w.q_norm), P(w.k_norm), cu, s.y, s.q_hat,
-                                 s.k_hat, s.attn, s.lse, s.q_rstd, s.k_rstd, c.rotary_dim(),
-                                 c.rope_theta, eps});
+        copy_tensor(s.h_mid, s.h_in);
+        Tensor y2 = s.y.reshape({T, s.y.numel() / T});
+        gemm({y2, y_out_w, s.h_mid, false, true, 1.0, 1.0});
+        rmsnorm_forward({s.h_mid, P(w.post_norm), s.xn2, s.rstd_post, eps, true});
+        linear_forward({s.xn2, P(w.mlp_gate), s.gate});
+        linear_forward({s.xn2, P(w.mlp_up), s.up});
+        swiglu_forward({s.gate, s.up, s.act});
+        copy_tensor(h_out, s.h_mid);
+        gemm({s.act, P(w.mlp_down), h_out, false, true, 1.0, 1.0});
       }
-      y_out_w = P(w.o_proj);
+    } catch (const NonFiniteError& e) {
+      rethrow_in_layer(e, l, "forward", c);
     }
-    // h_mid = h_in + y·W_outᵀ: copy, then the GEMM accumulates (β = 1).
-    s.h_mid = p.alloc_act({T, D});
-    s.rstd_post = p.alloc(p.stat, {T});
-    s.xn2 = p.alloc_act({T, D});
-    s.gate = p.alloc_act({T, I});
-    s.up = p.alloc_act({T, I});
-    s.act = p.alloc_act({T, I});
-    H[static_cast<size_t>(l + 1)] = p.alloc_act({T, D});
-    const Tensor& h_out = H[static_cast<size_t>(l + 1)];
-    if (live) {
-      copy_tensor(s.h_mid, s.h_in);
-      Tensor y2 = s.y.reshape({T, s.y.numel() / T});
-      gemm({y2, y_out_w, s.h_mid, false, true, 1.0, 1.0});
-      rmsnorm_forward({s.h_mid, P(w.post_norm), s.xn2, s.rstd_post, eps, true});
-      linear_forward({s.xn2, P(w.mlp_gate), s.gate});
-      linear_forward({s.xn2, P(w.mlp_up), s.up});
-      swiglu_forward({s.gate, s.up, s.act});
-      copy_tensor(h_out, s.h_mid);
-      gemm({s.act, P(w.mlp_down), h_out, false, true, 1.0, 1.0});
-    }
-  }
 
   // Final norm and the LM head loss.
   Tensor hn = p.alloc_act({T, D});
@@ -387,90 +398,92 @@ void Qwen35Model::run(Arena& arena, const MicroBatch* mb, const StepOptions& opt
     rmsnorm_backward({H[static_cast<size_t>(L)], P(ids_.final_norm), hn_rstd, dhn, dh,
                       G(ids_.final_norm), true});
   }
-  for (int64_t l = L - 1; l >= 0; --l) {
-    const LayerParamIds& w = ids_.layers[static_cast<size_t>(l)];
-    const LayerActs& s = acts[static_cast<size_t>(l)];
-    const size_t mark = arena.used();
-    // MLP: h_out = h_mid + act·W_downᵀ.
-    Tensor dact = p.alloc_act({T, I}), dgate = p.alloc_act({T, I}), dup = p.alloc_act({T, I});
-    Tensor dxn2 = p.alloc_act({T, D});
-    if (live) {
-      linear_backward({s.act, P(w.mlp_down), dh, dact, G(w.mlp_down), false});
-      swiglu_backward({s.gate, s.up, dact, dgate, dup});
-      linear_backward({s.xn2, P(w.mlp_gate), dgate, dxn2, G(w.mlp_gate), false});
-      linear_backward({s.xn2, P(w.mlp_up), dup, dxn2, G(w.mlp_up), true});
-      rmsnorm_backward({s.h_mid, P(w.post_norm), s.rstd_post, dxn2, dtmp, G(w.post_norm), true});
-      axpy({dtmp, dh, 1.0});  // dh = d h_mid
-    }
-    Tensor dxn = p.alloc_act({T, D});
-    Tensor dy = p.alloc_act({T, s.y.numel() / std::max<int64_t>(p.T, 1)});
-    if (w.type == LayerType::Linear) {
-      Tensor dz = p.alloc_act({T, VD}), d_o = p.alloc_act({T, Hv, dv});
-      Tensor dq = p.alloc_act({T, Hk, dk}), dkk = p.alloc_act({T, Hk, dk}),
-             dvv = p.alloc_act({T, Hv, dv});
-      Tensor dg = p.alloc(p.stat, {T, Hv}), dbeta = p.alloc(p.stat, {T, Hv});
-      Tensor da = p.alloc_act({T, Hv}), db = p.alloc_act({T, Hv});
-      Tensor dconv = p.alloc_act({T, C}), dqkv = p.alloc_act({T, C});
+  for (int64_t l = L - 1; l >= 0; --l) try {
+      const LayerParamIds& w = ids_.layers[static_cast<size_t>(l)];
+      const LayerActs& s = acts[static_cast<size_t>(l)];
+      const size_t mark = arena.used();
+      // MLP: h_out = h_mid + act·W_downᵀ.
+      Tensor dact = p.alloc_act({T, I}), dgate = p.alloc_act({T, I}), dup = p.alloc_act({T, I});
+      Tensor dxn2 = p.alloc_act({T, D});
       if (live) {
-        linear_backward({s.y, P(w.out_proj), dh, dy, G(w.out_proj), false});
-        gated_rmsnorm_backward({s.o.reshape({T * Hv, dv}), s.z.reshape({T * Hv, dv}),
-                                P(w.gated_norm), s.nrstd, dy.reshape({T * Hv, dv}),
-                                d_o.reshape({T * Hv, dv}), dz.reshape({T * Hv, dv}),
-                                G(w.gated_norm)});
-        gated_delta_rule_backward({s.q, s.k, s.v, s.g, s.beta, cu, Tensor(), d_o, Tensor(), dq, dkk,
-                                   dvv, dg, dbeta, Tensor(), 0.0, true});
-        gdn_gates_backward(
-            {s.a, s.b, P(w.a_log), P(w.dt_bias), dg, dbeta, da, db, G(w.a_log), G(w.dt_bias)});
-        copy_cols(dq, dconv, 0, true);
-        copy_cols(dkk, dconv, KD, true);
-        copy_cols(dvv, dconv, 2 * KD, true);
-        causal_conv1d_backward({s.qkv, P(w.conv1d).reshape({C, W}), Tensor(), cu, Tensor(), dconv,
-                                Tensor(), dqkv, G(w.conv1d).reshape({C, W}), Tensor(), Tensor(),
-                                true});
-        linear_backward({s.xn, P(w.in_proj_qkv), dqkv, dxn, G(w.in_proj_qkv), false});
-        linear_backward({s.xn, P(w.in_proj_z), dz, dxn, G(w.in_proj_z), true});
-        linear_backward({s.xn, P(w.in_proj_b), db, dxn, G(w.in_proj_b), true});
-        linear_backward({s.xn, P(w.in_proj_a), da, dxn, G(w.in_proj_a), true});
+        linear_backward({s.act, P(w.mlp_down), dh, dact, G(w.mlp_down), false});
+        swiglu_backward({s.gate, s.up, dact, dgate, dup});
+        linear_backward({s.xn2, P(w.mlp_gate), dgate, dxn2, G(w.mlp_gate), false});
+        linear_backward({s.xn2, P(w.mlp_up), dup, dxn2, G(w.mlp_up), true});
+        rmsnorm_backward({s.h_mid, P(w.post_norm), s.rstd_post, dxn2, dtmp, G(w.post_norm), true});
+        axpy({dtmp, dh, 1.0});  // dh = d h_mid
       }
-    } else {
-      Tensor dqg = p.alloc_act({T, Hq, 2 * hd}), dk = p.alloc_act({T, Hkv, hd}),
-             dv2 = p.alloc_act({T, Hkv, hd});
+      Tensor dxn = p.alloc_act({T, D});
+      Tensor dy = p.alloc_act({T, s.y.numel() / std::max<int64_t>(p.T, 1)});
+      if (w.type == LayerType::Linear) {
+        Tensor dz = p.alloc_act({T, VD}), d_o = p.alloc_act({T, Hv, dv});
+        Tensor dq = p.alloc_act({T, Hk, dk}), dkk = p.alloc_act({T, Hk, dk}),
+               dvv = p.alloc_act({T, Hv, dv});
+        Tensor dg = p.alloc(p.stat, {T, Hv}), dbeta = p.alloc(p.stat, {T, Hv});
+        Tensor da = p.alloc_act({T, Hv}), db = p.alloc_act({T, Hv});
+        Tensor dconv = p.alloc_act({T, C}), dqkv = p.alloc_act({T, C});
+        if (live) {
+          linear_backward({s.y, P(w.out_proj), dh, dy, G(w.out_proj), false});
+          gated_rmsnorm_backward({s.o.reshape({T * Hv, dv}), s.z.reshape({T * Hv, dv}),
+                                  P(w.gated_norm), s.nrstd, dy.reshape({T * Hv, dv}),
+                                  d_o.reshape({T * Hv, dv}), dz.reshape({T * Hv, dv}),
+                                  G(w.gated_norm)});
+          gated_delta_rule_backward({s.q, s.k, s.v, s.g, s.beta, cu, Tensor(), d_o, Tensor(), dq,
+                                     dkk, dvv, dg, dbeta, Tensor(), 0.0, true});
+          gdn_gates_backward(
+              {s.a, s.b, P(w.a_log), P(w.dt_bias), dg, dbeta, da, db, G(w.a_log), G(w.dt_bias)});
+          copy_cols(dq, dconv, 0, true);
+          copy_cols(dkk, dconv, KD, true);
+          copy_cols(dvv, dconv, 2 * KD, true);
+          causal_conv1d_backward({s.qkv, P(w.conv1d).reshape({C, W}), Tensor(), cu, Tensor(), dconv,
+                                  Tensor(), dqkv, G(w.conv1d).reshape({C, W}), Tensor(), Tensor(),
+                                  true});
+          linear_backward({s.xn, P(w.in_proj_qkv), dqkv, dxn, G(w.in_proj_qkv), false});
+          linear_backward({s.xn, P(w.in_proj_z), dz, dxn, G(w.in_proj_z), true});
+          linear_backward({s.xn, P(w.in_proj_b), db, dxn, G(w.in_proj_b), true});
+          linear_backward({s.xn, P(w.in_proj_a), da, dxn, G(w.in_proj_a), true});
+        }
+      } else {
+        Tensor dqg = p.alloc_act({T, Hq, 2 * hd}), dk = p.alloc_act({T, Hkv, hd}),
+               dv2 = p.alloc_act({T, Hkv, hd});
+        if (live) {
+          Tensor y2 = s.y.reshape({T, Hq * hd});
+          linear_backward({y2, P(w.o_proj), dh, dy, G(w.o_proj), false});
+          gated_attention_backward({s.qg,
+                                    s.ak,
+                                    s.av,
+                                    P(w.q_norm),
+                                    P(w.k_norm),
+                                    cu,
+                                    s.q_hat,
+                                    s.k_hat,
+                                    s.attn,
+                                    s.lse,
+                                    s.q_rstd,
+                                    s.k_rstd,
+                                    dy.reshape({T, Hq, hd}),
+                                    dqg,
+                                    dk,
+                                    dv2,
+                                    G(w.q_norm),
+                                    G(w.k_norm),
+                                    c.rotary_dim(),
+                                    c.rope_theta,
+                                    eps});
+          linear_backward(
+              {s.xn, P(w.q_proj), dqg.reshape({T, Hq * 2 * hd}), dxn, G(w.q_proj), false});
+          linear_backward({s.xn, P(w.k_proj), dk.reshape({T, Hkv * hd}), dxn, G(w.k_proj), true});
+          linear_backward({s.xn, P(w.v_proj), dv2.reshape({T, Hkv * hd}), dxn, G(w.v_proj), true});
+        }
+      }
       if (live) {
-        Tensor y2 = s.y.reshape({T, Hq * hd});
-        linear_backward({y2, P(w.o_proj), dh, dy, G(w.o_proj), false});
-        gated_attention_backward({s.qg,
-                                  s.ak,
-                                  s.av,
-                                  P(w.q_norm),
-                                  P(w.k_norm),
-                                  cu,
-                                  s.q_hat,
-                                  s.k_hat,
-                                  s.attn,
-                                  s.lse,
-                                  s.q_rstd,
-                                  s.k_rstd,
-                                  dy.reshape({T, Hq, hd}),
-                                  dqg,
-                                  dk,
-                                  dv2,
-                                  G(w.q_norm),
-                                  G(w.k_norm),
-                                  c.rotary_dim(),
-                                  c.rope_theta,
-                                  eps});
-        linear_backward(
-            {s.xn, P(w.q_proj), dqg.reshape({T, Hq * 2 * hd}), dxn, G(w.q_proj), false});
-        linear_backward({s.xn, P(w.k_proj), dk.reshape({T, Hkv * hd}), dxn, G(w.k_proj), true});
-        linear_backward({s.xn, P(w.v_proj), dv2.reshape({T, Hkv * hd}), dxn, G(w.v_proj), true});
+        rmsnorm_backward({s.h_in, P(w.input_norm), s.rstd_in, dxn, dtmp, G(w.input_norm), true});
+        axpy({dtmp, dh, 1.0});  // dh = d h_in
       }
+      arena.release_to(mark);
+    } catch (const NonFiniteError& e) {
+      rethrow_in_layer(e, l, "backward", c);
     }
-    if (live) {
-      rmsnorm_backward({s.h_in, P(w.input_norm), s.rstd_in, dxn, dtmp, G(w.input_norm), true});
-      axpy({dtmp, dh, 1.0});  // dh = d h_in
-    }
-    arena.release_to(mark);
-  }
   if (live) embedding_backward({ids, dh, G(ids_.embed)});
   (void)N;
 }

@@ -17,11 +17,14 @@ std::vector<std::string> split_path(const std::string& path) {
   return parts;
 }
 
-void collect_keys(const nlohmann::json& j, const std::string& prefix, std::vector<std::string>& out) {
+void collect_keys(const nlohmann::json& j, const std::string& prefix,
+                  std::vector<std::string>& out) {
   for (auto it = j.begin(); it != j.end(); ++it) {
     std::string k = prefix.empty() ? it.key() : prefix + "." + it.key();
-    if (it->is_object()) collect_keys(*it, k, out);
-    else out.push_back(k);
+    if (it->is_object())
+      collect_keys(*it, k, out);
+    else
+      out.push_back(k);
   }
 }
 
@@ -55,10 +58,11 @@ void ConfigTree::set_value(const std::string& path, const nlohmann::json& value)
           best = k;
         }
       }
-      GDN_FAIL_HINT(fmt::format("did you mean '{}'? The effective configuration printed at start-up "
-                                "lists every key",
-                                best),
-                    "unknown configuration key '{}'", path);
+      GDN_FAIL_HINT(
+          fmt::format("did you mean '{}'? The effective configuration printed at start-up "
+                      "lists every key",
+                      best),
+          "unknown configuration key '{}'", path);
     }
     node = &(*node)[parts[i]];
   }
@@ -78,11 +82,14 @@ void ConfigTree::set_value(const std::string& path, const nlohmann::json& value)
 }
 
 void ConfigTree::merge(const nlohmann::json& src, nlohmann::json& dst, const std::string& prefix) {
-  GDN_CHECK(src.is_object(), "configuration {} must be an object", prefix.empty() ? "file" : prefix);
+  GDN_CHECK(src.is_object(), "configuration {} must be an object",
+            prefix.empty() ? "file" : prefix);
   for (auto it = src.begin(); it != src.end(); ++it) {
     std::string k = prefix.empty() ? it.key() : prefix + "." + it.key();
-    if (it->is_object()) merge(*it, dst, k);
-    else set_value(k, *it);
+    if (it->is_object())
+      merge(*it, dst, k);
+    else
+      set_value(k, *it);
   }
 }
 
@@ -113,7 +120,8 @@ void ConfigTree::merge_file(const std::string& path) {
       continue;
     }
     auto eq = line.find('=');
-    GDN_CHECK(eq != std::string::npos, "{}:{}: expected 'key = value', got '{}'", path, lineno, line);
+    GDN_CHECK(eq != std::string::npos, "{}:{}: expected 'key = value', got '{}'", path, lineno,
+              line);
     std::string key = trim(line.substr(0, eq)), val = trim(line.substr(eq + 1));
     if (val.size() >= 2 && val.front() == '\'' && val.back() == '\'')
       val = "\"" + val.substr(1, val.size() - 2) + "\"";

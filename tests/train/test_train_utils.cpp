@@ -40,7 +40,7 @@ TEST(Schedule, WarmupThenEachDecay) {
   EXPECT_NEAR(s.at(60), 0.55, 1e-12);
   EXPECT_NEAR(s.at(35), 1.0 - 0.9 * 0.25, 1e-12);
   s.decay = DecayKind::Wsd;
-  EXPECT_DOUBLE_EQ(s.at(80), 1.0);               // stable phase (t = 0.7 < 0.8)
+  EXPECT_DOUBLE_EQ(s.at(80), 1.0);                 // stable phase (t = 0.7 < 0.8)
   EXPECT_NEAR(s.at(100), 0.1 + 0.9 * 0.5, 1e-12);  // half-way through the decay phase
   s.decay = DecayKind::Constant;
   EXPECT_DOUBLE_EQ(s.at(100), 1.0);
@@ -126,7 +126,8 @@ TEST(ConfigTree, FileThenSetWithTypeChecksAndTypoSuggestions) {
   }
   {
     std::ofstream f(dir / "b.toml");
-    f << "# comment\nseed = 9\n[optim]\nsteps = 50 # trailing\ndecay = 'wsd'\n[log]\nplot = false\n";
+    f << "# comment\nseed = 9\n[optim]\nsteps = 50 # trailing\ndecay = 'wsd'\n[log]\nplot = "
+         "false\n";
   }
   ConfigTree t(d);
   t.merge_file((dir / "a.json").string());
@@ -145,12 +146,13 @@ TEST(ConfigTree, FileThenSetWithTypeChecksAndTypoSuggestions) {
     t.set("optim.lrr=1");
     FAIL();
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("unknown configuration key 'optim.lrr'"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("unknown configuration key 'optim.lrr'"),
+              std::string::npos);
     EXPECT_NE(e.hint().find("did you mean 'optim.lr'"), std::string::npos) << e.hint();
   }
-  EXPECT_THROW(t.set("optim.steps=1.5"), Error);      // integer expected
-  EXPECT_THROW(t.set("log.plot=\"yes\""), Error);     // bool expected
-  EXPECT_THROW(t.set("optim=1"), Error);              // a section
+  EXPECT_THROW(t.set("optim.steps=1.5"), Error);   // integer expected
+  EXPECT_THROW(t.set("log.plot=\"yes\""), Error);  // bool expected
+  EXPECT_THROW(t.set("optim=1"), Error);           // a section
   EXPECT_THROW(t.set("noequals"), Error);
   EXPECT_THROW(t.merge_file((dir / "missing.json").string()), Error);
   fs::remove_all(dir);

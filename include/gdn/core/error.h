@@ -25,9 +25,18 @@ class Error : public std::runtime_error {
   int line_;
 };
 
+// A check found a non-finite value (NaN or inf) in a tensor. The trainer's non-finite guard
+// catches this kind (skip the step, or stop naming the step, layer and tensor); everything else
+// is a plain Error.
+class NonFiniteError : public Error {
+ public:
+  using Error::Error;
+};
+
 namespace detail {
 [[noreturn]] void throw_error(const char* file, int line, std::string message,
                               std::string hint = {});
+[[noreturn]] void throw_nonfinite(const char* file, int line, std::string message);
 }  // namespace detail
 
 }  // namespace gdn
@@ -44,6 +53,13 @@ namespace detail {
   do {                                                                                    \
     if (!(cond)) [[unlikely]]                                                             \
       ::gdn::detail::throw_error(__FILE__, __LINE__, ::fmt::format(__VA_ARGS__), (hint)); \
+  } while (0)
+
+// GDN_CHECK_FINITE(cond, "fmt", args...): as GDN_CHECK, throwing gdn::NonFiniteError.
+#define GDN_CHECK_FINITE(cond, ...)                                                   \
+  do {                                                                                \
+    if (!(cond)) [[unlikely]]                                                         \
+      ::gdn::detail::throw_nonfinite(__FILE__, __LINE__, ::fmt::format(__VA_ARGS__)); \
   } while (0)
 
 #define GDN_FAIL(...) ::gdn::detail::throw_error(__FILE__, __LINE__, ::fmt::format(__VA_ARGS__))

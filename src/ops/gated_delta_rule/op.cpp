@@ -72,12 +72,14 @@ Dims validate_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Te
     std::vector<double> gv = to_f64_vector(g), bv = to_f64_vector(beta);
     for (size_t i = 0; i < gv.size(); ++i) {
       const int64_t t = static_cast<int64_t>(i) / d.Hv, h = static_cast<int64_t>(i) % d.Hv;
-      GDN_CHECK(std::isfinite(gv[i]), "{}: tensor 'g' has a non-finite value {} at [t={}, h={}]",
-                kOp, gv[i], t, h);
+      GDN_CHECK_FINITE(std::isfinite(gv[i]),
+                       "{}: tensor 'g' has a non-finite value {} at [t={}, h={}]", kOp, gv[i], t,
+                       h);
       GDN_CHECK(gv[i] <= 0, "{}: tensor 'g' must be <= 0 (a log-decay), got {} at [t={}, h={}]",
                 kOp, gv[i], t, h);
-      GDN_CHECK(std::isfinite(bv[i]), "{}: tensor 'beta' has a non-finite value {} at [t={}, h={}]",
-                kOp, bv[i], t, h);
+      GDN_CHECK_FINITE(std::isfinite(bv[i]),
+                       "{}: tensor 'beta' has a non-finite value {} at [t={}, h={}]", kOp, bv[i], t,
+                       h);
     }
   }
   return d;
@@ -113,7 +115,7 @@ void validate_bwd(const GatedDeltaRuleBwd& a) {
     if (t->defined()) expect_device(*t, kOp, name, dev);
   if (dev == Device::CPU && a.dhT.defined())
     for (double x : to_f64_vector(a.dhT))
-      GDN_CHECK(std::isfinite(x), "{}: tensor 'dhT' has a non-finite value {}", kOp, x);
+      GDN_CHECK_FINITE(std::isfinite(x), "{}: tensor 'dhT' has a non-finite value {}", kOp, x);
 }
 
 OpQuery query_for(const Tensor& q, const Tensor& v) {

@@ -21,8 +21,8 @@ void expect_finite_params(const Tensor& t, const char* name) {
   if (t.device() != Device::CPU) return;
   const std::vector<double> v = to_f64_vector(t);
   for (size_t i = 0; i < v.size(); ++i)
-    GDN_CHECK(std::isfinite(v[i]), "{}: tensor '{}' has a non-finite value {} at index {}", kOp,
-              name, v[i], i);
+    GDN_CHECK_FINITE(std::isfinite(v[i]), "{}: tensor '{}' has a non-finite value {} at index {}",
+                     kOp, name, v[i], i);
 }
 
 void expect_same_device(std::initializer_list<const Tensor*> ts, const Tensor& ref) {

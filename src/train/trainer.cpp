@@ -1,0 +1,514 @@
+#include "train/trainer.h"
+
+#include <omp.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <memory>
+#include <sstream>
+
+#include "gdn/core/env.h"
+#include "gdn/core/log.h"
+#include "gdn/core/safetensors.h"
+#include "model/qwen35.h"
+#include "model/weights.h"
+#include "ops/adamw/op.h"
+#include "train/checkpoint_dir.h"
+#include "train/indexed_dataset.h"
+#include "train/metrics.h"
+#include "train/mqar.h"
+#include "train/packing.h"
+#include "train/schedule.h"
+
+namespace gdn::train {
+
+namespace fs = std::filesystem;
+
+nlohmann::json default_train_config() {
+  return nlohmann::json::parse(R"({
+    "model": {"config": "tiny", "init_from": "", "seed": 1234},
+    "data": {"kind": "mqar", "path": "", "seed": 7, "eval_fraction": 0.01,
+             "mqar": {"vocab_size": 258, "num_pairs": 8, "seq_len": 64}},
+    "train": {"steps": 400, "micro_batch_tokens": 2048, "grad_accum": 1, "z_loss": 0.0001,
+              "device": "auto"},
+    "optim": {"lr": 0.003, "min_lr": 0.0003, "warmup_steps": 40, "decay": "cosine",
+              "wsd_decay_fraction": 0.2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
+              "weight_decay": 0.1, "clip": 1.0},
+    "eval": {"every": 100, "batches": 4},
+    "log": {"every": 10},
+    "checkpoint": {"every": 200, "keep": 2},
+    "run": {"dir": "runs/default"}
+  })");
+}
+
+namespace {
+
+// ---- data -----------------------------------------------------------------------------------
+class DataSource {
+ public:
+  virtual ~DataSource() = default;
+  // Micro-batch `micro` of (0-based) step `step`: a pure function of the configuration and the
+  // indices, which is what makes resume exact.
+  virtual MicroBatch train_batch(int64_t step, int64_t micro) = 0;
+  virtual std::vector<MicroBatch> eval_batches(int64_t count) = 0;
+  virtual int64_t max_tokens() const = 0;
+  virtual int64_t max_docs() const = 0;
+  virtual bool is_mqar() const { return false; }
+  virtual std::string describe() const = 0;
+};
+
+class MqarSource final : public DataSource {
+ public:
+  MqarSource(MqarConfig c, uint64_t seed, int64_t micro_tokens, int64_t accum)
+      : c_(c), seed_(seed), accum_(accum) {
+    validate(c_);
+    per_batch_ = micro_tokens / c_.seq_len;
+    GDN_CHECK_HINT(per_batch_ >= 1, "raise train.micro_batch_tokens or lower data.mqar.seq_len",
+                   "train.micro_batch_tokens {} is smaller than one MQAR example ({} tokens)",
+                   micro_tokens, c_.seq_len);
+  }
+  MicroBatch train_batch(int64_t step, int64_t micro) override {
+    return mqar_batch(c_, seed_, (step * accum_ + micro) * per_batch_, per_batch_);
+  }
+  std::vector<MicroBatch> eval_batches(int64_t count) override {
+    std::vector<MicroBatch> out;
+    // Held-out examples: a different seed, so no eval example is ever a training example.
+    for (int64_t i = 0; i < count; ++i)
+      out.push_back(mqar_batch(c_, seed_ ^ 0x9e3779b97f4a7c15ull, i * per_batch_, per_batch_));
+    return out;
+  }
+  int64_t max_tokens() const override { return per_batch_ * c_.seq_len; }
+  int64_t max_docs() const override { return per_batch_; }
+  bool is_mqar() const override { return true; }
+  std::string describe() const override {
+    return fmt::format(
+        "MQAR: {} key-value pairs, sequences of {}, vocabulary {}, {} examples per "
+        "micro-batch",
+        c_.num_pairs, c_.seq_len, c_.vocab_size, per_batch_);
+  }
+  const MqarConfig& config() const { return c_; }
+
+ private:
+  MqarConfig c_;
+  uint64_t seed_;
+  int64_t accum_, per_batch_ = 1;
+};
+
+class IndexedSource final : public DataSource {
+ public:
+  IndexedSource(const std::string& prefix, uint64_t seed, int64_t micro_tokens, int64_t accum,
+                double eval_fraction, int64_t vocab)
+      : ds_(prefix), seed_(seed), micro_tokens_(micro_tokens), accum_(accum), vocab_(vocab) {
+    auto lengths = ds_.document_lengths();
+    const int64_t n = static_cast<int64_t>(lengths.size());
+    GDN_CHECK(n >= 2, "dataset '{}' has {} documents; at least 2 are needed (train + eval)", prefix,
+              n);
+    n_eval_ = std::clamp<int64_t>(static_cast<int64_t>(std::ceil(n * eval_fraction)), 1, n - 1);
+    train_lengths_.assign(lengths.begin(), lengths.end() - n_eval_);
+    eval_lengths_.assign(lengths.end() - n_eval_, lengths.end());
+  }
+  MicroBatch train_batch(int64_t step, int64_t micro) override {
+    int64_t g = step * accum_ + micro;
+    for (;;) {
+      if (!plan_ || g - epoch_first_ < plan_->num_batches()) {
+        if (!plan_) build_epoch(0, 0);
+        if (g >= epoch_first_ && g - epoch_first_ < plan_->num_batches()) break;
+      }
+      if (g < epoch_first_)
+        build_epoch(0, 0);  // went backwards (a fresh process): restart
+      else
+        build_epoch(epoch_ + 1, epoch_first_ + plan_->num_batches());
+    }
+    MicroBatch mb = build_micro_batch(
+        *plan_, g - epoch_first_,
+        [&](int64_t d, int64_t b, int64_t e, int32_t* out) { ds_.read_document(d, b, e, out); });
+    check_vocab(mb);
+    return mb;
+  }
+  std::vector<MicroBatch> eval_batches(int64_t count) override {
+    PackPlan p = plan_packing(eval_lengths_, identity_order(n_eval_), micro_tokens_);
+    std::vector<MicroBatch> out;
+    const int64_t first = static_cast<int64_t>(train_lengths_.size());
+    for (int64_t b = 0; b < std::min(count, p.num_batches()); ++b) {
+      out.push_back(build_micro_batch(p, b, [&](int64_t d, int64_t s, int64_t e, int32_t* o) {
+        ds_.read_document(first + d, s, e, o);
+      }));
+      check_vocab(out.back());
+    }
+    return out;
+  }
+  int64_t max_tokens() const override { return micro_tokens_; }
+  int64_t max_docs() const override { return micro_tokens_; }
+  std::string describe() const override {
+    return fmt::format("indexed dataset {}: {} documents ({} held out for eval), {} tokens",
+                       ds_.prefix(), ds_.num_documents(), n_eval_, ds_.total_tokens());
+  }
+
+ private:
+  void build_epoch(int64_t epoch, int64_t first) {
+    auto order = shuffled_order(static_cast<int64_t>(train_lengths_.size()), seed_,
+                                static_cast<uint64_t>(epoch));
+    plan_ = std::make_unique<PackPlan>(plan_packing(train_lengths_, order, micro_tokens_));
+    GDN_CHECK(plan_->num_batches() > 0, "dataset '{}' produced no micro-batch", ds_.prefix());
+    epoch_ = epoch;
+    epoch_first_ = first;
+  }
+  void check_vocab(const MicroBatch& mb) const {
+    for (size_t t = 0; t < mb.input_ids.size(); ++t)
+      GDN_CHECK(mb.input_ids[t] >= 0 && mb.input_ids[t] < vocab_,
+                "dataset '{}': token {} is outside the model vocabulary [0, {})", ds_.prefix(),
+                mb.input_ids[t], vocab_);
+  }
+  IndexedDataset ds_;
+  uint64_t seed_;
+  int64_t micro_tokens_, accum_, vocab_, n_eval_ = 1;
+  std::vector<int64_t> train_lengths_, eval_lengths_;
+  std::unique_ptr<PackPlan> plan_;
+  int64_t epoch_ = 0, epoch_first_ = 0;
+};
+
+// Weight decay applies to matrices only: not to norms, A_log, dt_bias or embeddings.
+bool decays(const std::string& name) {
+  return !(name.ends_with("norm.weight") || name.ends_with("layernorm.weight") ||
+           name.ends_with("A_log") || name.ends_with("dt_bias") ||
+           name.find("embed_tokens") != std::string::npos);
+}
+
+std::string first_nonfinite(const model::Qwen35Model& m) {
+  for (size_t i = 0; i < m.specs().size(); ++i) {
+    auto g = to_f64_vector(m.grad(i));
+    for (size_t j = 0; j < g.size(); ++j)
+      if (!std::isfinite(g[j]))
+        return fmt::format("gradient of {} (element {} = {})", m.specs()[i].name, j, g[j]);
+  }
+  return "the loss (every gradient is finite)";
+}
+
+struct Evaluation {
+  double loss = 0, accuracy = -1;
+};
+
+Evaluation evaluate(model::Qwen35Model& m, DataSource& data, int64_t batches) {
+  Evaluation e;
+  auto evals = data.eval_batches(batches);
+  if (evals.empty()) return e;
+  const int64_t V = m.config().vocab_size;
+  double loss_sum = 0;
+  int64_t targets = 0;
+  MqarAccuracy acc;
+  for (const MicroBatch& mb : evals) {
+    model::StepOptions o;
+    o.backward = false;
+    OwnedTensor logits;
+    if (data.is_mqar()) {
+      logits = OwnedTensor::zeros(DType::F32, {mb.num_tokens(), V});
+      o.logits = logits;
+    }
+    model::StepStats s = m.step(mb, o);
+    loss_sum += s.loss * static_cast<double>(s.targets);
+    targets += s.targets;
+    if (data.is_mqar()) {
+      MqarAccuracy a = mqar_accuracy(
+          std::span<const float>(logits.ptr<float>(), static_cast<size_t>(logits.numel())),
+          mb.labels, V);
+      acc.correct += a.correct;
+      acc.total += a.total;
+    }
+  }
+  e.loss = targets > 0 ? loss_sum / static_cast<double>(targets) : 0.0;
+  if (data.is_mqar()) e.accuracy = acc.value();
+  return e;
+}
+
+// Adam moments in the same layout as the parameters.
+struct Optimizer {
+  model::ParamStore m, v;
+};
+
+void save_checkpoint(CheckpointDir& cd, int64_t step, const model::Qwen35Config& cfg,
+                     const model::ParamStore& master, const Optimizer& opt,
+                     const nlohmann::json& state) {
+  std::string dir = cd.begin(step);
+  model::SaveOptions so;
+  so.dtype = DType::F32;  // fp32 master weights: exact resume, and transformers loads F32
+  so.prefix = model::prefix_for(cfg);
+  so.f32_suffixes.clear();
+  model::save_hf_checkpoint(dir, cfg, master, so);
+  std::vector<NamedTensor> moments;
+  for (size_t i = 0; i < master.size(); ++i) {
+    moments.push_back({"m." + master.spec(i).name, opt.m.tensor(i), {}, {}, nullptr, 0});
+    moments.push_back({"v." + master.spec(i).name, opt.v.tensor(i), {}, {}, nullptr, 0});
+  }
+  write_safetensors(dir + "/optimizer.safetensors", moments);
+  write_file_atomic(dir + "/trainer.json", state.dump(2) + "\n");
+  cd.commit(step, fmt::format("step {}", step));
+}
+
+void load_moments(const std::string& path, Optimizer& opt) {
+  SafeTensorsFile f(path);
+  for (size_t i = 0; i < opt.m.size(); ++i) {
+    const std::string& n = opt.m.spec(i).name;
+    for (auto [prefix, store] : {std::pair{"m.", &opt.m}, std::pair{"v.", &opt.v}}) {
+      std::string name = prefix + n;
+      GDN_CHECK(f.contains(name), "{}: optimizer state has no tensor '{}'", path, name);
+      Tensor dst = store->tensor(i);
+      OwnedTensor src = f.load(name, DType::F32);
+      GDN_CHECK(src.numel() == dst.numel(), "{}: '{}' has {} elements, expected {}", path, name,
+                src.numel(), dst.numel());
+      copy_into(dst, src);
+    }
+  }
+}
+
+}  // namespace
+
+TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
+  const auto t_launch = std::chrono::steady_clock::now();
+  const std::string run_dir = cfg.get_string("run.dir");
+  fs::create_directories(run_dir);
+  write_file_atomic(run_dir + "/config.json", cfg.json().dump(2) + "\n");
+  if (!topt.quiet)
+    log::info("effective configuration (saved to {}/config.json):\n{}", run_dir,
+              cfg.json().dump(2));
+
+  // Backend.
+  std::string device = cfg.get_string("train.device");
+  GDN_CHECK_HINT(device == "auto" || device == "cpu" || device == "cuda" || device == "ref",
+                 "use auto, cpu, cuda or ref", "train.device '{}' is not a device", device);
+  Backend backend = device == "ref" ? Backend::Ref : Backend::Cpu;
+  if (device == "cuda" || (device == "auto" && cuda_available())) backend = Backend::Cuda;
+  GDN_CHECK_HINT(backend != Backend::Cuda || cuda_available(),
+                 "build the cuda preset and run on a machine with a GPU, or use --device cpu",
+                 "train.device is cuda but no CUDA device is available");
+  GDN_CHECK_HINT(backend != Backend::Cuda,
+                 "the GPU training path (issue 8) is not in this build yet; use --device cpu",
+                 "training on the cuda backend is not supported yet");
+
+  // Model config and initial weights.
+  const std::string init_from = cfg.get_string("model.init_from");
+  model::Qwen35Config mcfg;
+  model::ParamStore master;
+  std::vector<model::RawTensor> untouched;
+  if (!init_from.empty()) {
+    model::HfCheckpoint ck = model::load_hf_checkpoint(init_from);
+    mcfg = ck.config;
+    master = std::move(ck.params);
+    untouched = std::move(ck.extras.untouched);
+  } else {
+    const std::string mc = cfg.get_string("model.config");
+    mcfg = mc == "tiny" ? model::tiny_config() : model::load_config(mc);
+    master = model::ParamStore(model::param_specs(mcfg));
+    model::init_params(master, mcfg, static_cast<uint64_t>(cfg.get_int("model.seed")));
+  }
+
+  // Data.
+  const int64_t steps = cfg.get_int("train.steps"), accum = cfg.get_int("train.grad_accum");
+  const int64_t micro_tokens = cfg.get_int("train.micro_batch_tokens");
+  GDN_CHECK(steps >= 1 && accum >= 1 && micro_tokens >= 1,
+            "train.steps, train.grad_accum and train.micro_batch_tokens must be positive");
+  std::unique_ptr<DataSource> data;
+  const std::string kind = cfg.get_string("data.kind");
+  const uint64_t data_seed = static_cast<uint64_t>(cfg.get_int("data.seed"));
+  if (kind == "mqar") {
+    MqarConfig mq{cfg.get_int("data.mqar.vocab_size"), cfg.get_int("data.mqar.num_pairs"),
+                  cfg.get_int("data.mqar.seq_len")};
+    GDN_CHECK(mq.vocab_size <= mcfg.vocab_size,
+              "data.mqar.vocab_size {} exceeds the model vocabulary {}", mq.vocab_size,
+              mcfg.vocab_size);
+    data = std::make_unique<MqarSource>(mq, data_seed, micro_tokens, accum);
+  } else if (kind == "indexed") {
+    data =
+        std::make_unique<IndexedSource>(cfg.get_string("data.path"), data_seed, micro_tokens, accum,
+                                        cfg.get_double("data.eval_fraction"), mcfg.vocab_size);
+  } else {
+    GDN_FAIL_HINT("use mqar (built-in task) or indexed (a `gdntrain prepare` dataset)",
+                  "data.kind '{}' is not a data source", kind);
+  }
+
+  model::Qwen35Model m(mcfg, backend, data->max_tokens(), data->max_docs());
+  Optimizer opt{model::ParamStore(master.specs()), model::ParamStore(master.specs())};
+
+  Schedule sched;
+  sched.lr = cfg.get_double("optim.lr");
+  sched.min_lr = cfg.get_double("optim.min_lr");
+  sched.warmup_steps = cfg.get_int("optim.warmup_steps");
+  sched.total_steps = steps;
+  sched.decay = decay_kind_from_name(cfg.get_string("optim.decay"));
+  sched.wsd_decay_fraction = cfg.get_double("optim.wsd_decay_fraction");
+  ops::AdamWHyper hyper;
+  hyper.beta1 = cfg.get_double("optim.beta1");
+  hyper.beta2 = cfg.get_double("optim.beta2");
+  hyper.eps = cfg.get_double("optim.eps");
+  hyper.weight_decay = cfg.get_double("optim.weight_decay");
+  const double clip = cfg.get_double("optim.clip");
+  const double z_loss = cfg.get_double("train.z_loss");
+  const int64_t log_every = std::max<int64_t>(1, cfg.get_int("log.every"));
+  const int64_t eval_every = cfg.get_int("eval.every"), eval_batches = cfg.get_int("eval.batches");
+  const int64_t ckpt_every = cfg.get_int("checkpoint.every");
+  const bool fail_on_nonfinite = env::get_bool("GDN_FAIL_ON_NONFINITE");
+
+  CheckpointDir cd(run_dir + "/checkpoints", static_cast<int>(cfg.get_int("checkpoint.keep")));
+  cd.clean_temporaries();
+  int64_t start_step = 0, skipped = 0;
+  if (topt.resume) {
+    auto latest = cd.latest();
+    GDN_CHECK_HINT(latest.has_value(), "run without --resume to start a new run",
+                   "--resume: no complete checkpoint in {}/checkpoints", run_dir);
+    model::HfCheckpoint ck = model::load_hf_checkpoint(*latest);
+    GDN_CHECK(ck.params.size() == master.size(), "{}: checkpoint has {} tensors, expected {}",
+              *latest, ck.params.size(), master.size());
+    for (size_t i = 0; i < master.size(); ++i) copy_into(master.tensor(i), ck.params.tensor(i));
+    load_moments(*latest + "/optimizer.safetensors", opt);
+    std::ifstream in(*latest + "/trainer.json");
+    nlohmann::json st = nlohmann::json::parse(in, nullptr, false);
+    GDN_CHECK(!st.is_discarded() && st.contains("step"), "{}/trainer.json is unreadable", *latest);
+    start_step = st["step"].get<int64_t>();
+    skipped = st.value("skipped_steps", int64_t{0});
+    truncate_metrics(run_dir + "/metrics.jsonl", start_step);
+    log::info("resuming from {} (step {})", *latest, start_step);
+  } else {
+    std::error_code ec;
+    fs::remove(run_dir + "/metrics.jsonl", ec);
+  }
+  m.load_params(master);
+  MetricsWriter metrics(run_dir + "/metrics.jsonl");
+
+  if (!topt.quiet) {
+    log::info("model: {} layers ({} GDN, {} attention), D={}, vocab {}, {} parameters",
+              mcfg.num_hidden_layers, mcfg.num_linear_attention_layers(),
+              mcfg.num_full_attention_layers(), mcfg.hidden_size, mcfg.vocab_size, master.numel());
+    log::info("data: {}", data->describe());
+    log::info("{}", m.memory_plan());
+    log::info("threads: {} (OpenMP)", omp_get_max_threads());
+  }
+
+  std::vector<ops::AdamWParam> params;
+  for (size_t i = 0; i < master.size(); ++i)
+    params.push_back({master.tensor(i), m.grad(i), opt.m.tensor(i), opt.v.tensor(i), Tensor(),
+                      decays(master.spec(i).name), master.spec(i).name});
+
+  TrainResult res;
+  res.skipped_steps = skipped;
+  double tokens_total = 0;
+  auto t0 = std::chrono::steady_clock::now();
+  double window_tokens = 0;
+  auto window_t0 = t0;
+  nlohmann::json last_eval;
+  auto trainer_state = [&](int64_t step) {
+    return nlohmann::json{{"step", step},
+                          {"skipped_steps", res.skipped_steps},
+                          {"data", {{"kind", kind}, {"seed", data_seed}, {"next_step", step}}}};
+  };
+  for (int64_t step = start_step; step < steps; ++step) {
+    m.zero_grads();
+    std::vector<MicroBatch> mbs;
+    int64_t denom = 0, tokens = 0;
+    for (int64_t k = 0; k < accum; ++k) {
+      mbs.push_back(data->train_batch(step, k));
+      denom += mbs.back().num_targets();
+      tokens += mbs.back().num_tokens();
+    }
+    double loss = 0, zl = 0;
+    std::string nonfinite;  // where a non-finite value was found (empty: nowhere)
+    try {
+      for (const MicroBatch& mb : mbs) {
+        model::StepOptions so;
+        so.backward = true;
+        so.z_loss = z_loss;
+        so.loss_denominator = static_cast<double>(std::max<int64_t>(denom, 1));
+        model::StepStats s = m.step(mb, so);
+        loss += s.loss;
+        zl += s.z_loss;
+      }
+    } catch (const NonFiniteError& e) {
+      // An op's input check found NaN/inf inside the step (the cpu path checks gates and states).
+      nonfinite = e.message();
+      loss = std::numeric_limits<double>::quiet_NaN();
+    }
+    const double gnorm = nonfinite.empty() ? ops::grad_global_norm(m.grads())
+                                           : std::numeric_limits<double>::quiet_NaN();
+    const bool finite = std::isfinite(loss) && std::isfinite(gnorm);
+    const double lr = sched.at(step);
+    if (!finite) {
+      if (nonfinite.empty()) nonfinite = first_nonfinite(m);
+      GDN_CHECK_HINT(!fail_on_nonfinite,
+                     "unset GDN_FAIL_ON_NONFINITE to skip such steps, or lower optim.lr",
+                     "GDN_FAIL_ON_NONFINITE: step {} has a non-finite loss or gradient; first "
+                     "non-finite: {}",
+                     step + 1, nonfinite);
+      ++res.skipped_steps;
+      log::warn("step {}: non-finite loss or gradient ({}); step skipped ({} so far)", step + 1,
+                nonfinite, res.skipped_steps);
+    } else {
+      hyper.lr = lr;
+      hyper.step = step + 1 - res.skipped_steps;
+      hyper.grad_scale = ops::clip_scale(gnorm, clip);
+      ops::adamw_step(params, hyper);
+      m.load_params(master);
+    }
+    tokens_total += static_cast<double>(tokens);
+    window_tokens += static_cast<double>(tokens);
+    auto now = std::chrono::steady_clock::now();
+    const double elapsed = std::chrono::duration<double>(now - t0).count();
+    res.losses.push_back(loss);
+    res.final_loss = loss;
+    res.steps_done = step + 1;
+    nlohmann::json rec = {
+        {"step", step + 1}, {"loss", loss},     {"z_loss", zl},       {"grad_norm", gnorm},
+        {"lr", lr},         {"tokens", tokens}, {"skipped", !finite}, {"elapsed_s", elapsed}};
+    const bool do_eval = eval_every > 0 && ((step + 1) % eval_every == 0 || step + 1 == steps);
+    if (do_eval) {
+      Evaluation e = evaluate(m, *data, eval_batches);
+      rec["eval_loss"] = e.loss;
+      if (e.accuracy >= 0) rec["eval_accuracy"] = e.accuracy;
+      res.eval_loss = e.loss;
+      res.eval_accuracy = e.accuracy;
+    }
+    if ((step + 1) % log_every == 0 || step + 1 == steps || do_eval) {
+      const double window = std::chrono::duration<double>(now - window_t0).count();
+      const double tps = window > 0 ? window_tokens / window : 0;
+      rec["tokens_per_s"] = tps;
+      if (!topt.quiet) {
+        const double eta = (step + 1 > start_step)
+                               ? elapsed / static_cast<double>(step + 1 - start_step) *
+                                     static_cast<double>(steps - step - 1)
+                               : 0;
+        std::string ev = do_eval ? fmt::format(" | eval loss {:.4f}{}", res.eval_loss,
+                                               res.eval_accuracy >= 0
+                                                   ? fmt::format(" acc {:.3f}", res.eval_accuracy)
+                                                   : "")
+                                 : "";
+        log::info(
+            "step {:>5}/{} | loss {:.4f} | z {:.2e} | gnorm {:.3f} | lr {:.2e} | {:.0f} tok/s "
+            "| {} elapsed, ETA {}{}",
+            step + 1, steps, loss, zl, gnorm, lr, tps, format_duration(elapsed),
+            format_duration(eta), ev);
+      }
+      window_tokens = 0;
+      window_t0 = now;
+    }
+    metrics.write(rec);
+    const bool stopping = topt.stop_after > 0 && step + 1 - start_step >= topt.stop_after;
+    if ((ckpt_every > 0 && (step + 1) % ckpt_every == 0) || step + 1 == steps || stopping)
+      save_checkpoint(cd, step + 1, mcfg, master, opt, trainer_state(step + 1));
+    if (stopping) break;
+  }
+  (void)untouched;
+  (void)t_launch;
+  if (!topt.quiet) {
+    if (res.eval_accuracy >= 0)
+      log::info(
+          "final: loss {:.4f}, eval loss {:.4f}, MQAR recall accuracy {:.3f} ({} steps, {} "
+          "skipped)",
+          res.final_loss, res.eval_loss, res.eval_accuracy, res.steps_done, res.skipped_steps);
+    else
+      log::info("final: loss {:.4f}, eval loss {:.4f} ({} steps, {} skipped)", res.final_loss,
+                res.eval_loss, res.steps_done, res.skipped_steps);
+  }
+  return res;
+}
+
+}  // namespace gdn::train

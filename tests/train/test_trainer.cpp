@@ -1,0 +1,230 @@
+// The trainer end to end on CPU: bit-exact resume (also after kill -9 at random points, including
+// during checkpoint writes), gradient-accumulation normalisation, the non-finite guard, indexed
+// datasets, configuration errors, and the checkpoint's HF layout.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "gdn/core/env.h"
+#include "gdn/core/safetensors.h"
+#include "model/weights.h"
+#include "train/checkpoint_dir.h"
+#include "train/indexed_dataset.h"
+#include "train/trainer.h"
+
+namespace gdn::train {
+namespace {
+
+namespace fs = std::filesystem;
+
+fs::path temp_dir(const std::string& tag) {
+  fs::path d = fs::temp_directory_path() / fmt::format("gdn_tr_{}_{}", ::getpid(), tag);
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+// A small, fast configuration: the tiny model, 4 MQAR examples of 32 tokens per micro-batch.
+ConfigTree small_config(const fs::path& run, int64_t steps) {
+  ConfigTree c(default_train_config());
+  c.set(fmt::format("run.dir=\"{}\"", run.string()));
+  c.set(fmt::format("train.steps={}", steps));
+  c.set("train.micro_batch_tokens=128");
+  c.set("data.mqar.seq_len=32");
+  c.set("data.mqar.num_pairs=4");
+  c.set("optim.warmup_steps=2");
+  c.set("eval.every=0");
+  c.set("checkpoint.every=2");
+  c.set("checkpoint.keep=2");
+  return c;
+}
+
+std::vector<double> metric_losses(const fs::path& run) {
+  std::ifstream in(run / "metrics.jsonl");
+  std::vector<double> out;
+  std::string line;
+  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line)["loss"].get<double>());
+  return out;
+}
+
+TEST(Trainer, ResumeIsBitExact) {
+  fs::path a = temp_dir("full"), b = temp_dir("resumed");
+  TrainOptions quiet;
+  quiet.quiet = true;
+  TrainResult full = run_training(small_config(a, 7), quiet);
+  ASSERT_EQ(full.losses.size(), 7u);
+  EXPECT_LT(full.losses.back(), full.losses.front());
+  TrainOptions stop = quiet;
+  stop.stop_after = 3;  // preempted after step 3 (not a checkpoint multiple)
+  TrainResult first = run_training(small_config(b, 7), stop);
+  ASSERT_EQ(first.losses.size(), 3u);
+  TrainOptions resume = quiet;
+  resume.resume = true;
+  TrainResult rest = run_training(small_config(b, 7), resume);
+  ASSERT_EQ(rest.losses.size(), 4u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(first.losses[i], full.losses[i]) << "step " << i + 1;
+  for (size_t i = 0; i < 4; ++i)
+    EXPECT_EQ(rest.losses[i], full.losses[i + 3]) << "step " << i + 4 << " after resume";
+  // metrics.jsonl of the resumed run holds each step once, with the same losses.
+  EXPECT_EQ(metric_losses(b), metric_losses(a));
+  fs::remove_all(a);
+  fs::remove_all(b);
+}
+
+TEST(Trainer, KillDashNineAtRandomPointsThenResumeMatchesAnUninterruptedRun) {
+  fs::path a = temp_dir("ref"), b = temp_dir("killed");
+  TrainOptions quiet;
+  quiet.quiet = true;
+  auto cfg_a = small_config(a, 10);
+  cfg_a.set("checkpoint.every=1");
+  TrainResult full = run_training(cfg_a, quiet);
+  auto cfg_b = small_config(b, 10);
+  cfg_b.set("checkpoint.every=1");  // a checkpoint write every step: kills often land inside one
+  std::mt19937 rng(12345);
+  int kills = 0;
+  for (int attempt = 0; attempt < 6; ++attempt) {
+    pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      TrainOptions o;
+      o.quiet = true;
+      o.resume =
+          fs::exists(b / "checkpoints") && CheckpointDir((b / "checkpoints").string(), 2).latest();
+      try {
+        run_training(cfg_b, o);
+      } catch (...) {
+        ::_exit(3);
+      }
+      ::_exit(0);
+    }
+    std::this_thread::sleep_for(
+        std::chrono::milliseconds(std::uniform_int_distribution<int>(30, 250)(rng)));
+    int status = 0;
+    if (::waitpid(pid, &status, WNOHANG) == 0) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      ++kills;
+    } else {
+      ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child failed";
+    }
+  }
+  // Whatever the kills left, the latest complete checkpoint loads and training finishes exactly
+  // as the uninterrupted run did.
+  TrainOptions o = quiet;
+  o.resume = CheckpointDir((b / "checkpoints").string(), 2).latest().has_value();
+  run_training(cfg_b, o);
+  EXPECT_EQ(metric_losses(b), metric_losses(a)) << kills << " kills";
+  fs::remove_all(a);
+  fs::remove_all(b);
+}
+
+TEST(Trainer, GradientAccumulationNormalisesOverTheGlobalBatch) {
+  fs::path a = temp_dir("acc1"), b = temp_dir("acc2");
+  TrainOptions quiet;
+  quiet.quiet = true;
+  auto one = small_config(a, 3);
+  one.set("train.micro_batch_tokens=256");  // 8 examples in one micro-batch
+  auto two = small_config(b, 3);
+  two.set("train.micro_batch_tokens=128");  // the same 8 examples in two micro-batches
+  two.set("train.grad_accum=2");
+  TrainResult r1 = run_training(one, quiet), r2 = run_training(two, quiet);
+  for (size_t i = 0; i < 3; ++i)
+    EXPECT_NEAR(r2.losses[i], r1.losses[i], 1e-5 * std::abs(r1.losses[i])) << "step " << i + 1;
+  fs::remove_all(a);
+  fs::remove_all(b);
+}
+
+TEST(Trainer, NonFiniteStepsAreSkippedOrStopTheRunNamingTheTensor) {
+  fs::path a = temp_dir("nan");
+  TrainOptions quiet;
+  quiet.quiet = true;
+  auto cfg = small_config(a, 4);
+  cfg.set("optim.lr=1e30");  // the first update sends the weights to inf/NaN
+  cfg.set("optim.warmup_steps=0");
+  cfg.set("optim.clip=0.0");
+  cfg.set("optim.weight_decay=0.0");
+  TrainResult r = run_training(cfg, quiet);
+  EXPECT_GE(r.skipped_steps, 1);
+  setenv("GDN_FAIL_ON_NONFINITE", "1", 1);
+  env::reset_cache_for_testing();
+  try {
+    run_training(cfg, quiet);
+    FAIL() << "a non-finite step did not stop the run";
+  } catch (const Error& e) {
+    std::string m = e.what();
+    EXPECT_NE(m.find("GDN_FAIL_ON_NONFINITE: step 2"), std::string::npos) << m;
+    // The first non-finite value is named with its layer and tensor.
+    EXPECT_NE(m.find("first non-finite: layer 0 (GDN, forward): gated_delta_rule: tensor 'g' has a "
+                     "non-finite value"),
+              std::string::npos)
+        << m;
+  }
+  unsetenv("GDN_FAIL_ON_NONFINITE");
+  env::reset_cache_for_testing();
+  fs::remove_all(a);
+}
+
+TEST(Trainer, TrainsOnAnIndexedDatasetAndWritesAnHfCheckpoint) {
+  fs::path a = temp_dir("idx");
+  {
+    IndexedDatasetWriter w((a / "data").string(), TokenDType::U16);
+    for (int d = 0; d < 40; ++d) {
+      std::vector<int32_t> doc;
+      for (int t = 0; t < 10 + (d * 7) % 50; ++t) doc.push_back(2 + (d * 31 + t * 7) % 200);
+      doc.push_back(1);
+      w.add_document(doc);
+    }
+    w.finish();
+  }
+  auto cfg = small_config(a / "run", 4);
+  cfg.set("data.kind=\"indexed\"");
+  cfg.set(fmt::format("data.path=\"{}\"", (a / "data").string()));
+  cfg.set("data.eval_fraction=0.1");
+  cfg.set("eval.every=2");
+  TrainOptions quiet;
+  quiet.quiet = true;
+  TrainResult r = run_training(cfg, quiet);
+  EXPECT_EQ(r.steps_done, 4);
+  EXPECT_GT(r.eval_loss, 0.0);
+  EXPECT_EQ(r.eval_accuracy, -1.0);
+  auto latest = CheckpointDir((a / "run" / "checkpoints").string(), 2).latest();
+  ASSERT_TRUE(latest.has_value());
+  model::HfCheckpoint ck = model::load_hf_checkpoint(*latest);  // config.json + model.safetensors
+  EXPECT_EQ(ck.config.vocab_size, 258);
+  EXPECT_TRUE(fs::exists(fs::path(*latest) / "optimizer.safetensors"));
+  EXPECT_TRUE(fs::exists(fs::path(*latest) / "COMPLETE"));
+  EXPECT_TRUE(fs::exists(a / "run" / "config.json"));
+  EXPECT_EQ(fs::path(plot_run((a / "run").string())).filename(), "loss.svg");
+  fs::remove_all(a);
+}
+
+TEST(Trainer, ConfigurationErrorsAreClear) {
+  fs::path a = temp_dir("cfg");
+  TrainOptions quiet;
+  quiet.quiet = true;
+  auto cfg = small_config(a, 2);
+  cfg.set("data.kind=\"parquet\"");
+  try {
+    run_training(cfg, quiet);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("data.kind 'parquet' is not a data source"),
+              std::string::npos);
+  }
+  auto cfg2 = small_config(a, 2);
+  TrainOptions resume = quiet;
+  resume.resume = true;
+  EXPECT_THROW(run_training(cfg2, resume), Error);  // nothing to resume from
+  fs::remove_all(a);
+}
+
+}  // namespace
+}  // namespace gdn::train
