@@ -113,6 +113,10 @@ void compare(const Dev& d, const Ref& r, const Tensor& dy64) {
   const double rmax = *std::max_element(rs.begin(), rs.end());
   testing::expect_close(d.dx, r.dx, kTol.bwd, "dx", testing::l2(dy64) * rmax);
   testing::expect_close(d.dw, r.dw, kTol.bwd, "dw");
+  // rstd and dw are fp32 outputs of fp32 arithmetic on the same bf16 inputs: their error is fp32
+  // rounding (~1e-6), so a bf16 round trip anywhere on their path (~2e-3) fails these.
+  testing::expect_close(d.rstd, r.rstd, 1e-5, "rstd (fp32)");
+  testing::expect_close(d.dw, r.dw, 1e-4, "dw (fp32)");
 }
 
 // (R, D): one row, odd and tiny widths (scalar path), widths with D % 8 == 0 (16-byte path) from
