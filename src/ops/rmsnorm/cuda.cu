@@ -1,13 +1,14 @@
 // RMSNorm on CUDA: bf16 x/w/y/dy/dx, fp32 rstd and dw, fp32 arithmetic (op.h has the contract).
 //
 // Layout: a block of kBlock = 256 threads holds 256 / tpr "row groups" of tpr threads (a power of
-// two in [32, 256], whole warps); a row group owns one row at a time. Thread `lane` of a group owns
-// the packs c = lane + k * tpr (k < P) of the row, a pack being 8 bf16 (one 16-byte access) when
-// D % 8 == 0 and every pointer is 16-byte aligned, else 1 bf16 (the scalar fallback); P = 4 packs
-// of 8 or 16 of 1 per thread. tpr is the smallest that lets P packs per thread cover the row, so
-// a row is read from device memory once and kept in registers between the reduction and the
-// output pass. Rows wider than that (D > 8192 with packs of 8, D > 4096 with packs of 1) still
-// work: the packs past the first P are read again (from L2) in the second pass.
+// two in [1, 256]: lanes of one warp up to 32, whole warps above); a row group owns one row at a
+// time. Thread `lane` of a group owns the packs c = lane + k * tpr (k < P) of the row, a pack
+// being 8 bf16 (one 16-byte access) when D % 8 == 0 and every pointer is 16-byte aligned, else 1
+// bf16 (the scalar fallback); P = 4 packs of 8 or 16 of 1 per thread. tpr is the smallest that lets
+// P packs per thread cover the row, so a row is read from device memory once and kept in registers
+// between the reduction and the output pass. Rows wider than that (D > 8192 with packs of 8,
+// D > 4096 with packs of 1) still work: the packs past the first P are read again (from L2) in the
+// second pass.
 //
 // Forward: one row per row group, one launch; rstd written by lane 0.
 // Backward: a persistent grid (as many blocks as fit on the device at once, at most one per
@@ -45,11 +46,15 @@ constexpr int packs_per_thread() {
   return V == 8 ? 4 : 16;
 }
 
-// Sum of v over the tpr threads of the caller's row group, in every thread of the group. tpr is
-// uniform over the block; every thread of the block must call this (it may hold barriers).
+// Sum of v over the tpr threads of the caller's row group, in every thread of the group. tpr is a
+// power of two, uniform over the block; every thread of the block must call this (it may hold
+// barriers, and the shuffles name the whole warp). Groups of up to 32 threads are aligned lane
+// ranges of one warp, so the xor butterfly over offsets < tpr stays inside the group; every lane
+// adds the same two numbers in the same order at each step, so all hold bit-identical sums.
 __device__ __forceinline__ float group_sum(float v, int tpr, float* red /* [kBlock / 32] */) {
-  v = cuda::warp_allreduce_sum(v);
-  if (tpr == 32) return v;
+  const int width = tpr < 32 ? tpr : 32;
+  for (int m = width >> 1; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+  if (tpr <= 32) return v;
   if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
   __syncthreads();
   const int wpr = tpr >> 5, first = static_cast<int>(threadIdx.x / tpr) * wpr;
@@ -256,8 +261,10 @@ __global__ void __launch_bounds__(256)
   const int tx = static_cast<int>(threadIdx.x) & 31, ty = static_cast<int>(threadIdx.x) >> 5;
   const int col = static_cast<int>(blockIdx.x) * 32 + tx;
   float acc = 0.f;
-  if (col < D)
+  if (col < D) {
+#pragma unroll 8
     for (int p = ty; p < P; p += 8) acc += partial[static_cast<int64_t>(p) * D + col];
+  }
   s[ty][tx] = acc;
   __syncthreads();
   if (ty == 0 && col < D) {
@@ -282,7 +289,9 @@ Layout layout_for(int D, bool vec_ok) {
   const int per_thread = l.vec == 8 ? packs_per_thread<8>() : packs_per_thread<1>();
   const int npacks = D / l.vec;
   const int need = (npacks + per_thread - 1) / per_thread;
-  l.tpr = 32;
+  // Small rows get small groups (down to one thread per row): a whole warp on a 128-wide row would
+  // leave half its lanes idle and too few bytes in flight.
+  l.tpr = 1;
   while (l.tpr < need && l.tpr < kBlock) l.tpr *= 2;
   l.rpb = kBlock / l.tpr;
   return l;
