@@ -31,6 +31,7 @@
 #include "gdn/backend/cuda_context.h"
 #include "gdn/backend/registry.h"
 #include "gdn/core/tensor.h"
+#include "ops/causal_conv1d/op.h"
 #include "ops/gemm/op.h"
 #include "ops/rmsnorm/op.h"
 
@@ -319,6 +320,64 @@ std::vector<OpCase> make_gemm_cases() {
   return cases;
 }
 
+// The GDN short convolution: depthwise causal conv1d, W = 4, SiLU, no bias (Qwen3.5), at the
+// [8192 tokens, 8192 channels] micro-batch, as one document and packed as 16 documents of 512.
+// Bytes: forward x + weight + y; backward x + weight + dy + dx + dweight (fp32, read and written).
+std::vector<OpCase> make_causal_conv1d_cases() {
+  struct Set {
+    OwnedTensor x, y, dy, dx;
+  };
+  struct Bufs {
+    std::vector<Set> sets;
+    OwnedTensor w, cu, dw;
+  };
+  struct Cfg {
+    int64_t T, C, W, docs;
+  };
+  std::vector<OpCase> cases;
+  for (const Cfg& c : {Cfg{8192, 8192, 4, 1}, Cfg{8192, 8192, 4, 16}}) {
+    auto b = std::make_shared<Bufs>();
+    const double act = 2.0 * static_cast<double>(c.T * c.C);  // one bf16 [T, C] tensor
+    const double wb = 2.0 * static_cast<double>(c.C * c.W),
+                 dwb = 4.0 * static_cast<double>(c.C * c.W);
+    const int nsets = sets_for(4 * act);
+    for (int i = 0; i < nsets; ++i) {
+      Set s{OwnedTensor::empty(DType::BF16, {c.T, c.C}, Device::CUDA),
+            OwnedTensor::empty(DType::BF16, {c.T, c.C}, Device::CUDA),
+            OwnedTensor::empty(DType::BF16, {c.T, c.C}, Device::CUDA),
+            OwnedTensor::empty(DType::BF16, {c.T, c.C}, Device::CUDA)};
+      const uint64_t seed = 300 + 10 * static_cast<uint64_t>(i);
+      fill_uniform(s.x, seed, -2.f, 2.f);
+      fill_uniform(s.dy, seed + 1, -1.f, 1.f);
+      b->sets.push_back(std::move(s));
+    }
+    b->w = OwnedTensor::empty(DType::BF16, {c.C, c.W}, Device::CUDA);
+    fill_uniform(b->w, 310, -0.5f, 0.5f);
+    b->dw = OwnedTensor::zeros(DType::F32, {c.C, c.W}, Device::CUDA);
+    if (c.docs > 1) {
+      OwnedTensor cu = OwnedTensor::empty(DType::I32, {c.docs + 1});
+      for (int64_t n = 0; n <= c.docs; ++n)
+        cu.ptr<int32_t>()[n] = static_cast<int32_t>(n * c.T / c.docs);
+      b->cu = convert(cu, DType::I32, Device::CUDA);
+    }
+    const std::string shape = fmt::format("[{}, {}] W={} silu {}doc", c.T, c.C, c.W, c.docs);
+    OpCase f{"causal_conv1d.fwd", shape, "causal_conv1d", act + wb + act, 0, nullptr, b};
+    f.run = [b](int i) {
+      const Set& s = b->sets[static_cast<size_t>(i) % b->sets.size()];
+      ops::causal_conv1d_forward({s.x, b->w, Tensor(), b->cu, Tensor(), s.y, Tensor(), true});
+    };
+    OpCase g{"causal_conv1d.bwd", shape, "causal_conv1d", 3 * act + wb + 2 * dwb, 0, nullptr, b};
+    g.run = [b](int i) {
+      const Set& s = b->sets[static_cast<size_t>(i) % b->sets.size()];
+      ops::causal_conv1d_backward({s.x, b->w, Tensor(), b->cu, Tensor(), s.dy, Tensor(), s.dx,
+                                   b->dw, Tensor(), Tensor(), true});
+    };
+    cases.push_back(std::move(f));
+    cases.push_back(std::move(g));
+  }
+  return cases;
+}
+
 int run(int argc, char** argv) {
   std::string json_path, filter;
   int iters = 50;
@@ -367,6 +426,7 @@ int run(int argc, char** argv) {
   std::vector<OpCase> cases;
   for (auto& c : make_rmsnorm_cases()) cases.push_back(std::move(c));
   for (auto& c : make_gemm_cases()) cases.push_back(std::move(c));
+  for (auto& c : make_causal_conv1d_cases()) cases.push_back(std::move(c));
 
   std::printf("%-26s %-28s %-14s %10s %12s %10s %8s\n", "op", "shape", "impl", "median us",
               "MB | GFLOP", "GB/s|TF/s", "x ceil");

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "backend/tolerances.h"
 #include "gdn/backend/probe.h"
 #include "gdn/backend/registry.h"
 #include "ops/causal_conv1d/op.h"
@@ -151,7 +152,10 @@ ProbeError probe(const ImplDesc& impl, const OpQuery&) {
 }
 
 ProbeError tolerance(DType dt) {
-  if (dt == DType::BF16) return {1e-2, 2e-2};
+  if (dt == DType::BF16) {
+    constexpr ProbeError kBf16 = bf16_tolerance(kOp);
+    return kBf16;
+  }
   return {1e-5, 1e-5};
 }
 

@@ -1,0 +1,688 @@
+// Causal conv1d on CUDA: bf16 x / weight / bias / states / y / dy / dx, fp32 dweight / dbias, fp32
+// arithmetic (op.h has the contract).
+//
+// Tiles (the channel-last design of Dao's causal-conv1d, csrc/causal_conv1d_fwd.cu and
+// causal_conv1d_bwd.cu, channellast kernels; ops_notes.md §5): a block of 128 threads owns a tile
+// of kBT = 64 tokens x kBC = 128 channels. It copies the tile's rows plus the W-1 halo rows before
+// them (and, in backward, W-1 rows after them) from device memory into shared memory with 16-byte
+// cp.async copies (2-byte loads when C % 8 != 0 or a base pointer is not 16-byte aligned), rows
+// outside [0, T) and channels >= C zero-filled. Then warp g owns tokens [t0 + 16 g, t0 + 16 g + 16)
+// and lane l owns channels c0 + 4 l .. c0 + 4 l + 3: it slides over its tokens with the last W rows
+// in fp32 registers, so every shared-memory row is read once per warp. A warp shares its tokens, so
+// every document test below is warp-uniform.
+//
+// Documents: at each tile the block looks up, per token, the document it belongs to (binary search
+// in cu_seqlens: the largest n with cu[n] <= t, which skips zero-length documents) into shared
+// memory. A tap that would read a position before the token's document start reads the document's
+// initial state (or zero) instead, never the row in the tile, so no output reads another
+// document; in backward, u of a token of the next document never reaches dx. The lookup reads only
+// cu[0..N] whatever the values, and every index derived from a (possibly garbage, device-side)
+// cu_seqlens is range-checked before it addresses memory.
+//
+// Forward: one launch over (token tiles, channel blocks); z recomputed nowhere else; y written
+// once. final_state: a small kernel over (document, channel), bits copied exactly.
+// Backward: a persistent grid (as many blocks as fit at once, split over the channel blocks),
+// each block walking token tiles of its channel block. Per token t' it recomputes z and
+// u = dy * silu'(z) (Dao's causal-conv1d recomputes z the same way; FLA stores z instead), for the
+// warp's 16 tokens and the W-1 after them (whose u dx needs), then dx[t] = sum_j w[j] u[t+W-1-j]
+// over u of t's own document, plus dfinal_state for the last W-1 tokens of a document.
+// dweight / dbias: fp32 per-thread sums over the thread's tokens in all of its tiles, summed over
+// the block's warps in warp order through shared memory, one fp32 partial row set per block in
+// scratch ([G, W+1, C]), and a second kernel adds the G partials per (channel, tap) in block order
+// to dweight / dbias. No float atomics: results depend only on the shapes, the documents and the
+// device's multiprocessor count. dinitial_state: a small kernel over (document, channel) that
+// recomputes u of the document's first W-1 tokens.
+//
+// Bytes moved (the floor): forward reads x and writes y; backward reads x and dy and writes dx;
+// plus the halo rows (W-1 per 64 tokens, mostly L2 hits) and the partials (G (W+1) C fp32).
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <type_traits>
+
+#include "backend/cuda/vec.cuh"
+#include "gdn/backend/cuda_check.h"
+#include "gdn/backend/registry.h"
+#include "ops/causal_conv1d/op.h"
+
+namespace gdn::ops {
+
+// The tiles of the conv kernels (dynamic shared memory).
+extern __shared__ __align__(16) unsigned char conv_smem[];
+
+namespace {
+
+using cuda::bf16_t;
+
+constexpr int kThreads = 128;          // 4 warps
+constexpr int kWarps = kThreads / 32;  // token groups of a tile
+constexpr int kCV = 4;                 // channels per lane (one 8-byte shared-memory read)
+constexpr int kBC = 32 * kCV;          // channels per tile (256 bytes of a row)
+constexpr int kTT = 16;                // tokens per warp
+constexpr int kBT = kWarps * kTT;      // tokens per tile
+constexpr int kMaxS = static_cast<int>(kConvMaxWidth) - 1;
+constexpr int kDocSlots = kBT + kMaxS;  // tile tokens + the backward's u look-ahead
+
+// Backward: <= 128 registers per thread (4 blocks per multiprocessor) for W <= 4; the W > 4
+// kernels hold twice the taps and get 255.
+template <int W>
+constexpr int bwd_min_blocks() {
+  return W <= 4 ? 4 : 2;
+}
+
+// Shared-memory bytes of the tiles: forward x rows [t0 - S, t0 + kBT); backward x rows
+// [t0 - S, t0 + kBT + S) and dy rows [t0, t0 + kBT + S).
+constexpr size_t fwd_smem(int W) { return static_cast<size_t>(kBT + W - 1) * kBC * 2; }
+constexpr size_t bwd_smem(int W) { return static_cast<size_t>(2 * kBT + 3 * (W - 1)) * kBC * 2; }
+static_assert(bwd_smem(kConvMaxWidth) <= 48 * 1024, "tiles must fit the default 48 KiB");
+static_assert(kWarps * (kConvMaxWidth + 1) * kBC * 4 <= bwd_smem(1),
+              "the dweight reduction reuses the tile memory");
+static_assert(kThreads == kBC, "the dweight reduction gives each thread one channel of the tile");
+
+// The document of one token: index, first token, one past its last token.
+struct DocSlot {
+  int64_t s, e;
+  int n;
+};
+
+// --- device helpers ----------------------------------------------------------------------------
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
+               "r"(src_bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+}
+
+// Rows [r0, r0 + rows) x channels [c0, c0 + kBC) of a [T, C] tensor into tile [rows, kBC]; rows
+// outside [0, T) and channels >= C become zeros. vec: C % 8 == 0 and `a` 16-byte aligned, so that
+// every 8-channel chunk is one aligned 16-byte copy. Completes at cp_async_wait_all().
+__device__ __forceinline__ void load_tile(bf16_t* tile, const bf16_t* __restrict__ a, int64_t r0,
+                                          int rows, int64_t c0, int64_t T, int64_t C, bool vec) {
+  if (vec) {
+    constexpr int kChunks = kBC / 8;
+    for (int i = static_cast<int>(threadIdx.x); i < rows * kChunks; i += kThreads) {
+      const int row = i / kChunks, ch = i % kChunks;
+      const int64_t p = r0 + row, c = c0 + ch * 8;
+      const bool ok = p >= 0 && p < T && c < C;
+      cp_async16(tile + row * kBC + ch * 8, ok ? a + p * C + c : a, ok ? 16 : 0);
+    }
+  } else {
+    for (int i = static_cast<int>(threadIdx.x); i < rows * kBC; i += kThreads) {
+      const int row = i / kBC, ch = i % kBC;
+      const int64_t p = r0 + row, c = c0 + ch;
+      tile[i] = p >= 0 && p < T && c < C ? a[p * C + c] : __float2bfloat16_rn(0.f);
+    }
+  }
+}
+
+// Documents of tokens t0 .. t0 + count - 1 into docs[0 .. count). Without cu_seqlens: one
+// document [0, T). Reads only cu[0 .. N] (N >= 1): the search keeps lo, hi in [0, N-1].
+__device__ __forceinline__ void find_docs(DocSlot* docs, const int32_t* __restrict__ cu, int N,
+                                          int64_t T, int64_t t0, int count) {
+  for (int i = static_cast<int>(threadIdx.x); i < count; i += kThreads) {
+    DocSlot d{0, T, 0};
+    if (cu != nullptr) {
+      const int64_t t = t0 + i;
+      int lo = 0, hi = N - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (__ldg(cu + mid) <= t)
+          lo = mid;
+        else
+          hi = mid - 1;
+      }
+      d.n = lo;
+      d.s = __ldg(cu + lo);
+      d.e = __ldg(cu + lo + 1);
+    }
+    docs[i] = d;
+  }
+}
+
+// The lane's 4 channels of a tile row, as fp32.
+__device__ __forceinline__ void read_row(const bf16_t* tile, int row, int lane, float (&f)[kCV]) {
+  const uint2 v = *reinterpret_cast<const uint2*>(tile + row * kBC + lane * kCV);
+  f[0] = cuda::bf16_lo(v.x);
+  f[1] = cuda::bf16_hi(v.x);
+  f[2] = cuda::bf16_lo(v.y);
+  f[3] = cuda::bf16_hi(v.y);
+}
+
+// out[off + v] = f[v] for the channels c + v < C. vec: C % 4 == 0 and `out` 8-byte aligned.
+__device__ __forceinline__ void store4(bf16_t* __restrict__ out, int64_t off, int64_t c, int64_t C,
+                                       const float (&f)[kCV], bool vec) {
+  if (vec) {
+    if (c < C)
+      *reinterpret_cast<uint2*>(out + off) =
+          make_uint2(cuda::pack2(f[0], f[1]), cuda::pack2(f[2], f[3]));
+  } else {
+#pragma unroll
+    for (int v = 0; v < kCV; ++v)
+      if (c + v < C) out[off + v] = __float2bfloat16_rn(f[v]);
+  }
+}
+
+__device__ __forceinline__ float to_f(bf16_t h) { return __bfloat162float(h); }
+
+// Column k of document n's [C, S] state slice for the lane's channels; zero when there is no
+// state or k is out of range (only a garbage cu_seqlens makes k negative).
+template <int S>
+__device__ __forceinline__ void state_cols(const bf16_t* __restrict__ st, int n, int64_t k,
+                                           int64_t c, int64_t C, float (&f)[kCV]) {
+#pragma unroll
+  for (int v = 0; v < kCV; ++v)
+    f[v] = st != nullptr && k >= 0 && k < S && c + v < C
+               ? to_f(st[(static_cast<int64_t>(n) * C + c + v) * S + k])
+               : 0.f;
+}
+
+__device__ __forceinline__ float sigmoid(float z) { return __fdividef(1.f, 1.f + __expf(-z)); }
+
+// The extended-input values of the W taps of a token at document position q (document n):
+// taps j with q + j < S read the state column q + j, the others the window rows.
+template <int W>
+__device__ __forceinline__ void taps(const float (&win)[W][kCV], int64_t q, int n,
+                                     const bf16_t* __restrict__ init, int64_t c, int64_t C,
+                                     float (&e)[W][kCV]) {
+  constexpr int S = W - 1;
+#pragma unroll
+  for (int j = 0; j < W; ++j) {
+    if (q + j < S) {
+      state_cols<S>(init, n, q + j, c, C, e[j]);
+    } else {
+#pragma unroll
+      for (int v = 0; v < kCV; ++v) e[j][v] = win[j][v];
+    }
+  }
+}
+
+// z = bias + sum_j w[j] e[j], taps in order (the same order in every kernel).
+template <int W>
+__device__ __forceinline__ void preact(const float (&wr)[W][kCV], const float (&br)[kCV],
+                                       const float (&e)[W][kCV], float (&z)[kCV]) {
+#pragma unroll
+  for (int v = 0; v < kCV; ++v) {
+    z[v] = br[v];
+#pragma unroll
+    for (int j = 0; j < W; ++j) z[v] = fmaf(wr[j][v], e[j][v], z[v]);
+  }
+}
+
+template <int W>
+__device__ __forceinline__ void load_weights(const bf16_t* __restrict__ w,
+                                             const bf16_t* __restrict__ bias, int64_t c, int64_t C,
+                                             float (&wr)[W][kCV], float (&br)[kCV]) {
+#pragma unroll
+  for (int v = 0; v < kCV; ++v) {
+    const bool ok = c + v < C;
+#pragma unroll
+    for (int j = 0; j < W; ++j) wr[j][v] = ok ? to_f(w[(c + v) * W + j]) : 0.f;
+    br[v] = ok && bias != nullptr ? to_f(bias[c + v]) : 0.f;
+  }
+}
+
+// --- forward -----------------------------------------------------------------------------------
+
+template <int W>
+__global__ void __launch_bounds__(kThreads)
+    conv_fwd_kernel(const bf16_t* __restrict__ x,     // [T, C]
+                    const bf16_t* __restrict__ w,     // [C, W]
+                    const bf16_t* __restrict__ bias,  // [C] or null
+                    const int32_t* __restrict__ cu,   // [N+1] or null
+                    const bf16_t* __restrict__ init,  // [N, C, W-1] or null
+                    bf16_t* __restrict__ y,           // [T, C]
+                    int64_t T, int64_t C, int N, unsigned ncb, bool silu, bool vec_load,
+                    bool vec_store) {
+  constexpr int S = W - 1;
+  bf16_t* tile = reinterpret_cast<bf16_t*>(conv_smem);  // [kBT + S, kBC], row r = token t0-S+r
+  __shared__ DocSlot docs[kDocSlots];
+  // Channel blocks vary fastest, so that the blocks resident at once read whole rows.
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x / ncb) * kBT;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x % ncb) * kBC;
+  load_tile(tile, x, t0 - S, kBT + S, c0, T, C, vec_load);
+  find_docs(docs, cu, N, T, t0, kBT);
+  const int g = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int64_t c = c0 + lane * kCV;
+  float wr[W][kCV], br[kCV];
+  load_weights<W>(w, bias, c, C, wr, br);
+  cp_async_wait_all();
+  __syncthreads();
+
+  const int64_t tg = t0 + g * kTT;
+  float win[W][kCV];  // win[j] = row of token t - S + j, for the current token t
+#pragma unroll
+  for (int j = 0; j < S; ++j) read_row(tile, g * kTT + j, lane, win[j]);
+#pragma unroll
+  for (int i = 0; i < kTT; ++i) {
+    read_row(tile, g * kTT + i + S, lane, win[S]);
+    const int64_t t = tg + i;
+    if (t < T) {
+      const DocSlot d = docs[g * kTT + i];
+      float e[W][kCV], z[kCV];
+      taps<W>(win, t - d.s, d.n, init, c, C, e);
+      preact<W>(wr, br, e, z);
+      if (silu) {
+#pragma unroll
+        for (int v = 0; v < kCV; ++v) z[v] *= sigmoid(z[v]);
+      }
+      store4(y, t * C + c, c, C, z, vec_store);
+    }
+#pragma unroll
+    for (int j = 0; j < S; ++j)
+#pragma unroll
+      for (int v = 0; v < kCV; ++v) win[j][v] = win[j + 1][v];
+  }
+}
+
+// final_state[n, c, k] = ext[L + k]: the last W-1 inputs of document n, the initial state (or
+// zeros) in front when L < W-1. Copies bits. One thread per (document, channel).
+template <int W>
+__global__ void __launch_bounds__(256)
+    conv_final_state_kernel(const bf16_t* __restrict__ x,     // [T, C]
+                            const int32_t* __restrict__ cu,   // [N+1] or null
+                            const bf16_t* __restrict__ init,  // [N, C, W-1] or null
+                            bf16_t* __restrict__ fin,         // [N, C, W-1]
+                            int64_t T, int64_t C, int N) {
+  constexpr int S = W - 1;
+  const int64_t total = static_cast<int64_t>(N) * C;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int n = static_cast<int>(idx / C);
+    const int64_t c = idx % C;
+    const int64_t s = cu != nullptr ? __ldg(cu + n) : 0, e = cu != nullptr ? __ldg(cu + n + 1) : T;
+    const int64_t L = e > s ? e - s : 0;
+#pragma unroll
+    for (int k = 0; k < S; ++k) {
+      const int64_t m = L + k;  // extended index
+      bf16_t v = __float2bfloat16_rn(0.f);
+      if (m >= S) {
+        const int64_t p = s + m - S;
+        if (p >= 0 && p < T) v = x[p * C + c];
+      } else if (init != nullptr) {
+        v = init[idx * S + m];
+      }
+      fin[idx * S + k] = v;
+    }
+  }
+}
+
+// --- backward ----------------------------------------------------------------------------------
+
+template <int W>
+__global__ void __launch_bounds__(kThreads, bwd_min_blocks<W>())
+    conv_bwd_kernel(const bf16_t* __restrict__ x,     // [T, C]
+                    const bf16_t* __restrict__ w,     // [C, W]
+                    const bf16_t* __restrict__ bias,  // [C] or null
+                    const int32_t* __restrict__ cu,   // [N+1] or null
+                    const bf16_t* __restrict__ init,  // [N, C, W-1] or null
+                    const bf16_t* __restrict__ dy,    // [T, C]
+                    const bf16_t* __restrict__ dfin,  // [N, C, W-1] or null
+                    bf16_t* __restrict__ dx,          // [T, C]
+                    float* __restrict__ partial,      // [gridDim.x, W+1, C]
+                    int64_t T, int64_t C, int N, int64_t ntiles, bool silu, bool vec_load,
+                    bool vec_store) {
+  constexpr int S = W - 1;
+  bf16_t* tile_x = reinterpret_cast<bf16_t*>(conv_smem);  // [kBT + 2S, kBC] from t0 - S
+  bf16_t* tile_dy = tile_x + (kBT + 2 * S) * kBC;         // [kBT + S, kBC] from t0
+  __shared__ DocSlot docs[kDocSlots];
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kBC;
+  const int g = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int64_t c = c0 + lane * kCV;
+  float wr[W][kCV], br[kCV];
+  load_weights<W>(w, bias, c, C, wr, br);
+  float acc[W + 1][kCV];  // dweight taps, then dbias: this thread's tokens, all its tiles
+#pragma unroll
+  for (int j = 0; j <= W; ++j)
+#pragma unroll
+    for (int v = 0; v < kCV; ++v) acc[j][v] = 0.f;
+
+  for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+    const int64_t t0 = tile * kBT;
+    __syncthreads();  // the previous tile's readers are done with the shared memory
+    load_tile(tile_x, x, t0 - S, kBT + 2 * S, c0, T, C, vec_load);
+    load_tile(tile_dy, dy, t0, kBT + S, c0, T, C, vec_load);
+    find_docs(docs, cu, N, T, t0, kBT + S);
+    cp_async_wait_all();
+    __syncthreads();
+
+    const int64_t tg = t0 + g * kTT;
+    float win[W][kCV];  // x rows t' - S .. t' for the current u token t'
+    float uw[W][kCV];   // uw[m] = u(t' - S + m)
+#pragma unroll
+    for (int j = 0; j < S; ++j) {
+      read_row(tile_x, g * kTT + j, lane, win[j]);
+#pragma unroll
+      for (int v = 0; v < kCV; ++v) uw[j][v] = 0.f;
+    }
+    // u for t' = tg + i, i < kTT + S; dx for t = t' - S once u(t .. t + S) are known.
+#pragma unroll
+    for (int i = 0; i < kTT + S; ++i) {
+      read_row(tile_x, g * kTT + i + S, lane, win[S]);
+      const int64_t tp = tg + i;
+#pragma unroll
+      for (int v = 0; v < kCV; ++v) uw[S][v] = 0.f;
+      if (tp < T) {
+        const DocSlot d = docs[g * kTT + i];
+        float e[W][kCV], z[kCV], dyv[kCV];
+        taps<W>(win, tp - d.s, d.n, init, c, C, e);
+        preact<W>(wr, br, e, z);
+        read_row(tile_dy, g * kTT + i, lane, dyv);
+#pragma unroll
+        for (int v = 0; v < kCV; ++v) {
+          float u = dyv[v];
+          if (silu) {
+            const float sg = sigmoid(z[v]);
+            u *= sg * (1.f + z[v] * (1.f - sg));
+          }
+          uw[S][v] = u;
+        }
+        if (i < kTT) {  // the warp's own token: its dweight / dbias terms
+#pragma unroll
+          for (int v = 0; v < kCV; ++v) {
+#pragma unroll
+            for (int j = 0; j < W; ++j) acc[j][v] = fmaf(uw[S][v], e[j][v], acc[j][v]);
+            acc[W][v] += uw[S][v];
+          }
+        }
+      }
+      if (i >= S) {
+        const int64_t t = tg + i - S;
+        if (t < T) {
+          const DocSlot d = docs[g * kTT + i - S];
+          const int64_t lim = d.e - t;  // u(t + m) belongs to t's document for m < lim
+          float o[kCV];
+#pragma unroll
+          for (int v = 0; v < kCV; ++v) o[v] = 0.f;
+#pragma unroll
+          for (int j = 0; j < W; ++j) {
+            if (S - j < lim) {
+#pragma unroll
+              for (int v = 0; v < kCV; ++v) o[v] = fmaf(wr[j][v], uw[S - j][v], o[v]);
+            }
+          }
+          if (dfin != nullptr && S - lim >= 0 && lim > 0) {  // t in the last S of its document
+            float f[kCV];
+            state_cols<S>(dfin, d.n, S - lim, c, C, f);
+#pragma unroll
+            for (int v = 0; v < kCV; ++v) o[v] += f[v];
+          }
+          store4(dx, t * C + c, c, C, o, vec_store);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < S; ++j)
+#pragma unroll
+        for (int v = 0; v < kCV; ++v) {
+          win[j][v] = win[j + 1][v];
+          uw[j][v] = uw[j + 1][v];
+        }
+    }
+  }
+
+  // Sum the warps' partials in warp order (shared memory reused: tiles are done).
+  __syncthreads();
+  float* red = reinterpret_cast<float*>(conv_smem);  // [kWarps, W+1, kBC]
+#pragma unroll
+  for (int j = 0; j <= W; ++j)
+#pragma unroll
+    for (int v = 0; v < kCV; ++v) red[(g * (W + 1) + j) * kBC + lane * kCV + v] = acc[j][v];
+  __syncthreads();
+  const int col = static_cast<int>(threadIdx.x);  // kThreads == kBC
+  if (c0 + col < C) {
+    for (int j = 0; j <= W; ++j) {
+      float sum = 0.f;
+#pragma unroll
+      for (int k = 0; k < kWarps; ++k) sum += red[(k * (W + 1) + j) * kBC + col];
+      partial[(static_cast<int64_t>(blockIdx.x) * (W + 1) + j) * C + c0 + col] = sum;
+    }
+  }
+}
+
+// dweight[c, j] += sum_b partial[b, j, c] (j < W), dbias[c] += sum_b partial[b, W, c], b in order.
+__global__ void __launch_bounds__(256)
+    conv_dw_reduce_kernel(const float* __restrict__ partial,  // [G, W+1, C]
+                          float* __restrict__ dw,             // [C, W]
+                          float* __restrict__ db,             // [C] or null
+                          int G, int W, int64_t C) {
+  const int64_t total = static_cast<int64_t>(W + 1) * C;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int j = static_cast<int>(idx / C);
+    const int64_t c = idx % C;
+    if (j == W && db == nullptr) continue;
+    float sum = 0.f;
+    for (int b = 0; b < G; ++b) sum += partial[(static_cast<int64_t>(b) * (W + 1) + j) * C + c];
+    if (j < W)
+      dw[c * W + j] += sum;
+    else
+      db[c] += sum;
+  }
+}
+
+// dinitial_state[n, c, k] = dext[k] = sum_{j <= k, k-j < L} w[j] u[k-j] + dfinal_state[n, c, k-L]
+// (the last term for k >= L): u of the document's first min(L, W-1) tokens, recomputed. Zero-length
+// documents get dfinal_state (or zeros). One thread per (document, channel).
+template <int W>
+__global__ void __launch_bounds__(256)
+    conv_dinit_kernel(const bf16_t* __restrict__ x,     // [T, C]
+                      const bf16_t* __restrict__ w,     // [C, W]
+                      const bf16_t* __restrict__ bias,  // [C] or null
+                      const int32_t* __restrict__ cu,   // [N+1] or null
+                      const bf16_t* __restrict__ init,  // [N, C, W-1]
+                      const bf16_t* __restrict__ dy,    // [T, C]
+                      const bf16_t* __restrict__ dfin,  // [N, C, W-1] or null
+                      bf16_t* __restrict__ dinit,       // [N, C, W-1]
+                      int64_t T, int64_t C, int N, bool silu) {
+  constexpr int S = W - 1;
+  const int64_t total = static_cast<int64_t>(N) * C;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t c = idx % C;
+    const int64_t s = cu != nullptr ? __ldg(cu + idx / C) : 0;
+    const int64_t e = cu != nullptr ? __ldg(cu + idx / C + 1) : T;
+    const int64_t L = e > s ? e - s : 0;
+    float wr[W], b = bias != nullptr ? to_f(bias[c]) : 0.f;
+#pragma unroll
+    for (int j = 0; j < W; ++j) wr[j] = to_f(w[c * W + j]);
+    float u[S];
+#pragma unroll
+    for (int q = 0; q < S; ++q) {
+      u[q] = 0.f;
+      if (q < L) {
+        float z = b;
+#pragma unroll
+        for (int j = 0; j < W; ++j) {
+          const int m = q + j;  // extended index
+          float v = 0.f;
+          if (m < S) {
+            if (init != nullptr) v = to_f(init[idx * S + m]);
+          } else {
+            const int64_t p = s + m - S;
+            if (p >= 0 && p < T) v = to_f(x[p * C + c]);
+          }
+          z = fmaf(wr[j], v, z);
+        }
+        const int64_t p = s + q;
+        float g = p >= 0 && p < T ? to_f(dy[p * C + c]) : 0.f;
+        if (silu) {
+          const float sg = sigmoid(z);
+          g *= sg * (1.f + z * (1.f - sg));
+        }
+        u[q] = g;
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < S; ++k) {
+      float v = 0.f;
+#pragma unroll
+      for (int j = 0; j <= k; ++j) v = fmaf(wr[j], u[k - j], v);
+      if (dfin != nullptr && k >= L) v += to_f(dfin[idx * S + (k - L)]);
+      dinit[idx * S + k] = __float2bfloat16_rn(v);
+    }
+  }
+}
+
+// --- host side ---------------------------------------------------------------------------------
+
+template <class T>
+const bf16_t* dev(const Tensor& t) {
+  return t.defined() ? reinterpret_cast<const bf16_t*>(t.ptr<T>()) : nullptr;
+}
+bf16_t* dev_out(const Tensor& t) { return const_cast<bf16_t*>(dev<bf16>(t)); }
+
+bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// Calls f(std::integral_constant<int, W>) for the run-time width W in 1..8 (validated by op.cpp).
+template <class F>
+void with_width(int64_t W, F&& f) {
+  switch (W) {
+    case 1:
+      f(std::integral_constant<int, 1>{});
+      break;
+    case 2:
+      f(std::integral_constant<int, 2>{});
+      break;
+    case 3:
+      f(std::integral_constant<int, 3>{});
+      break;
+    case 4:
+      f(std::integral_constant<int, 4>{});
+      break;
+    case 5:
+      f(std::integral_constant<int, 5>{});
+      break;
+    case 6:
+      f(std::integral_constant<int, 6>{});
+      break;
+    case 7:
+      f(std::integral_constant<int, 7>{});
+      break;
+    case 8:
+      f(std::integral_constant<int, 8>{});
+      break;
+    default:
+      GDN_FAIL("causal_conv1d (cuda): width W = {} is outside 1..8", W);
+  }
+}
+
+// Grid of a one-thread-per-item kernel (grid-stride beyond 65536 blocks).
+unsigned small_grid(int64_t items) {
+  return static_cast<unsigned>(std::clamp<int64_t>((items + 255) / 256, 1, 65536));
+}
+
+struct Common {
+  int64_t T, C, W, N;
+  const int32_t* cu;  // [N+1] or null
+  int64_t ntiles, ncb;
+};
+
+Common common(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens) {
+  Common k;
+  k.T = x.size(0);
+  k.C = x.size(1);
+  k.W = weight.size(1);
+  k.N = causal_conv1d_num_docs(cu_seqlens);
+  k.cu = cu_seqlens.defined() ? cu_seqlens.ptr<int32_t>() : nullptr;
+  // A host cu_seqlens was validated by op.cpp; a device one with no document cannot end at T > 0.
+  GDN_CHECK(k.T == 0 || k.N >= 1,
+            "causal_conv1d: tensor 'cu_seqlens' has no document but 'x' has {} rows", k.T);
+  GDN_CHECK(k.N <= INT_MAX, "causal_conv1d (cuda): {} documents is too many", k.N);
+  k.ntiles = (k.T + kBT - 1) / kBT;
+  k.ncb = (k.C + kBC - 1) / kBC;
+  GDN_CHECK(k.ncb <= 65535, "causal_conv1d (cuda): {} channels is too many (at most {})", k.C,
+            65535 * kBC);
+  GDN_CHECK(k.ntiles * k.ncb <= INT_MAX, "causal_conv1d (cuda): [{}, {}] is too large", k.T, k.C);
+  return k;
+}
+
+void forward(const CausalConv1dFwd& a) {
+  const Common k = common(a.x, a.weight, a.cu_seqlens);
+  if (k.C == 0) return;
+  const bf16_t* x = dev<bf16>(a.x);                 // [T, C]
+  const bf16_t* w = dev<bf16>(a.weight);            // [C, W]
+  const bf16_t* bias = dev<bf16>(a.bias);           // [C] or null
+  const bf16_t* init = dev<bf16>(a.initial_state);  // [N, C, W-1] or null
+  bf16_t* y = dev_out(a.y);                         // [T, C]
+  bf16_t* fin = dev_out(a.final_state);             // [N, C, W-1] or null
+  const bool vec_load = k.C % 8 == 0 && aligned(x, 16);
+  const bool vec_store = k.C % 4 == 0 && aligned(y, 8);
+  const int N = static_cast<int>(k.N), S = static_cast<int>(k.W) - 1;
+  cudaStream_t s = cuda::stream();
+  with_width(k.W, [&](auto wc) {
+    constexpr int W = decltype(wc)::value;
+    if (k.T > 0) {
+      const auto grid = static_cast<unsigned>(k.ntiles * k.ncb);
+      conv_fwd_kernel<W><<<grid, kThreads, fwd_smem(W), s>>>(x, w, bias, k.cu, init, y, k.T, k.C, N,
+                                                             static_cast<unsigned>(k.ncb), a.silu,
+                                                             vec_load, vec_store);
+      GDN_CUDA_LAUNCH_CHECK("conv_fwd_kernel");
+    }
+    if (fin != nullptr && S > 0 && N > 0) {
+      conv_final_state_kernel<W>
+          <<<small_grid(k.N * k.C), 256, 0, s>>>(x, k.cu, init, fin, k.T, k.C, N);
+      GDN_CUDA_LAUNCH_CHECK("conv_final_state_kernel");
+    }
+  });
+}
+
+void backward(const CausalConv1dBwd& a) {
+  const Common k = common(a.x, a.weight, a.cu_seqlens);
+  if (k.C == 0) return;
+  const bf16_t* x = dev<bf16>(a.x);                                // [T, C]
+  const bf16_t* w = dev<bf16>(a.weight);                           // [C, W]
+  const bf16_t* bias = dev<bf16>(a.bias);                          // [C] or null
+  const bf16_t* init = dev<bf16>(a.initial_state);                 // [N, C, W-1] or null
+  const bf16_t* dy = dev<bf16>(a.dy);                              // [T, C]
+  const bf16_t* dfin = dev<bf16>(a.dfinal_state);                  // [N, C, W-1] or null
+  bf16_t* dx = dev_out(a.dx);                                      // [T, C]
+  bf16_t* dinit = dev_out(a.dinitial_state);                       // [N, C, W-1] or null
+  float* dw = a.dweight.ptr<float>();                              // [C, W]
+  float* db = a.dbias.defined() ? a.dbias.ptr<float>() : nullptr;  // [C] or null
+  const bool vec_load = k.C % 8 == 0 && aligned(x, 16) && aligned(dy, 16);
+  const bool vec_store = k.C % 4 == 0 && aligned(dx, 8);
+  const int N = static_cast<int>(k.N);
+  cuda::Context& ctx = cuda::Context::get();
+  cudaStream_t s = ctx.stream();
+  with_width(k.W, [&](auto wc) {
+    constexpr int W = decltype(wc)::value;
+    if (k.T > 0) {
+      // Persistent grid: the blocks that fit at once, split over the channel blocks.
+      int per_sm = 0;
+      GDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, conv_bwd_kernel<W>,
+                                                                   kThreads, bwd_smem(W)));
+      const int64_t fit = static_cast<int64_t>(ctx.sm_count()) * std::max(per_sm, 1);
+      const int64_t G = std::clamp<int64_t>(fit / k.ncb, 1, k.ntiles);
+      float* partial = static_cast<float*>(  // [G, W+1, C]
+          ctx.scratch(static_cast<size_t>(G * (W + 1) * k.C) * sizeof(float)));
+      const dim3 grid(static_cast<unsigned>(G), static_cast<unsigned>(k.ncb));
+      conv_bwd_kernel<W><<<grid, kThreads, bwd_smem(W), s>>>(x, w, bias, k.cu, init, dy, dfin, dx,
+                                                             partial, k.T, k.C, N, k.ntiles, a.silu,
+                                                             vec_load, vec_store);
+      GDN_CUDA_LAUNCH_CHECK("conv_bwd_kernel");
+      conv_dw_reduce_kernel<<<small_grid((W + 1) * k.C), 256, 0, s>>>(partial, dw, db,
+                                                                      static_cast<int>(G), W, k.C);
+      GDN_CUDA_LAUNCH_CHECK("conv_dw_reduce_kernel");
+    }
+    if constexpr (W > 1) {  // W = 1: the state has no columns
+      if (dinit == nullptr || N == 0) return;
+      conv_dinit_kernel<W><<<small_grid(k.N * k.C), 256, 0, s>>>(x, w, bias, k.cu, init, dy, dfin,
+                                                                 dinit, k.T, k.C, N, a.silu);
+      GDN_CUDA_LAUNCH_CHECK("conv_dinit_kernel");
+    }
+  });
+}
+
+const CausalConv1dTable kTable{forward, backward};
+
+}  // namespace
+
+GDN_REGISTER(causal_conv1d_cuda) {
+  Registry::global().add_impl({"causal_conv1d", "cuda.tiled", Backend::Cuda, 10, nullptr, &kTable});
+}
+
+}  // namespace gdn::ops
