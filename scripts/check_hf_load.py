@@ -45,10 +45,10 @@ def main():
         ours = load_file(out_path)
     if nested:
         model = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(
-            args.checkpoint, torch_dtype=torch.float64, attn_implementation="eager")
+            args.checkpoint, dtype=torch.float64, attn_implementation="eager")
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            args.checkpoint, torch_dtype=torch.float64, attn_implementation="eager")
+            args.checkpoint, dtype=torch.float64, attn_implementation="eager")
     model.eval()
     tol = 1e-6 if args.backend == "ref" else 1e-4 if args.backend == "cpu" else 3e-2
     worst = 0.0
