@@ -170,6 +170,10 @@ void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size
     return;
   }
   GDN_CHECK(g_cuda_installed, "device copy requested but no CUDA device is available");
+  if (dst_dev == Device::CUDA && src_dev == Device::CUDA && g_cuda_hooks.copy_d2d != nullptr) {
+    g_cuda_hooks.copy_d2d(dst, src, n);
+    return;
+  }
   g_cuda_hooks.copy(dst, src, n);
 }
 

@@ -93,8 +93,11 @@ struct DeviceHooks {
   void (*copy)(void* dst, const void* src, size_t n) = nullptr;
   void (*memset_zero)(void* p, size_t n) = nullptr;
   void (*synchronize)() = nullptr;
-  // Strided 2-D copy (cudaMemcpy2D semantics): `height` rows of `width` bytes. Optional: without
-  // it copy_2d falls back to one copy per row.
+  // Device-to-device copy ordered on the compute stream, without waiting for it (used inside a
+  // training step, which must not synchronise the host). Optional: without it, `copy` is used.
+  void (*copy_d2d)(void* dst, const void* src, size_t n) = nullptr;
+  // Strided 2-D device copy (cudaMemcpy2D semantics), also asynchronous on the compute stream:
+  // `height` rows of `width` bytes. Optional: without it copy_2d copies row by row.
   void (*copy2d)(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
                  size_t height) = nullptr;
 };

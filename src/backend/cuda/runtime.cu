@@ -88,6 +88,17 @@ void hook_copy(void* dst, const void* src, size_t n) {
   GDN_CUDA_CHECK(cudaStreamSynchronize(s));
 }
 
+// Device to device: stream-ordered, no host wait (a training step never synchronises).
+void hook_copy_d2d(void* dst, const void* src, size_t n) {
+  GDN_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, stream()));
+}
+
+void hook_copy2d(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
+                 size_t height) {
+  GDN_CUDA_CHECK(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height,
+                                   cudaMemcpyDeviceToDevice, stream()));
+}
+
 void hook_memset_zero(void* p, size_t n) { GDN_CUDA_CHECK(cudaMemsetAsync(p, 0, n, stream())); }
 
 void hook_synchronize() { GDN_CUDA_CHECK(cudaDeviceSynchronize()); }
@@ -106,6 +117,8 @@ bool install_hooks() {
   h.alloc = hook_alloc;
   h.free = hook_free;
   h.copy = hook_copy;
+  h.copy_d2d = hook_copy_d2d;
+  h.copy2d = hook_copy2d;
   h.memset_zero = hook_memset_zero;
   h.synchronize = hook_synchronize;
   set_cuda_hooks(h);
