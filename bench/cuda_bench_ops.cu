@@ -33,6 +33,7 @@
 #include "gdn/core/tensor.h"
 #include "ops/causal_conv1d/op.h"
 #include "ops/gemm/op.h"
+#include "ops/linear_cross_entropy/op.h"
 #include "ops/rmsnorm/op.h"
 
 namespace gdn::bench {
@@ -227,6 +228,9 @@ struct OpCase {
   double flops = 0;   // matrix ops: reported as TFLOP/s and a ratio to the cuBLASLt 8192^3 rate
   std::function<void(int)> run;  // iteration index -> rotates over buffer sets
   std::shared_ptr<void> keep;    // the buffers
+  std::string compare_to;        // another case's name: its time is printed as this one's ratio
+  double extra_bytes = 0;        // device memory the op needs beyond its inputs and outputs
+  double grown_bytes = 0;        // device memory allocated by a call after warm-up (expect 0)
 };
 
 // Enough buffer sets that consecutive iterations never find their inputs in L2.
@@ -378,6 +382,103 @@ std::vector<OpCase> make_causal_conv1d_cases() {
   return cases;
 }
 
+// The fused LM head + cross-entropy + z-loss (linear_cross_entropy_forward_backward: loss, lse,
+// z_loss, dx, dW += in fp32) at the Qwen3.5 head shape, next to the three plain cuBLASLt GEMMs of
+// that shape timed in the same run through the same plumbing (logits = x W^T bf16 out,
+// dx = G W bf16 out, dW += G^T x fp32 out with beta = 1): the target is fused <= 1.25 x GEMMs.
+// Budgets: 1.5 GiB (3 blocks of 3072/3072/2048 rows; the caller's workspace is the extra memory)
+// and the knob's default 256 MiB (16 blocks of 512 rows) for comparison; forward only at 1.5 GiB.
+std::vector<OpCase> make_lce_cases() {
+  constexpr int64_t N = 8192, D = 4096, V = 248320;
+  struct Bufs {
+    OwnedTensor x, w, targets, logits, dx, dw, loss, lse, z, ws_big, ws_small;
+  };
+  const int64_t big = int64_t{3} << 29, small = int64_t{1} << 28;  // 1.5 GiB, 256 MiB
+  auto b = std::make_shared<Bufs>();
+  b->x = OwnedTensor::empty(DType::BF16, {N, D}, Device::CUDA);
+  b->w = OwnedTensor::empty(DType::BF16, {V, D}, Device::CUDA);
+  b->dx = OwnedTensor::empty(DType::BF16, {N, D}, Device::CUDA);
+  b->dw = OwnedTensor::zeros(DType::F32, {V, D}, Device::CUDA);
+  b->loss = OwnedTensor::zeros(DType::F32, {1}, Device::CUDA);
+  b->lse = OwnedTensor::zeros(DType::F32, {N}, Device::CUDA);
+  b->z = OwnedTensor::zeros(DType::F32, {1}, Device::CUDA);
+  fill_uniform(b->x, 300, -1.f, 1.f);
+  fill_uniform(b->w, 301, -0.05f, 0.05f);  // logit std ~1
+  {
+    OwnedTensor t = OwnedTensor::empty(DType::I64, {N});
+    for (int64_t i = 0; i < N; ++i)
+      t.ptr<int64_t>()[i] = i % 97 == 0 ? ops::kLceIgnoreIndex : (i * 7919 + 11) % V;
+    b->targets = convert(t, DType::I64, Device::CUDA);
+  }
+  const double flops =
+      6.0 * static_cast<double>(N) * static_cast<double>(D) * static_cast<double>(V);
+  const std::string shape = fmt::format("N={} D={} V={}", N, D, V);
+  std::vector<OpCase> cases;
+
+  // The three plain GEMMs (the logits buffer doubles as G for the two backward products).
+  b->logits = OwnedTensor::empty(DType::BF16, {N, V}, Device::CUDA);
+  fill_uniform(b->logits, 302, -1e-4f, 1e-4f);
+  OpCase g{"lce.3gemm", shape, "gemm", 0, flops, nullptr, b};
+  g.run = [b](int) {
+    ops::gemm({b->x, b->w, b->logits, false, true, 1.0, 0.0});    // [N, V] = x W^T
+    ops::gemm({b->logits, b->w, b->dx, false, false, 1.0, 0.0});  // [N, D] = G W
+    ops::gemm({b->logits, b->x, b->dw, true, false, 1.0, 1.0});   // [V, D] += G^T x (fp32)
+  };
+  cases.push_back(std::move(g));
+
+  auto args = [b](const Tensor& ws, int64_t budget, bool backward) {
+    ops::LinearCrossEntropyArgs a;
+    a.x = b->x, a.w = b->w, a.targets = b->targets, a.loss = b->loss, a.lse = b->lse;
+    a.z_loss = b->z, a.workspace = ws, a.chunk_bytes = budget;
+    a.reduction = ops::LceReduction::Mean, a.z_loss_scale = 1e-4;
+    if (backward) a.dx = b->dx, a.dw = b->dw;
+    return a;
+  };
+  // Device memory allocated by a call after a warm-up call (which resolves and probes the op and
+  // makes the cuBLASLt plans): measured, expected 0 (no allocation inside a call).
+  auto first_call_growth = [](const std::function<void()>& f) {
+    size_t free0 = 0, free1 = 0, total = 0;
+    f();
+    GDN_CUDA_CHECK(cudaDeviceSynchronize());
+    GDN_CUDA_CHECK(cudaMemGetInfo(&free0, &total));
+    f();
+    GDN_CUDA_CHECK(cudaDeviceSynchronize());
+    GDN_CUDA_CHECK(cudaMemGetInfo(&free1, &total));
+    return static_cast<double>(free0) - static_cast<double>(free1);
+  };
+  for (int64_t budget : {big, small}) {
+    const int64_t ws_bytes = ops::linear_cross_entropy_workspace_bytes(N, V, budget);
+    OwnedTensor& ws = budget == big ? b->ws_big : b->ws_small;
+    ws = OwnedTensor::empty(DType::F32, {(ws_bytes + 3) / 4}, Device::CUDA);
+    const auto plan = ops::linear_cross_entropy_cuda_plan(N, V, D, budget);
+    const std::string sh = fmt::format("{} B={}MiB R={}", shape, budget >> 20, plan.rows);
+    const Tensor wsv = ws.view();
+    OpCase f{"lce.fwd_bwd", sh, "linear_cross_entropy", 0, flops, nullptr, b};
+    f.run = [args, wsv, budget](int) {
+      ops::linear_cross_entropy_forward_backward(args(wsv, budget, true));
+    };
+    f.compare_to = "lce.3gemm";
+    f.extra_bytes = static_cast<double>(ws_bytes);
+    f.grown_bytes = first_call_growth([&] { f.run(0); });
+    cases.push_back(std::move(f));
+  }
+  {
+    const Tensor wsv = b->ws_big.view();
+    OpCase f{"lce.fwd",
+             fmt::format("{} B=1536MiB", shape),
+             "linear_cross_entropy",
+             0,
+             flops / 3,
+             nullptr,
+             b};
+    f.run = [args, wsv, big](int) { ops::linear_cross_entropy_forward(args(wsv, big, false)); };
+    f.extra_bytes = static_cast<double>(wsv.nbytes());
+    f.grown_bytes = first_call_growth([&] { f.run(0); });
+    cases.push_back(std::move(f));
+  }
+  return cases;
+}
+
 int run(int argc, char** argv) {
   std::string json_path, filter;
   int iters = 50;
@@ -427,7 +528,16 @@ int run(int argc, char** argv) {
   for (auto& c : make_rmsnorm_cases()) cases.push_back(std::move(c));
   for (auto& c : make_gemm_cases()) cases.push_back(std::move(c));
   for (auto& c : make_causal_conv1d_cases()) cases.push_back(std::move(c));
+  if (filter.empty() || filter.find("lce") != std::string::npos) {  // 12 GB of buffers
+    for (auto& c : make_lce_cases()) cases.push_back(std::move(c));
+  }
 
+  struct Extra {
+    size_t row;
+    std::string compare_to;
+    double extra_bytes, grown_bytes;
+  };
+  std::vector<Extra> extras;
   std::printf("%-26s %-28s %-14s %10s %12s %10s %8s\n", "op", "shape", "impl", "median us",
               "MB | GFLOP", "GB/s|TF/s", "x ceil");
   for (OpCase& c : cases) {
@@ -446,6 +556,20 @@ int run(int argc, char** argv) {
                   r.impl.c_str(), r.t.median_ms * 1e3, r.bytes / 1e6, gbs, gbs / copy_gbs);
     }
     rows.push_back(r);
+    if (!c.compare_to.empty() || c.extra_bytes > 0) {
+      std::string line;
+      for (const Row& o : rows)
+        if (o.kind == "op" && o.name == c.compare_to)
+          line += fmt::format("{:.3f} x {} ({:.2f} ms)", r.t.median_ms / o.t.median_ms, o.name,
+                              o.t.median_ms);
+      if (c.extra_bytes > 0)
+        line += fmt::format(
+            "{}extra memory {:.3f} GiB (workspace), {:.0f} bytes allocated by a "
+            "call",
+            line.empty() ? "" : "; ", c.extra_bytes / double(1 << 30), c.grown_bytes);
+      std::printf("%-26s   %s\n", "", line.c_str());
+      extras.push_back({rows.size() - 1, c.compare_to, c.extra_bytes, c.grown_bytes});
+    }
   }
 
   if (!json_path.empty()) {
@@ -472,6 +596,15 @@ int run(int argc, char** argv) {
         j += fmt::format(", \"flops\": {:.0f}, \"tflops\": {:.1f}", r.flops, r.flops / sec / 1e12);
       if (r.flops > 0 && r.kind == "op")
         j += fmt::format(", \"ratio_to_gemm\": {:.4f}", r.flops / sec / 1e12 / gemm_tflops);
+      for (const Extra& e : extras) {
+        if (e.row != i) continue;
+        for (const Row& o : rows)
+          if (o.kind == "op" && o.name == e.compare_to)
+            j += fmt::format(", \"compare_to\": \"{}\", \"time_ratio\": {:.4f}",
+                             json_escape(o.name), r.t.median_ms / o.t.median_ms);
+        j += fmt::format(", \"extra_bytes\": {:.0f}, \"call_alloc_bytes\": {:.0f}", e.extra_bytes,
+                         e.grown_bytes);
+      }
       j += i + 1 < rows.size() ? "},\n" : "}\n";
     }
     j += "  ]\n}\n";

@@ -370,6 +370,10 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
     truncate_metrics(run_dir + "/metrics.jsonl", start_step);
     log::info("resuming from {} (step {})", *latest, start_step);
   } else {
+    // Never mix two runs in one directory (nor delete what an earlier run left there).
+    GDN_CHECK_HINT(cd.list().empty(),
+                   "pass --resume to continue it, or choose another --run-dir",
+                   "run directory '{}' already holds checkpoints of an earlier run", run_dir);
     std::error_code ec;
     fs::remove(run_dir + "/metrics.jsonl", ec);
   }

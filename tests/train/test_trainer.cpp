@@ -155,6 +155,7 @@ TEST(Trainer, NonFiniteStepsAreSkippedOrStopTheRunNamingTheTensor) {
   EXPECT_GE(r.skipped_steps, 1);
   setenv("GDN_FAIL_ON_NONFINITE", "1", 1);
   env::reset_cache_for_testing();
+  cfg.set(fmt::format("run.dir=\"{}\"", (a / "strict").string()));
   try {
     run_training(cfg, quiet);
     FAIL() << "a non-finite step did not stop the run";
@@ -219,7 +220,16 @@ TEST(Trainer, ConfigurationErrorsAreClear) {
     EXPECT_NE(std::string(e.what()).find("data.kind 'parquet' is not a data source"),
               std::string::npos);
   }
-  auto cfg2 = small_config(a, 2);
+  // A second fresh run into a directory that holds checkpoints is refused (nothing is deleted).
+  run_training(small_config(a / "once", 2), quiet);
+  try {
+    run_training(small_config(a / "once", 2), quiet);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("already holds checkpoints of an earlier run"),
+              std::string::npos);
+  }
+  auto cfg2 = small_config(a / "empty", 2);
   TrainOptions resume = quiet;
   resume.resume = true;
   EXPECT_THROW(run_training(cfg2, resume), Error);  // nothing to resume from

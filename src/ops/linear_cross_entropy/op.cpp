@@ -2,8 +2,10 @@
 // tolerance, file runner).
 #include "ops/linear_cross_entropy/op.h"
 
+#include <algorithm>
 #include <cmath>
 
+#include "backend/tolerances.h"
 #include "gdn/backend/probe.h"
 #include "gdn/backend/registry.h"
 #include "gdn/core/env.h"
@@ -146,7 +148,7 @@ ProbeError probe(const ImplDesc& impl, const OpQuery&) {
 }
 
 ProbeError tolerance(DType dt) {
-  if (dt == DType::BF16) return {2e-2, 3e-2};
+  if (dt == DType::BF16) return bf16_tolerance("linear_cross_entropy");
   return {1e-5, 1e-5};
 }
 
@@ -203,6 +205,62 @@ LceChunkPlan linear_cross_entropy_plan(int64_t n, int64_t v, int64_t chunk_bytes
     p.cols = std::min(v, p.budget / (4 * p.rows) - kLceRowStatBytes / 4);
   }
   p.workspace_bytes = align64(4 * p.rows * p.cols) + align64(kLceRowStatBytes * p.rows);
+  return p;
+}
+
+namespace {
+int64_t align16(int64_t b) { return (b + 15) / 16 * 16; }
+}  // namespace
+
+int64_t lce_cuda_layout_bytes(int64_t rows, int64_t ld, int64_t d, bool slab) {
+  return align16(2 * rows * ld) + (slab ? align16(4 * rows * d) : 0) + kLceCudaRowStatBytes * rows +
+         kLceCudaHeaderBytes;
+}
+
+LceChunkPlan linear_cross_entropy_cuda_plan(int64_t n, int64_t v, int64_t d, int64_t chunk_bytes) {
+  LceChunkPlan p;
+  const LceChunkPlan cpu = linear_cross_entropy_plan(n, v, chunk_bytes);
+  p.budget = cpu.budget;
+  GDN_CHECK(d >= 1, "{}: cuda plan for D = {}", kOp, d);
+  if (n == 0) return p;
+  const int64_t w = cpu.workspace_bytes;  // what a caller sized by the contract formula has
+  const int64_t ld_v = (v + 7) / 8 * 8;
+  // Full-V: 2 R ld_v is a multiple of 16, so the layout is exactly linear in R.
+  const int64_t full_fit =
+      std::max<int64_t>(0, (w - kLceCudaHeaderBytes) / (2 * ld_v + kLceCudaRowStatBytes));
+  // Slab mode: as many rows (<= kLceMinRows) as fit beside an 8-column tile.
+  int64_t slab_rows = std::min(n, kLceMinRows);
+  while (slab_rows >= 1 && lce_cuda_layout_bytes(slab_rows, 8, d, true) > w) --slab_rows;
+  if (full_fit >= std::min(n, kLceMinRows) || (full_fit >= 1 && full_fit >= slab_rows)) {
+    p.rows = std::min(n, full_fit);
+    // Whole GEMM tiles and fewer partial waves of the dx GEMM ([R, D], 128-row tiles): round R
+    // down to a multiple of 1024, else of 128, when that keeps the number of blocks.
+    if (p.rows < n) {
+      const int64_t blocks = (n + p.rows - 1) / p.rows;
+      for (int64_t step : {int64_t{1024}, int64_t{128}}) {
+        const int64_t r = p.rows / step * step;
+        if (r >= 1 && (n + r - 1) / r == blocks) {
+          p.rows = r;
+          break;
+        }
+      }
+    }
+    p.cols = v;
+    p.workspace_bytes = lce_cuda_layout_bytes(p.rows, ld_v, d, false);
+    return p;
+  }
+  GDN_CHECK_HINT(slab_rows >= 1, "raise chunk_bytes or GDN_FLCE_CHUNK_BYTES",
+                 "{} (cuda): a logits budget of {} bytes (workspace {} bytes) cannot hold one row "
+                 "of the slab layout at D = {}: it needs a workspace of at least {} bytes (an "
+                 "8-column bf16 tile, an fp32 dx accumulator of D, row statistics, header)",
+                 kOp, p.budget, w, d, lce_cuda_layout_bytes(1, 8, d, true));
+  // The widest slab that fits beside the rows' fixed parts.
+  const int64_t fixed = lce_cuda_layout_bytes(slab_rows, 0, d, true);
+  int64_t ld = (w - fixed) / (2 * slab_rows) / 8 * 8;  // >= 8 by the loop above
+  p.rows = slab_rows;
+  p.cols = std::min(v, ld);
+  ld = (p.cols + 7) / 8 * 8;
+  p.workspace_bytes = lce_cuda_layout_bytes(p.rows, ld, d, true);
   return p;
 }
 

@@ -22,8 +22,8 @@
 // [1] for sum/mean and [N] for none; lse [N]; dloss [N] for none (required), [1] for sum/mean
 // (optional upstream scalar g, 1 when absent); dx [N, D]; dw [V, D].
 // Dtypes: ref: F64 everywhere (it materialises the N x V logits in fp64: the oracle, not bounded).
-// cpu: F32 everywhere; sums over tokens in double. cuda (later): bf16 x, w, dx; F32 loss, lse,
-// z_loss, dloss, dw. lse_dtype()/grad_dtype() below give the F64-on-ref / F32-otherwise dtype.
+// cpu: F32 everywhere; sums over tokens in double. cuda: bf16 x, w, dx; F32 loss, lse, z_loss,
+// dloss, dw (see "cuda" below). lce_stat_dtype() gives the F64-on-ref / F32-otherwise dtype.
 //
 // Entry points: linear_cross_entropy_forward_backward computes the loss AND the gradients in one
 // pass over the logits (gradient-in-forward, Liger's fused_linear_cross_entropy.py and QuACK's
@@ -49,6 +49,42 @@
 //                   <= B + kLceWorkspaceOverhead (128 bytes of alignment), whatever V and N are.
 // Determinism: yes for a fixed budget and thread count (fixed row/slab order; token sums in
 // order). Changing the budget changes the summation order of dW and dx (slab mode) slightly.
+//
+// cuda (cuda.cu; the H200 design, ops_notes §1.2/§1.6): the same budget B and the same workspace
+// formula, so one caller-sized workspace serves every backend. The logits tile is bf16 (cuBLASLt,
+// fp32 accumulation, rounded once) and a fused row kernel overwrites it in place with G in bf16,
+// which is what the dx and dW GEMMs read anyway; at 2 bytes per element a block holds about twice
+// the rows of the cpu plan in the same bytes, which halves the number of fp32 dW read-modify-write
+// passes (8 GB each at V = 248320, D = 4096) and the row kernel's traffic. Numerics: the loss is
+// the exact (fp32/fp64) cross-entropy of the bf16-rounded logits, as in eager bf16 training that
+// upcasts its logits; row statistics in fp32: the max m and s = sum exp(z - m) over all logits
+// but one maximal one (1 + s is the full sum, so 1 - p_y far below fp32's 6e-8 at 1 survives),
+// the loss and the target column of G in double from them, p_y - 1 = expm1((z_y - m) - log1p s)
+// (no cancellation); dx is rounded once from fp32; dW accumulates in fp32 (beta = 1) straight
+// into the caller's buffer.
+// linear_cross_entropy_cuda_plan(N, V, D, B) packs, into W = linear_cross_entropy_workspace_bytes
+// (N, V, B), the layout (each region 16-byte aligned, in this order)
+//   tile bf16 [R, ld] (ld = S rounded up to 8) | slab mode only: dx accumulator f32 [R, D] |
+//   row statistics f32 [R, 8] | a 64-byte header (valid count, scales, the loss accumulators)
+//   full-V  if the most rows that fit with S = V is >= min(N, kLceMinRows) (or >= 1 and >= the
+//           rows slab mode would get): R = min(N, that), rounded down to a multiple of 1024, else
+//           of 128, when that keeps the number of blocks (whole tiles, whole waves of the dx GEMM);
+//           per block: logits GEMM, one fused row kernel (max, sum-exp, lse, z-loss, loss, then
+//           G in place), dx = G W (bf16 out), dW += G^T x (fp32, beta = 1): 3 GEMMs.
+//   slab    otherwise: R = min(N, kLceMinRows, rows that fit with an 8-column tile), S = the
+//           widest slab that then fits; pass 1 over the slabs builds the online row statistics,
+//           pass 2 recomputes each tile, writes G, dx_acc (+)= G w_slab in fp32 and
+//           dw_slab += G^T x; dx = bf16(dx_acc) at the end of the block. A budget too small for
+//           one row of this layout at this D is an error naming the workspace it needs.
+// No host synchronisation and no allocation inside a call (the workspace is the caller's, or
+// Context::scratch sized to plan.workspace_bytes once); the valid count, 1/den, the upstream
+// scalar and the reduced loss stay on the device (one small setup kernel, one block-sum kernel per
+// row block). Targets are not read by the host: a target outside [0, V) that is not -100 gives its
+// row loss NaN (so the reduced loss is NaN and the trainer's non-finite check catches it), its lse
+// as usual and a zero gradient row; nothing is read out of bounds. A caller denominator of 0 with
+// non-ignored targets gives loss 0 and zero gradients (not an error: the host cannot count).
+// Determinism: bitwise for a fixed plan, GPU model and toolkit (no atomics; fixed-order block
+// reductions; one cached cuBLASLt plan per GEMM shape).
 #pragma once
 
 #include <cstdint>
@@ -103,6 +139,15 @@ LceChunkPlan linear_cross_entropy_plan(int64_t n, int64_t v, int64_t chunk_bytes
 inline int64_t linear_cross_entropy_workspace_bytes(int64_t n, int64_t v, int64_t chunk_bytes) {
   return linear_cross_entropy_plan(n, v, chunk_bytes).workspace_bytes;
 }
+
+// The plan of the cuda path (see "cuda" above): rows R, cols S (== V: full-V), the budget, and
+// workspace_bytes = the bytes its layout uses, <= linear_cross_entropy_workspace_bytes(n, v, B).
+// Throws when the budget cannot hold one row of the slab layout at this d.
+LceChunkPlan linear_cross_entropy_cuda_plan(int64_t n, int64_t v, int64_t d, int64_t chunk_bytes);
+// Bytes of the cuda layout for R rows, a tile leading dimension ld and hidden size d.
+int64_t lce_cuda_layout_bytes(int64_t rows, int64_t ld, int64_t d, bool slab);
+constexpr int64_t kLceCudaHeaderBytes = 64;
+constexpr int64_t kLceCudaRowStatBytes = 32;  // 8 floats per row
 
 // The loss scale shared by the implementations: 1 (sum, none), 1/den (mean; 0 when den == 0).
 // `valid` is the number of non-ignored targets of this call.
