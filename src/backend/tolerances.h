@@ -25,10 +25,25 @@ struct OpTolerance {
 };
 
 inline constexpr OpTolerance kBf16Tolerances[] = {
+    // p, m, v fp32 on every backend (the bf16 copy is checked bit for bit by the probe); no
+    // backward.
+    {"adamw", 1e-5, 0.0},
+    // y += alpha x: one bf16 rounding of y (~2e-3); no backward.
+    {"axpy", 8e-3, 0.0},
+    // y: an exact copy; dW: fp32 sums of bf16 rows (~1e-7).
+    {"embedding", 0.0, 1e-5},
+    // y, dx, dz: bf16 outputs (~2e-3 from their rounding); rstd, dw: fp32.
+    {"gated_rmsnorm", 8e-3, 8e-3},
+    // g, beta: fp32 (expf / log1pf, ~1e-7); da, db: bf16 outputs (~2e-3); dA_log, ddt_bias: fp32.
+    {"gdn_gates", 1e-5, 8e-3},
     // C, dA, dB in bf16 (~2e-3 from their rounding; fp32 accumulation adds ~1e-6 at K ~ 1e3).
     {"gemm", 8e-3, 8e-3},
+    // y, dx: bf16 outputs (~2e-3 from their rounding); rstd: fp32.
+    {"l2norm", 8e-3, 8e-3},
     // y, dx: bf16 outputs (~2e-3 from their rounding); rstd, dw: fp32.
     {"rmsnorm", 8e-3, 8e-3},
+    // y, dgate, dup: bf16 outputs (~2e-3 from their rounding).
+    {"swiglu", 8e-3, 8e-3},
 };
 
 // The bf16 tolerance of `op`. Evaluate it in a constant expression (constexpr variable) so that an
