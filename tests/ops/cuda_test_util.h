@@ -89,6 +89,38 @@ inline void expect_resolves_to_cuda(const std::string& op, const std::string& im
   EXPECT_TRUE(r.rejected.empty()) << r.rejected.front();
 }
 
+// The registered cuda implementation `name` of `op` (its function table), or null.
+template <class Table>
+const Table* cuda_table(const std::string& op, const std::string& name) {
+  for (const ImplDesc* i : Registry::global().impls(op, Backend::Cuda))
+    if (i->name == name) return static_cast<const Table*>(i->table);
+  return nullptr;
+}
+
+// In a private registry (the global one is untouched) holding the op, its ref and its registered
+// cuda implementations, adds the deliberately wrong implementations `wrong` (name, table) above
+// them in priority and checks that the resolver rejects each one by its probe and picks `real`.
+inline void expect_probe_rejects(const std::string& op, const std::string& real,
+                                 const std::vector<std::pair<std::string, const void*>>& wrong) {
+  Registry reg;
+  reg.add_op(Registry::global().op(op));
+  reg.add_impl(Registry::global().ref(op));
+  for (const ImplDesc* i : Registry::global().impls(op, Backend::Cuda)) reg.add_impl(*i);
+  int priority = 100;
+  for (const auto& [name, table] : wrong)
+    reg.add_impl({op, name, Backend::Cuda, priority++, nullptr, table});
+  const Resolution& r = reg.resolve(op, OpQuery{Backend::Cuda, "", {}});
+  ASSERT_NE(r.impl, nullptr);
+  EXPECT_EQ(r.impl->name, real);
+  ASSERT_EQ(r.rejected.size(), wrong.size());
+  for (const auto& [name, table] : wrong) {
+    bool found = false;
+    for (const std::string& line : r.rejected)
+      found = found || line.find("rejecting " + name + ": probe error") != std::string::npos;
+    EXPECT_TRUE(found) << name << " was not rejected by its probe error";
+  }
+}
+
 // Writes `inputs` to a temporary safetensors file, runs `op` through run_op_file on the cuda
 // backend and returns the output file (read while the returned object lives).
 class OpsRunOnCuda {

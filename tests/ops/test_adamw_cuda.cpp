@@ -224,6 +224,32 @@ TEST_F(AdamWCuda, ResolverChoosesCudaAndItPassesItsProbe) {
   expect_resolves_to_cuda("adamw", "cuda.multi_tensor", kTol, false, false);
 }
 
+// Deliberately wrong CUDA implementations built from the real one: a step that ignores the clip
+// scale, and a gradient sum of squares that misses the tail of every tensor.
+const AdamWTable* real_table() { return cuda_table<AdamWTable>("adamw", "cuda.multi_tensor"); }
+void real_step(const AdamWStep& s) { real_table()->step(s); }
+double real_sumsq(std::span<const Tensor> g) { return real_table()->grad_sumsq(g); }
+void real_refresh(std::span<const Bf16Copy> c) { real_table()->refresh_bf16(c); }
+void unscaled_step(const AdamWStep& s) {
+  AdamWStep t = s;
+  t.hyper.grad_scale = 1.0;
+  real_table()->step(t);
+}
+double head_sumsq(std::span<const Tensor> grads) {
+  std::vector<Tensor> heads;
+  for (const Tensor& g : grads)
+    heads.push_back(g.numel() > 1 ? g.reshape({g.numel()}).slice0(0, g.numel() - 1) : g);
+  return real_table()->grad_sumsq(heads);
+}
+const AdamWTable kWrongStep{unscaled_step, real_sumsq, real_refresh};
+const AdamWTable kWrongNorm{real_step, head_sumsq, real_refresh};
+
+TEST_F(AdamWCuda, ProbeRejectsWrongCudaKernels) {
+  ASSERT_NE(real_table(), nullptr) << "cuda.multi_tensor is not registered";
+  expect_probe_rejects("adamw", "cuda.multi_tensor",
+                       {{"cuda.wrong_scale", &kWrongStep}, {"cuda.wrong_norm", &kWrongNorm}});
+}
+
 TEST_F(AdamWCuda, OpsRunOnCudaBackend) {
   const int64_t n = 300;
   const Vec p0 = values(n, 1, 1.0), g = values(n, 2, 0.5);

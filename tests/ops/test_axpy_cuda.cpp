@@ -93,6 +93,20 @@ TEST_F(AxpyCuda, ResolverChoosesCudaAndItPassesItsProbe) {
   expect_resolves_to_cuda("axpy", "cuda.elementwise", kTol, true, false);
 }
 
+// A deliberately wrong CUDA implementation built from the real one: alpha negated.
+const AxpyTable* real_table() { return cuda_table<AxpyTable>("axpy", "cuda.elementwise"); }
+void negated_run(const AxpyArgs& a) {
+  AxpyArgs b = a;
+  b.alpha = -a.alpha;
+  real_table()->run(b);
+}
+const AxpyTable kWrong{negated_run};
+
+TEST_F(AxpyCuda, ProbeRejectsWrongCudaKernels) {
+  ASSERT_NE(real_table(), nullptr) << "cuda.elementwise is not registered";
+  expect_probe_rejects("axpy", "cuda.elementwise", {{"cuda.wrong_alpha", &kWrong}});
+}
+
 TEST_F(AxpyCuda, OpsRunOnCudaBackend) {
   OwnedTensor x = randn_as({3, 41}, 11, DType::BF16), y0 = randn_as({3, 41}, 12, DType::BF16);
   OwnedTensor want = expected(x, y0, 2.5);

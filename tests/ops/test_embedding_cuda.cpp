@@ -228,6 +228,40 @@ TEST_F(EmbeddingCuda, ResolverChoosesCudaAndItPassesItsProbe) {
   expect_resolves_to_cuda("embedding", "cuda.sorted_windows", kTol, false, false);
 }
 
+// Deliberately wrong CUDA implementations built from the real one: every id shifted by one row,
+// and a backward that overwrites dW with the sums instead of accumulating into it.
+const EmbeddingTable* real_table() {
+  return cuda_table<EmbeddingTable>("embedding", "cuda.sorted_windows");
+}
+void real_forward(const EmbeddingFwd& a) { real_table()->forward(a); }
+void real_backward(const EmbeddingBwd& a) { real_table()->backward(a); }
+void shifted_forward(const EmbeddingFwd& a) {
+  OwnedTensor host = convert(a.ids, DType::I64);
+  const int64_t V = a.w.size(0);
+  for (int64_t t = 0; t < host.numel(); ++t)
+    host.ptr<int64_t>()[t] = (host.ptr<int64_t>()[t] + 1) % V;
+  OwnedTensor ids = convert(host, a.ids.dtype(), Device::CUDA);
+  EmbeddingFwd b = a;
+  b.ids = ids;
+  real_table()->forward(b);
+  device_synchronize(Device::CUDA);  // ids is freed on return
+}
+void overwriting_backward(const EmbeddingBwd& a) {
+  OwnedTensor sums = OwnedTensor::zeros(DType::F32, a.dw.shape(), Device::CUDA);
+  EmbeddingBwd b = a;
+  b.dw = sums;
+  real_table()->backward(b);
+  copy_into(a.dw, sums);
+}
+const EmbeddingTable kWrongFwd{shifted_forward, real_backward};
+const EmbeddingTable kWrongBwd{real_forward, overwriting_backward};
+
+TEST_F(EmbeddingCuda, ProbeRejectsWrongCudaKernels) {
+  ASSERT_NE(real_table(), nullptr) << "cuda.sorted_windows is not registered";
+  expect_probe_rejects("embedding", "cuda.sorted_windows",
+                       {{"cuda.wrong_rows", &kWrongFwd}, {"cuda.wrong_dw", &kWrongBwd}});
+}
+
 TEST_F(EmbeddingCuda, OpsRunOnCudaBackend) {
   const int64_t T = 45, V = 9, D = 16;
   OwnedTensor ids = make_ids(T, V, Ids::Few, DType::I64, 22);

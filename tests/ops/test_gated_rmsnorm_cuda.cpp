@@ -182,6 +182,34 @@ TEST_F(GatedRmsNormCuda, ResolverChoosesCudaAndItPassesItsProbe) {
   expect_resolves_to_cuda("gated_rmsnorm", "cuda.rowwise", kTol, true, true);
 }
 
+// Deliberately wrong CUDA implementations built from the real one: x and z swapped (normalising
+// the gate), and a backward that forgets to accumulate dw.
+const GatedRmsNormTable* real_table() {
+  return cuda_table<GatedRmsNormTable>("gated_rmsnorm", "cuda.rowwise");
+}
+void real_forward(const GatedRmsNormFwd& a) { real_table()->forward(a); }
+void real_backward(const GatedRmsNormBwd& a) { real_table()->backward(a); }
+void swapped_forward(const GatedRmsNormFwd& a) {
+  GatedRmsNormFwd b = a;
+  std::swap(b.x, b.z);
+  real_table()->forward(b);
+}
+void lost_dw_backward(const GatedRmsNormBwd& a) {
+  OwnedTensor junk = OwnedTensor::zeros(DType::F32, {a.dw.size(0)}, Device::CUDA);
+  GatedRmsNormBwd b = a;
+  b.dw = junk;
+  real_table()->backward(b);
+  device_synchronize(Device::CUDA);  // junk is freed on return
+}
+const GatedRmsNormTable kWrongFwd{swapped_forward, real_backward};
+const GatedRmsNormTable kWrongBwd{real_forward, lost_dw_backward};
+
+TEST_F(GatedRmsNormCuda, ProbeRejectsWrongCudaKernels) {
+  ASSERT_NE(real_table(), nullptr) << "cuda.rowwise is not registered";
+  expect_probe_rejects("gated_rmsnorm", "cuda.rowwise",
+                       {{"cuda.wrong_xz", &kWrongFwd}, {"cuda.wrong_dw", &kWrongBwd}});
+}
+
 TEST_F(GatedRmsNormCuda, OpsRunOnCudaBackend) {
   const int64_t T = 3, H = 2, D = 40;  // [T, Hv, dv] in the file, rows = T * Hv
   Inputs in = make_inputs(T * H, D, 41);

@@ -144,6 +144,34 @@ TEST_F(GdnGatesCuda, ResolverChoosesCudaAndItPassesItsProbe) {
   expect_resolves_to_cuda("gdn_gates", "cuda.elementwise", kTol, true, true);
 }
 
+// Deliberately wrong CUDA implementations built from the real one: a and b swapped, and a backward
+// that forgets to accumulate dA_log.
+const GdnGatesTable* real_table() {
+  return cuda_table<GdnGatesTable>("gdn_gates", "cuda.elementwise");
+}
+void real_forward(const GdnGatesFwd& a) { real_table()->forward(a); }
+void real_backward(const GdnGatesBwd& a) { real_table()->backward(a); }
+void swapped_forward(const GdnGatesFwd& a) {
+  GdnGatesFwd b = a;
+  std::swap(b.a, b.b);
+  real_table()->forward(b);
+}
+void lost_dA_backward(const GdnGatesBwd& a) {
+  OwnedTensor junk = OwnedTensor::zeros(DType::F32, {a.dA_log.size(0)}, Device::CUDA);
+  GdnGatesBwd b = a;
+  b.dA_log = junk;
+  real_table()->backward(b);
+  device_synchronize(Device::CUDA);  // junk is freed on return
+}
+const GdnGatesTable kWrongFwd{swapped_forward, real_backward};
+const GdnGatesTable kWrongBwd{real_forward, lost_dA_backward};
+
+TEST_F(GdnGatesCuda, ProbeRejectsWrongCudaKernels) {
+  ASSERT_NE(real_table(), nullptr) << "cuda.elementwise is not registered";
+  expect_probe_rejects("gdn_gates", "cuda.elementwise",
+                       {{"cuda.wrong_ab", &kWrongFwd}, {"cuda.wrong_dA_log", &kWrongBwd}});
+}
+
 TEST_F(GdnGatesCuda, OpsRunOnCudaBackend) {
   const int64_t T = 9, H = 3;
   Inputs in = make_inputs(T, H, 41);

@@ -121,6 +121,30 @@ TEST_F(L2NormCuda, ResolverChoosesCudaAndItPassesItsProbe) {
   expect_resolves_to_cuda("l2norm", "cuda.rowwise", kTol, true, true);
 }
 
+// Deliberately wrong CUDA implementations built from the real one: eps 1e4 times too large
+// (visible on the probe's all-zero and tiny rows), and a backward with y and dy swapped.
+const L2NormTable* real_table() { return cuda_table<L2NormTable>("l2norm", "cuda.rowwise"); }
+void real_forward(const L2NormFwd& a) { real_table()->forward(a); }
+void real_backward(const L2NormBwd& a) { real_table()->backward(a); }
+void wrong_eps_forward(const L2NormFwd& a) {
+  L2NormFwd b = a;
+  b.eps = a.eps * 1e4;
+  real_table()->forward(b);
+}
+void swapped_backward(const L2NormBwd& a) {
+  L2NormBwd b = a;
+  std::swap(b.y, b.dy);
+  real_table()->backward(b);
+}
+const L2NormTable kWrongFwd{wrong_eps_forward, real_backward};
+const L2NormTable kWrongBwd{real_forward, swapped_backward};
+
+TEST_F(L2NormCuda, ProbeRejectsWrongCudaKernels) {
+  ASSERT_NE(real_table(), nullptr) << "cuda.rowwise is not registered";
+  expect_probe_rejects("l2norm", "cuda.rowwise",
+                       {{"cuda.wrong_eps", &kWrongFwd}, {"cuda.wrong_dx", &kWrongBwd}});
+}
+
 TEST_F(L2NormCuda, OpsRunOnCudaBackend) {
   const int64_t R = 6, D = 40;
   OwnedTensor x = scaled_rows(R, D, 41), dy = randn_as({R, D}, 42, DType::BF16);

@@ -138,6 +138,30 @@ TEST_F(SwigluCuda, ResolverChoosesCudaAndItPassesItsProbe) {
   expect_resolves_to_cuda("swiglu", "cuda.elementwise", kTol, true, true);
 }
 
+// Deliberately wrong CUDA implementations built from the real one: gate and up swapped, and
+// dgate / dup written to each other's place.
+const SwigluTable* real_table() { return cuda_table<SwigluTable>("swiglu", "cuda.elementwise"); }
+void real_forward(const SwigluFwd& a) { real_table()->forward(a); }
+void real_backward(const SwigluBwd& a) { real_table()->backward(a); }
+void swapped_forward(const SwigluFwd& a) {
+  SwigluFwd b = a;
+  std::swap(b.gate, b.up);
+  real_table()->forward(b);
+}
+void swapped_backward(const SwigluBwd& a) {
+  SwigluBwd b = a;
+  std::swap(b.dgate, b.dup);
+  real_table()->backward(b);
+}
+const SwigluTable kWrongFwd{swapped_forward, real_backward};
+const SwigluTable kWrongBwd{real_forward, swapped_backward};
+
+TEST_F(SwigluCuda, ProbeRejectsWrongCudaKernels) {
+  ASSERT_NE(real_table(), nullptr) << "cuda.elementwise is not registered";
+  expect_probe_rejects("swiglu", "cuda.elementwise",
+                       {{"cuda.wrong_y", &kWrongFwd}, {"cuda.wrong_grads", &kWrongBwd}});
+}
+
 TEST_F(SwigluCuda, OpsRunOnCudaBackend) {
   const int64_t R = 6, I = 37;
   Inputs in = make_inputs(R, I, 41);
