@@ -62,6 +62,10 @@ struct TensorList {
   uint8_t vec[kMaxTensors];    // 16-byte groups allowed
 };
 
+// Kernel parameters may take 32764 bytes (CUDA 12.1+, Volta and later); the largest list plus the
+// step's scalars stays well inside.
+static_assert(sizeof(TensorList<5>) <= 16 * 1024, "TensorList too large for kernel parameters");
+
 // The tensor of unit u: the largest i with first_unit[i] <= u.
 template <int kPtrs>
 __device__ __forceinline__ int find_tensor(const TensorList<kPtrs>& l, int64_t u) {

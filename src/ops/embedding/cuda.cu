@@ -22,9 +22,12 @@
 //     its tail partial and the head partials of the following windows, in window order, to dW.
 // Every dW element thus receives its terms in an order fixed by the ids alone (increasing t within
 // a window, windows in order): bitwise reproducible. One id repeated over all T tokens costs a
-// T / kWin-long sum in step 3, not a T-long serial walk.
-// Bytes moved (the floor): dy, ids, and the touched dW rows read and written; plus the sort
-// (~20 bytes per token) and the partials of spanning segments.
+// T / kWin-long sum in step 3, not a T-long serial walk. (PyTorch's deterministic embedding
+// backward, aten/src/ATen/native/cuda/EmbeddingBackwardKernel.cu, also sorts the ids and sums
+// fixed-size pieces of each segment before combining them; here the pieces are fixed windows of
+// the sorted positions, so segments shorter than a window need no second pass.)
+// Bytes moved (the floor): dy, ids, and the touched dW rows read and written; plus the sort (a
+// few tens of bytes per token) and the partials of spanning segments.
 #include <cub/device/device_radix_sort.cuh>
 
 #include <algorithm>
