@@ -20,9 +20,11 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -34,7 +36,14 @@
 #include "ops/causal_conv1d/op.h"
 #include "ops/gemm/op.h"
 #include "ops/linear_cross_entropy/op.h"
+#include "ops/adamw/op.h"
+#include "ops/axpy/op.h"
+#include "ops/embedding/op.h"
+#include "ops/gated_rmsnorm/op.h"
+#include "ops/gdn_gates/op.h"
+#include "ops/l2norm/op.h"
 #include "ops/rmsnorm/op.h"
+#include "ops/swiglu/op.h"
 
 namespace gdn::bench {
 namespace {
@@ -290,6 +299,314 @@ std::vector<OpCase> make_rmsnorm_cases() {
   return cases;
 }
 
+// Buffer sets for the memory-bound ops: `make(i)` builds set i; as many sets as sets_for() asks.
+template <class Set, class Make>
+std::shared_ptr<std::vector<Set>> make_sets(double bytes_per_set, Make make) {
+  auto sets = std::make_shared<std::vector<Set>>();
+  const int n = sets_for(bytes_per_set);
+  for (int i = 0; i < n; ++i) sets->push_back(make(100 + 10 * static_cast<uint64_t>(i)));
+  return sets;
+}
+
+OwnedTensor dev_empty(DType dt, std::initializer_list<int64_t> shape) {
+  return OwnedTensor::empty(dt, shape, Device::CUDA);
+}
+
+// Gated RMSNorm of the GDN output: rows = T x Hv value heads of dv = 128 (Qwen3.5-9B: Hv = 32).
+std::vector<OpCase> make_gated_rmsnorm_cases() {
+  struct Set {
+    OwnedTensor x, z, w, y, rstd, dy, dx, dz, dw;
+  };
+  const int64_t R = 8192 * 32, D = 128;
+  const double act = 2.0 * static_cast<double>(R * D), wb = 2.0 * D, rb = 4.0 * R, dwb = 4.0 * D;
+  auto sets = make_sets<Set>(7 * act, [&](uint64_t seed) {
+    Set s{dev_empty(DType::BF16, {R, D}),
+          dev_empty(DType::BF16, {R, D}),
+          dev_empty(DType::BF16, {D}),
+          dev_empty(DType::BF16, {R, D}),
+          dev_empty(DType::F32, {R}),
+          dev_empty(DType::BF16, {R, D}),
+          dev_empty(DType::BF16, {R, D}),
+          dev_empty(DType::BF16, {R, D}),
+          OwnedTensor::zeros(DType::F32, {D}, Device::CUDA)};
+    fill_uniform(s.x, seed, -2.f, 2.f);
+    fill_uniform(s.z, seed + 1, -4.f, 4.f);
+    fill_uniform(s.w, seed + 2, 0.5f, 1.5f);
+    fill_uniform(s.dy, seed + 3, -1.f, 1.f);
+    ops::gated_rmsnorm_forward({s.x, s.z, s.w, s.y, s.rstd, 1e-6});
+    return s;
+  });
+  const std::string shape = fmt::format("[{}*32, {}]", R / 32, D);
+  OpCase f{"gated_rmsnorm.fwd", shape, "gated_rmsnorm", 3 * act + wb + rb, 0, nullptr, sets};
+  f.run = [sets](int i) {
+    const Set& s = (*sets)[static_cast<size_t>(i) % sets->size()];
+    ops::gated_rmsnorm_forward({s.x, s.z, s.w, s.y, s.rstd, 1e-6});
+  };
+  OpCase b{
+      "gated_rmsnorm.bwd", shape, "gated_rmsnorm", 5 * act + wb + rb + 2 * dwb, 0, nullptr, sets};
+  b.run = [sets](int i) {
+    const Set& s = (*sets)[static_cast<size_t>(i) % sets->size()];
+    ops::gated_rmsnorm_backward({s.x, s.z, s.w, s.rstd, s.dy, s.dx, s.dz, s.dw});
+  };
+  std::vector<OpCase> cases;
+  cases.push_back(std::move(f));
+  cases.push_back(std::move(b));
+  return cases;
+}
+
+// L2 norm of q (or k): rows = T x Hk key heads of dk = 128 (Qwen3.5-9B: Hk = 16).
+std::vector<OpCase> make_l2norm_cases() {
+  struct Set {
+    OwnedTensor x, y, rstd, dy, dx;
+  };
+  const int64_t R = 8192 * 16, D = 128;
+  const double act = 2.0 * static_cast<double>(R * D), rb = 4.0 * R;
+  auto sets = make_sets<Set>(4 * act, [&](uint64_t seed) {
+    Set s{dev_empty(DType::BF16, {R, D}), dev_empty(DType::BF16, {R, D}),
+          dev_empty(DType::F32, {R}), dev_empty(DType::BF16, {R, D}),
+          dev_empty(DType::BF16, {R, D})};
+    fill_uniform(s.x, seed, -2.f, 2.f);
+    fill_uniform(s.dy, seed + 1, -1.f, 1.f);
+    ops::l2norm_forward({s.x, s.y, s.rstd, 1e-6});
+    return s;
+  });
+  const std::string shape = fmt::format("[{}*16, {}]", R / 16, D);
+  OpCase f{"l2norm.fwd", shape, "l2norm", 2 * act + rb, 0, nullptr, sets};
+  f.run = [sets](int i) {
+    const Set& s = (*sets)[static_cast<size_t>(i) % sets->size()];
+    ops::l2norm_forward({s.x, s.y, s.rstd, 1e-6});
+  };
+  OpCase b{"l2norm.bwd", shape, "l2norm", 3 * act + rb, 0, nullptr, sets};
+  b.run = [sets](int i) {
+    const Set& s = (*sets)[static_cast<size_t>(i) % sets->size()];
+    ops::l2norm_backward({s.y, s.rstd, s.dy, s.dx});
+  };
+  std::vector<OpCase> cases;
+  cases.push_back(std::move(f));
+  cases.push_back(std::move(b));
+  return cases;
+}
+
+// SwiGLU of the dense MLP: [T, I] = [8192, 12288] (Qwen3.5-9B).
+std::vector<OpCase> make_swiglu_cases() {
+  struct Set {
+    OwnedTensor gate, up, y, dy, dgate, dup;
+  };
+  const int64_t R = 8192, I = 12288;
+  const double act = 2.0 * static_cast<double>(R * I);
+  auto sets = make_sets<Set>(6 * act, [&](uint64_t seed) {
+    Set s{dev_empty(DType::BF16, {R, I}), dev_empty(DType::BF16, {R, I}),
+          dev_empty(DType::BF16, {R, I}), dev_empty(DType::BF16, {R, I}),
+          dev_empty(DType::BF16, {R, I}), dev_empty(DType::BF16, {R, I})};
+    fill_uniform(s.gate, seed, -6.f, 6.f);
+    fill_uniform(s.up, seed + 1, -2.f, 2.f);
+    fill_uniform(s.dy, seed + 2, -1.f, 1.f);
+    return s;
+  });
+  const std::string shape = fmt::format("[{}, {}]", R, I);
+  OpCase f{"swiglu.fwd", shape, "swiglu", 3 * act, 0, nullptr, sets};
+  f.run = [sets](int i) {
+    const Set& s = (*sets)[static_cast<size_t>(i) % sets->size()];
+    ops::swiglu_forward({s.gate, s.up, s.y});
+  };
+  OpCase b{"swiglu.bwd", shape, "swiglu", 5 * act, 0, nullptr, sets};
+  b.run = [sets](int i) {
+    const Set& s = (*sets)[static_cast<size_t>(i) % sets->size()];
+    ops::swiglu_backward({s.gate, s.up, s.dy, s.dgate, s.dup});
+  };
+  std::vector<OpCase> cases;
+  cases.push_back(std::move(f));
+  cases.push_back(std::move(b));
+  return cases;
+}
+
+// GDN gates: [T, Hv] = [8192, 32]. ~3.5 MB per call: bound by launch latency, not bandwidth.
+std::vector<OpCase> make_gdn_gates_cases() {
+  struct Set {
+    OwnedTensor a, b, A_log, dt_bias, g, beta, dg, dbeta, da, db, dA, ddt;
+  };
+  const int64_t T = 8192, H = 32;
+  const double act = 2.0 * static_cast<double>(T * H), gate = 4.0 * static_cast<double>(T * H),
+               par = 4.0 * H;
+  auto sets = make_sets<Set>(4 * act + 4 * gate, [&](uint64_t seed) {
+    Set s{dev_empty(DType::BF16, {T, H}),
+          dev_empty(DType::BF16, {T, H}),
+          dev_empty(DType::F32, {H}),
+          dev_empty(DType::F32, {H}),
+          dev_empty(DType::F32, {T, H}),
+          dev_empty(DType::F32, {T, H}),
+          dev_empty(DType::F32, {T, H}),
+          dev_empty(DType::F32, {T, H}),
+          dev_empty(DType::BF16, {T, H}),
+          dev_empty(DType::BF16, {T, H}),
+          OwnedTensor::zeros(DType::F32, {H}, Device::CUDA),
+          OwnedTensor::zeros(DType::F32, {H}, Device::CUDA)};
+    fill_uniform(s.a, seed, -4.f, 4.f);
+    fill_uniform(s.b, seed + 1, -4.f, 4.f);
+    fill_uniform(s.A_log, seed + 2, 0.f, 2.7f);
+    fill_uniform(s.dt_bias, seed + 3, -1.f, 1.f);
+    fill_uniform(s.dg, seed + 4, -1.f, 1.f);
+    fill_uniform(s.dbeta, seed + 5, -1.f, 1.f);
+    return s;
+  });
+  const std::string shape = fmt::format("[{}, {}]", T, H);
+  OpCase f{"gdn_gates.fwd", shape, "gdn_gates", 2 * act + 2 * par + 2 * gate, 0, nullptr, sets};
+  f.run = [sets](int i) {
+    const Set& s = (*sets)[static_cast<size_t>(i) % sets->size()];
+    ops::gdn_gates_forward({s.a, s.b, s.A_log, s.dt_bias, s.g, s.beta});
+  };
+  OpCase b{"gdn_gates.bwd", shape, "gdn_gates", 4 * act + 2 * gate + 6 * par, 0, nullptr, sets};
+  b.run = [sets](int i) {
+    const Set& s = (*sets)[static_cast<size_t>(i) % sets->size()];
+    ops::gdn_gates_backward({s.a, s.b, s.A_log, s.dt_bias, s.dg, s.dbeta, s.da, s.db, s.dA, s.ddt});
+  };
+  std::vector<OpCase> cases;
+  cases.push_back(std::move(f));
+  cases.push_back(std::move(b));
+  return cases;
+}
+
+// Token embedding of the 248320-token vocabulary at D = 4096, T = 8192: ids uniform over V (all
+// rows distinct, the most dW bytes) and skewed (id = V * u^4: a few ids repeated many times, as in
+// text). Backward bytes count the touched dW rows only (read and written).
+std::vector<OpCase> make_embedding_cases() {
+  struct Bufs {
+    OwnedTensor w, dw, y;
+    std::vector<OwnedTensor> dy;
+    OwnedTensor ids_uniform, ids_skewed;
+    int64_t distinct_uniform = 0, distinct_skewed = 0;
+  };
+  const int64_t T = 8192, V = 248320, D = 4096;
+  auto b = std::make_shared<Bufs>();
+  b->w = dev_empty(DType::BF16, {V, D});
+  b->dw = OwnedTensor::zeros(DType::F32, {V, D}, Device::CUDA);
+  b->y = dev_empty(DType::BF16, {T, D});
+  fill_uniform(b->w, 300, -1.f, 1.f);
+  const double dyb = 2.0 * static_cast<double>(T * D);
+  for (int i = 0, n = sets_for(dyb); i < n; ++i) {
+    b->dy.push_back(dev_empty(DType::BF16, {T, D}));
+    fill_uniform(b->dy.back(), 301 + static_cast<uint64_t>(i), -1.f, 1.f);
+  }
+  auto make_ids = [&](bool skewed, int64_t* distinct) {
+    OwnedTensor h = OwnedTensor::empty(DType::I32, {T});
+    std::set<int32_t> seen;
+    uint64_t z = 12345;
+    for (int64_t t = 0; t < T; ++t) {
+      z = z * 6364136223846793005ull + 1442695040888963407ull;
+      const double u = static_cast<double>(z >> 11) * 0x1p-53;
+      const int32_t id = static_cast<int32_t>(
+          std::min<double>(static_cast<double>(V - 1),
+                           std::floor(static_cast<double>(V) * (skewed ? u * u * u * u : u))));
+      h.ptr<int32_t>()[t] = id;
+      seen.insert(id);
+    }
+    *distinct = static_cast<int64_t>(seen.size());
+    return convert(h, DType::I32, Device::CUDA);
+  };
+  b->ids_uniform = make_ids(false, &b->distinct_uniform);
+  b->ids_skewed = make_ids(true, &b->distinct_skewed);
+  const double row = 2.0 * D, idb = 4.0 * T;
+  std::vector<OpCase> cases;
+  OpCase f{"embedding.fwd",
+           fmt::format("T={} V={} D={}", T, V, D),
+           "embedding",
+           idb + 2 * T * row,
+           0,
+           nullptr,
+           b};
+  f.run = [b](int) { ops::embedding_forward({b->ids_uniform, b->w, b->y}); };
+  cases.push_back(std::move(f));
+  for (bool skewed : {false, true}) {
+    const int64_t distinct = skewed ? b->distinct_skewed : b->distinct_uniform;
+    OpCase g{
+        "embedding.bwd",
+        fmt::format("T={} V={} D={} {} ({} ids)", T, V, D, skewed ? "skewed" : "uniform", distinct),
+        "embedding",
+        idb + T * row + 2.0 * 4.0 * D * static_cast<double>(distinct),
+        0,
+        nullptr,
+        b};
+    g.run = [b, skewed](int i) {
+      const Tensor& ids = skewed ? b->ids_skewed.view() : b->ids_uniform.view();
+      ops::embedding_backward({ids, b->dy[static_cast<size_t>(i) % b->dy.size()], b->dw});
+    };
+    cases.push_back(std::move(g));
+  }
+  return cases;
+}
+
+// The optimizer over ~1e9 parameters in a model-like list: 100 matrices of 9.4M elements, 150
+// small tensors (norm weights of 4096, per-head parameters of 32). One buffer set (18 GB).
+std::vector<OpCase> make_adamw_cases() {
+  struct Bufs {
+    std::vector<OwnedTensor> p, g, m, v, pb;
+    std::vector<ops::AdamWParam> params;
+    std::vector<Tensor> grads;
+    std::vector<ops::Bf16Copy> copies;
+    int64_t n = 0;
+  };
+  auto b = std::make_shared<Bufs>();
+  for (int k = 0; k < 250; ++k) {
+    const int64_t n = k < 100 ? int64_t{4096} * 2304 : k % 2 ? 4096 : 32;
+    b->p.push_back(dev_empty(DType::F32, {n}));
+    b->g.push_back(dev_empty(DType::F32, {n}));
+    b->m.push_back(OwnedTensor::zeros(DType::F32, {n}, Device::CUDA));
+    b->v.push_back(OwnedTensor::zeros(DType::F32, {n}, Device::CUDA));
+    b->pb.push_back(dev_empty(DType::BF16, {n}));
+    fill_uniform(b->p.back(), 400 + static_cast<uint64_t>(k), -0.05f, 0.05f);
+    fill_uniform(b->g.back(), 700 + static_cast<uint64_t>(k), -1e-3f, 1e-3f);
+    b->n += n;
+  }
+  for (size_t k = 0; k < b->p.size(); ++k) {
+    b->params.push_back({b->p[k], b->g[k], b->m[k], b->v[k], b->pb[k], k < 100, {}});
+    b->grads.push_back(b->g[k]);
+    b->copies.push_back({b->p[k], b->pb[k]});
+  }
+  const double n = static_cast<double>(b->n);
+  const std::string shape = fmt::format("{:.3g} elements, {} tensors", n, b->p.size());
+  std::vector<OpCase> cases;
+  OpCase s{"adamw.step", shape, "adamw", 30.0 * n, 0, nullptr, b};
+  s.run = [b](int i) {
+    ops::AdamWHyper h;
+    h.step = 1 + i;
+    ops::adamw_step(b->params, h);
+  };
+  OpCase q{"adamw.grad_sumsq", shape, "adamw", 4.0 * n, 0, nullptr, b};
+  q.run = [b](int) { (void)ops::grad_global_norm(b->grads); };
+  OpCase r{"adamw.refresh_bf16", shape, "adamw", 6.0 * n, 0, nullptr, b};
+  r.run = [b](int) { ops::adamw_refresh_bf16(b->copies); };
+  cases.push_back(std::move(s));
+  cases.push_back(std::move(q));
+  cases.push_back(std::move(r));
+  return cases;
+}
+
+// axpy where two gradient paths meet: [8192, 4096] bf16 (activation gradients) and fp32.
+std::vector<OpCase> make_axpy_cases() {
+  struct Set {
+    OwnedTensor x, y;
+  };
+  std::vector<OpCase> cases;
+  const int64_t R = 8192, D = 4096;
+  for (DType dt : {DType::BF16, DType::F32}) {
+    const double t = static_cast<double>(dtype_size(dt) * R * D);
+    auto sets = make_sets<Set>(2 * t, [&](uint64_t seed) {
+      Set s{dev_empty(dt, {R, D}), dev_empty(dt, {R, D})};
+      fill_uniform(s.x, seed, -1.f, 1.f);
+      fill_uniform(s.y, seed + 1, -1.f, 1.f);
+      return s;
+    });
+    OpCase c{"axpy", fmt::format("[{}, {}] {}", R, D, dtype_name(dt)), "axpy", 3 * t, 0, nullptr,
+             sets};
+    c.run = [sets](int i) {
+      const Set& s = (*sets)[static_cast<size_t>(i) % sets->size()];
+      ops::axpy({s.x, s.y, 0.5});
+    };
+    cases.push_back(std::move(c));
+  }
+  return cases;
+}
+
 // The linear layer (gemm through the registry): y = x W^T, then dx = dy W and dW += dy^T x (fp32).
 // Matrix-bound: one buffer set (the operands are re-read from L2 within a product anyway).
 std::vector<OpCase> make_gemm_cases() {
@@ -531,6 +848,13 @@ int run(int argc, char** argv) {
   if (filter.empty() || filter.find("lce") != std::string::npos) {  // 12 GB of buffers
     for (auto& c : make_lce_cases()) cases.push_back(std::move(c));
   }
+  for (auto& c : make_gated_rmsnorm_cases()) cases.push_back(std::move(c));
+  for (auto& c : make_l2norm_cases()) cases.push_back(std::move(c));
+  for (auto& c : make_swiglu_cases()) cases.push_back(std::move(c));
+  for (auto& c : make_gdn_gates_cases()) cases.push_back(std::move(c));
+  for (auto& c : make_embedding_cases()) cases.push_back(std::move(c));
+  for (auto& c : make_adamw_cases()) cases.push_back(std::move(c));
+  for (auto& c : make_axpy_cases()) cases.push_back(std::move(c));
 
   struct Extra {
     size_t row;

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/tolerances.h"
 #include "gdn/backend/probe.h"
 #include "gdn/backend/registry.h"
 #include "gdn/core/rng.h"
@@ -172,7 +173,13 @@ ProbeError probe(const ImplDesc& impl, const OpQuery&) {
   return err;
 }
 
-ProbeError tolerance(DType) { return {1e-5, 0.0}; }
+ProbeError tolerance(DType dt) {
+  if (dt == DType::BF16) {
+    constexpr ProbeError kBf16 = bf16_tolerance(kOp);  // the one table: src/backend/tolerances.h
+    return kBf16;
+  }
+  return {1e-5, 0.0};
+}
 
 void run(const ImplDesc& impl, OpIO& io, bool backward) {
   GDN_CHECK_HINT(!backward, "run it without --backward", "{}: the optimizer step has no backward",

@@ -32,6 +32,15 @@
 // p_bf16 always BF16 (the cuda compute copy; on cpu the op exists with a host bf16 output).
 // Deterministic: yes. The step is elementwise. grad_global_norm sums fixed 64K-element chunks in
 // fp64 and adds the chunk sums in order, so the norm is bitwise independent of the thread count.
+// cuda: the same in 4096-element units (a fixed order that depends on the tensor sizes only).
+//
+// cuda launches (src/ops/adamw/cuda.cu): the tensors of one call go to the kernels in lists of up
+// to 128 passed as kernel arguments (no device table to build, nothing allocated or copied): a
+// call over a whole model (hundreds of tensors) is a handful of launches, balanced over 4096-
+// element units whatever the tensor sizes. step and refresh_bf16 never synchronise with the host;
+// grad_sumsq synchronises once, to return its host double (call it once per optimizer step).
+// Pointers that are not 16-byte aligned (8-byte for the bf16 copy) are handled, on a slower
+// per-element path.
 #pragma once
 
 #include <span>

@@ -1,6 +1,7 @@
 // axpy: validation, dispatch and registration.
 #include "ops/axpy/op.h"
 
+#include "backend/tolerances.h"
 #include "gdn/backend/probe.h"
 #include "gdn/backend/registry.h"
 
@@ -32,7 +33,11 @@ ProbeError probe(const ImplDesc& impl, const OpQuery&) {
 }
 
 ProbeError tolerance(DType dt) {
-  return dt == DType::BF16 ? ProbeError{1e-2, 1} : ProbeError{1e-6, 1};
+  if (dt == DType::BF16) {
+    constexpr ProbeError kBf16 = bf16_tolerance(kOp);  // the one table: src/backend/tolerances.h
+    return kBf16;
+  }
+  return {1e-6, 1};
 }
 
 void run(const ImplDesc& impl, OpIO& io, bool) {

@@ -2,6 +2,7 @@
 // tolerance, file runner).
 #include "ops/embedding/op.h"
 
+#include "backend/tolerances.h"
 #include "gdn/backend/probe.h"
 #include "gdn/backend/registry.h"
 
@@ -78,7 +79,10 @@ ProbeError probe(const ImplDesc& impl, const OpQuery&) {
 
 // The forward is a copy: any difference is a bug.
 ProbeError tolerance(DType dt) {
-  if (dt == DType::BF16) return {0.0, 1e-5};
+  if (dt == DType::BF16) {
+    constexpr ProbeError kBf16 = bf16_tolerance(kOp);  // the one table: src/backend/tolerances.h
+    return kBf16;
+  }
   return {0.0, 1e-6};
 }
 

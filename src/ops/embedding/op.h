@@ -5,13 +5,21 @@
 //   backward: dW[v, :] += sum over t with ids[t] == v of dy[t, :]
 //             accumulated (+=) in fp32 (fp64 on ref): dW is a gradient-accumulation buffer, and
 //             with tied embeddings it also receives the LM head's gradient.
-// Every id must lie in [0, V); the entry points check this on the host before any work and
+// Every id must lie in [0, V); for host ids the entry points check this before any work and
 // name the first bad position and its value ("embedding: ids[5] = 300 is out of range [0, 250)").
+// Device ids are not read back (that would synchronise): the cuda kernels never access memory out
+// of bounds whatever the ids hold; forward writes a row of NaN for an id outside [0, V) (the loss
+// turns NaN and the trainer stops there) and backward drops that token's gradient.
 // Forward saves nothing: backward needs only ids.
-// Dtypes: ref F64 W/y/dy/dW; cpu F32; cuda (later) bf16 W/y/dy with an F32 dW.
+// Dtypes: ref F64 W/y/dy/dW; cpu F32; cuda bf16 W/y/dy with an F32 dW, ids I32 or I64 on the
+// device.
 // Deterministic: yes, bitwise, and independent of the thread count: the cpu backward gives each
 // thread a block of the D columns; a thread walks the tokens in order t = 0..T-1, so every dW
 // element receives its terms in ascending t, exactly as the serial loop does. No atomics.
+// cuda: a stable radix sort of (id, t) pairs, then fixed windows of the sorted positions summed in
+// t order, windows combined in window order (src/ops/embedding/cuda.cu): the order depends on the
+// ids alone, bitwise reproducible, no float atomics; it may differ from the ascending-t serial
+// order in rounding.
 #pragma once
 
 #include "gdn/core/tensor.h"

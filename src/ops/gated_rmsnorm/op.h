@@ -20,7 +20,8 @@
 //   dw  += sum_rows(dy' * xhat)                            accumulated (+=) in fp32: dw may be a
 //                                                          gradient-accumulation buffer
 // Dtypes: ref F64 everywhere; cpu F32; cuda bf16 x/z/w/y/dy/dx/dz with F32 rstd and dw.
-// Deterministic: yes (dw reduced in a fixed order for a given thread count).
+// Deterministic: yes (dw reduced in a fixed order: for a given thread count on cpu, for a given
+// device on cuda, whose per-block partial rows follow the resident grid size).
 #pragma once
 
 #include "gdn/core/tensor.h"

@@ -4,6 +4,7 @@
 #include <iterator>
 #include <vector>
 
+#include "backend/tolerances.h"
 #include "gdn/backend/probe.h"
 #include "gdn/backend/registry.h"
 #include "gdn/core/rng.h"
@@ -111,7 +112,10 @@ ProbeError probe(const ImplDesc& impl, const OpQuery&) {
 }
 
 ProbeError tolerance(DType dt) {
-  if (dt == DType::BF16) return {1e-2, 2e-2};  // a, b rounded to bf16; gate maths in fp32
+  if (dt == DType::BF16) {
+    constexpr ProbeError kBf16 = bf16_tolerance(kOp);  // the one table: src/backend/tolerances.h
+    return kBf16;
+  }
   return {1e-5, 1e-5};
 }
 

@@ -24,7 +24,8 @@
 //   dtype), A_log, dt_bias, g, beta, dg, dbeta, dA_log, ddt_bias in F32 (ARCHITECTURE §4: gates
 //   are fp32; A_log is stored F32 in the official checkpoints).
 // Determinism: yes. cpu reduces dA_log / ddt_bias over fixed blocks of 128 tokens and then sums
-//   the block partials in block order, so the result does not depend on the thread count.
+//   the block partials in block order, so the result does not depend on the thread count. cuda
+//   does the same with tiles of 64 tokens (fixed lane and tile orders, no float atomics).
 // Bad input: A_log and dt_bias must be finite (checked for host tensors, error names the tensor
 //   and the index). a and b may hold any finite value. Overflow behaviour (fp32; fp64 analogous):
 //   - exp(A_log) overflows to +inf for A_log > 88.7; then g = -inf (or NaN where softplus

@@ -1,6 +1,7 @@
 // SwiGLU: validation, dispatch and the op's registration (probe, tolerance, file runner).
 #include "ops/swiglu/op.h"
 
+#include "backend/tolerances.h"
 #include "gdn/backend/probe.h"
 #include "gdn/backend/registry.h"
 
@@ -78,7 +79,10 @@ ProbeError probe(const ImplDesc& impl, const OpQuery&) {
 }
 
 ProbeError tolerance(DType dt) {
-  if (dt == DType::BF16) return {1e-2, 1e-2};
+  if (dt == DType::BF16) {
+    constexpr ProbeError kBf16 = bf16_tolerance(kOp);  // the one table: src/backend/tolerances.h
+    return kBf16;
+  }
   return {2e-6, 2e-6};
 }
 

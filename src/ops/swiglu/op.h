@@ -13,7 +13,7 @@
 // does the same). Backward reads each element of gate, up and dy before writing that element of
 // dgate and dup, so dgate may alias gate and dup may alias up (in-place backward, which frees the
 // saved activations' memory for the gradients).
-// Dtypes: ref F64; cpu F32 (fp32 arithmetic); cuda (later) bf16 storage, fp32 arithmetic.
+// Dtypes: ref F64; cpu F32 (fp32 arithmetic); cuda bf16 storage, fp32 arithmetic.
 // Deterministic: yes (elementwise).
 #pragma once
 

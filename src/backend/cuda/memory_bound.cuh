@@ -1,0 +1,114 @@
+// Shared pieces of the memory-bound CUDA kernels (gated_rmsnorm, l2norm, swiglu, axpy, gdn_gates,
+// embedding, adamw), on top of vec.cuh: alignment checks, loads that stay correct when an output
+// aliases an input, the row layout of the row-wise norms with its group reduction, and the
+// deterministic column sum that turns per-block partial rows into one accumulated row.
+//
+// Everything here is deterministic: every sum adds the same numbers in the same order on every
+// run (butterfly shuffles, fixed shared-memory orders, no float atomics).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/cuda/vec.cuh"
+
+namespace gdn::cuda {
+
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Coherent (plain ld.global) load of a pack: for inputs that the same kernel may overwrite (an
+// in-place output aliasing them). __ldg's non-coherent path is only valid for data that is
+// read-only for the whole kernel.
+template <int V>
+__device__ __forceinline__ Pack<V> load_pack_coherent(const bf16_t* p, int64_t i) {
+  Pack<V> r;
+  if constexpr (V == 8) {
+    r.u = *reinterpret_cast<const uint4*>(p + i);
+  } else {
+    r.u = *reinterpret_cast<const unsigned short*>(p + i);
+  }
+  return r;
+}
+
+// --- row-wise norms ----------------------------------------------------------------------------
+// A row of D elements is owned by a "row group" of tpr threads (a power of two in [1, kBlock]),
+// groups aligned to tpr inside the block. Thread `lane` of a group owns the packs
+// c = lane + k * tpr (k < P) of the row and keeps them in registers between the reduction and the
+// output pass; packs past P * tpr (only when tpr = kBlock) are re-read. Consecutive lanes own
+// consecutive 16-byte packs, so every load instruction of a warp covers whole 32-byte sectors.
+
+// Packs kept in registers per thread: 16 elements with 16-byte packs, 8 with scalar ones.
+template <int V>
+constexpr int row_packs_per_thread() {
+  return V == 8 ? 2 : 8;
+}
+
+struct RowLayout {
+  int vec;  // elements per pack: 8 (D % 8 == 0 and every pointer 16-byte aligned) or 1
+  int tpr;  // threads per row
+  int rpb;  // rows per block = block / tpr
+};
+
+// The smallest tpr whose register-held packs cover the row (capped at `block`).
+inline RowLayout row_layout(int64_t D, bool vec_ok, int block) {
+  RowLayout l;
+  l.vec = vec_ok && D % 8 == 0 ? 8 : 1;
+  const int64_t per_thread = l.vec == 8 ? row_packs_per_thread<8>() : row_packs_per_thread<1>();
+  const int64_t need = (D / l.vec + per_thread - 1) / per_thread;
+  l.tpr = 1;
+  while (l.tpr < need && l.tpr < block) l.tpr *= 2;
+  l.rpb = block / l.tpr;
+  return l;
+}
+
+// Sum of v over the tpr threads of the caller's row group, in every thread of the group,
+// bit-identical across the group (a butterfly adds the same two numbers in both partners).
+// tpr must be uniform over the block and every thread of the block must call this (inactive
+// rows too): the shuffles use the full warp mask and, for tpr > 32, it holds barriers and goes
+// through `red` (blockDim.x / 32 floats of shared memory).
+__device__ __forceinline__ float group_allreduce_sum(float v, int tpr, float* red) {
+  if (tpr <= 32) {
+    for (int m = tpr >> 1; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+    return v;
+  }
+  v = warp_allreduce_sum(v);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  const int wpr = tpr >> 5, first = static_cast<int>(threadIdx.x / tpr) * wpr;
+  float s = 0.f;
+  for (int i = 0; i < wpr; ++i) s += red[first + i];  // fixed order
+  __syncthreads();                                    // red is reused by the next call
+  return s;
+}
+
+// out[col] += sum over p < P of partial[p, col], in a fixed order: kSlices slices of p per column
+// (each in increasing p), then the slice sums in slice order. Block 256 threads = 32 columns x
+// 8 slices; grid ceil(D / 32). Template only so that the header can define it.
+template <int kSlices = 8>
+__global__ void __launch_bounds__(32 * kSlices)
+    column_sum_add_kernel(const float* __restrict__ partial,  // [P, D]
+                          float* __restrict__ out,            // [D]
+                          int P, int D) {
+  __shared__ float s[kSlices][33];
+  const int tx = static_cast<int>(threadIdx.x) & 31, ty = static_cast<int>(threadIdx.x) >> 5;
+  const int col = static_cast<int>(blockIdx.x) * 32 + tx;
+  float acc = 0.f;
+  if (col < D)
+    for (int p = ty; p < P; p += kSlices) acc += partial[static_cast<int64_t>(p) * D + col];
+  s[ty][tx] = acc;
+  __syncthreads();
+  if (ty == 0 && col < D) {
+    float t = 0.f;
+#pragma unroll
+    for (int j = 0; j < kSlices; ++j) t += s[j][tx];
+    out[col] += t;
+  }
+}
+
+// --- elementwise -------------------------------------------------------------------------------
+// fp32 sigmoid, safe at both tails: expf(-x) overflows to +inf for x < -88.7, giving exactly 0,
+// and underflows to 0 for large x, giving exactly 1; never NaN for finite x.
+__device__ __forceinline__ float sigmoidf_safe(float x) { return 1.f / (1.f + expf(-x)); }
+
+}  // namespace gdn::cuda

@@ -1,0 +1,376 @@
+// AdamW on CUDA: fp32 masters, gradients and moments, the bf16 compute copy written in the same
+// pass; the global gradient norm's sum of squares; the bf16 refresh (op.h has the contract).
+//
+// Multi-tensor launches through kernel arguments: a call's tensors are packed, up to kMaxTensors
+// at a time, into a TensorList passed by value as a __grid_constant__ kernel parameter (pointers,
+// sizes, flags and the prefix sums of each tensor's work units; ~7.5 KB, within the 32 KB kernel
+// parameter limit of CUDA 12.1+ on Volta and later). Nothing is copied to the device by hand and
+// nothing is allocated: a model's ~hundreds of parameter tensors cost ceil(count / kMaxTensors)
+// launches per call (4 for 400 tensors), with no host synchronisation (except grad_sumsq, whose
+// contract returns a host double). The same chunked-list idea as PyTorch's multi_tensor_apply
+// (ATen/native/cuda/MultiTensorApply.cuh), with per-launch prefix sums instead of per-block
+// tables so that any number of blocks fits in one launch.
+//
+// Work unit: kUnit = 4096 consecutive elements of one tensor, one block per unit (a tensor's last
+// unit may be partial). A block finds its tensor by binary search over the prefix sums (uniform
+// across the block, read from the constant bank). Each thread moves kGroups 16-byte groups of
+// every stream, all loads issued before the first use; tensors whose pointers are not 16-byte
+// aligned take a single-element loop in the same kernel, and a unit's last n % 4 elements are
+// done one by one. Streams are touched once, so loads and stores use the evict-first hints.
+//
+// The step evaluates exactly the cpu formula (op.h): scalars formed in fp64 on the host and
+// rounded to fp32 once; m, v, the denominator and p in fp32; p_bf16 = bf16(p) rounded to nearest
+// even (__float2bfloat16_rn, bit-identical to the host's conversion).
+// grad_sumsq: each unit's squares summed in fp64 (per thread, then a butterfly and the 8 warps in
+// order) into one fp64 partial per unit; one block then adds the partials in a fixed order. The
+// units depend only on the tensors' sizes, so the sum is bitwise reproducible and independent of
+// the device; it differs from cpu's (64K-element chunks) only by fp64 rounding.
+// Bytes moved (the floor): step 16 read + 12 written (+ 2 for the bf16 copy) per element;
+// grad_sumsq 4 per element; refresh_bf16 4 read + 2 written per element.
+#include <algorithm>
+#include <array>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+
+#include "backend/cuda/memory_bound.cuh"
+#include "gdn/backend/cuda_check.h"
+#include "gdn/backend/registry.h"
+#include "ops/adamw/op.h"
+
+namespace gdn::ops {
+
+namespace {
+
+using cuda::bf16_t;
+
+constexpr int kMaxTensors = 128;
+constexpr int kThreads = 256;
+constexpr int kGroups = 4;                                  // 16-byte groups per thread per stream
+constexpr int64_t kUnit = int64_t{kThreads} * kGroups * 4;  // elements per block: 4096
+
+// Up to kMaxTensors tensors of one launch; kPtrs pointers per tensor (adamw: p, g, m, v, p_bf16;
+// grad_sumsq: g; refresh: master, copy). Tensors with no element are never added, so first_unit
+// is strictly increasing.
+template <int kPtrs>
+struct TensorList {
+  int n = 0;
+  int64_t first_unit[kMaxTensors + 1];  // prefix sums of ceil(numel / kUnit); [n] = units in all
+  int64_t numel[kMaxTensors];
+  void* ptr[kPtrs][kMaxTensors];
+  uint8_t decay[kMaxTensors];  // adamw only
+  uint8_t vec[kMaxTensors];    // 16-byte groups allowed
+};
+
+// Kernel parameters may take 32764 bytes (CUDA 12.1+, Volta and later); the largest list plus the
+// step's scalars stays well inside.
+static_assert(sizeof(TensorList<5>) <= 16 * 1024, "TensorList too large for kernel parameters");
+
+// The tensor of unit u: the largest i with first_unit[i] <= u.
+template <int kPtrs>
+__device__ __forceinline__ int find_tensor(const TensorList<kPtrs>& l, int64_t u) {
+  int lo = 0, hi = l.n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (l.first_unit[mid] <= u) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+struct AdamWScalars {
+  float b1, omb1, b2, omb2;  // beta1, 1 - beta1, beta2, 1 - beta2
+  float step_size;           // lr / (1 - beta1^t)
+  float bc2_sqrt;            // sqrt(1 - beta2^t)
+  float eps, scale;          // eps, grad_scale
+  float decay_factor;        // 1 - lr * weight_decay (tensors with decay)
+};
+
+// One element of the step, in place (the cpu formula, op.h).
+__device__ __forceinline__ void adamw_elem(float& p, float g, float& m, float& v,
+                                           const AdamWScalars& sc, float df) {
+  const float gi = sc.scale * g;
+  m = sc.b1 * m + sc.omb1 * gi;
+  v = sc.b2 * v + sc.omb2 * gi * gi;
+  const float denom = sqrtf(v) / sc.bc2_sqrt + sc.eps;
+  p = p * df - sc.step_size * m / denom;
+}
+
+__device__ __forceinline__ uint2 pack4_bf16(float a, float b, float c, float d) {
+  return make_uint2(cuda::pack2(a, b), cuda::pack2(c, d));
+}
+
+__global__ void __launch_bounds__(kThreads)
+    adamw_step_kernel(const __grid_constant__ TensorList<5> list, const AdamWScalars sc) {
+  const int64_t u = blockIdx.x;
+  const int i = find_tensor(list, u);
+  const int64_t begin = (u - list.first_unit[i]) * kUnit;
+  const int64_t end = std::min<int64_t>(list.numel[i], begin + kUnit);
+  float* p = static_cast<float*>(list.ptr[0][i]);              // [n]
+  const float* g = static_cast<const float*>(list.ptr[1][i]);  // [n]
+  float* m = static_cast<float*>(list.ptr[2][i]);              // [n]
+  float* v = static_cast<float*>(list.ptr[3][i]);              // [n]
+  bf16_t* pb = static_cast<bf16_t*>(list.ptr[4][i]);           // [n] or null
+  const float df = list.decay[i] ? sc.decay_factor : 1.f;
+  auto scalar = [&](int64_t j) {
+    float pj = p[j], mj = m[j], vj = v[j];
+    adamw_elem(pj, g[j], mj, vj, sc, df);
+    p[j] = pj;
+    m[j] = mj;
+    v[j] = vj;
+    if (pb != nullptr) pb[j] = __float2bfloat16_rn(pj);
+  };
+  if (!list.vec[i]) {
+    for (int64_t j = begin + threadIdx.x; j < end; j += kThreads) scalar(j);
+    return;
+  }
+  float4 pv[kGroups], gv[kGroups], mv[kGroups], vv[kGroups];
+#pragma unroll
+  for (int k = 0; k < kGroups; ++k) {
+    const int64_t j = begin + (static_cast<int64_t>(k) * kThreads + threadIdx.x) * 4;
+    if (j + 4 <= end) {
+      pv[k] = __ldcs(reinterpret_cast<const float4*>(p + j));
+      gv[k] = __ldcs(reinterpret_cast<const float4*>(g + j));
+      mv[k] = __ldcs(reinterpret_cast<const float4*>(m + j));
+      vv[k] = __ldcs(reinterpret_cast<const float4*>(v + j));
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kGroups; ++k) {
+    const int64_t j = begin + (static_cast<int64_t>(k) * kThreads + threadIdx.x) * 4;
+    if (j + 4 <= end) {
+      adamw_elem(pv[k].x, gv[k].x, mv[k].x, vv[k].x, sc, df);
+      adamw_elem(pv[k].y, gv[k].y, mv[k].y, vv[k].y, sc, df);
+      adamw_elem(pv[k].z, gv[k].z, mv[k].z, vv[k].z, sc, df);
+      adamw_elem(pv[k].w, gv[k].w, mv[k].w, vv[k].w, sc, df);
+      __stcs(reinterpret_cast<float4*>(p + j), pv[k]);
+      __stcs(reinterpret_cast<float4*>(m + j), mv[k]);
+      __stcs(reinterpret_cast<float4*>(v + j), vv[k]);
+      if (pb != nullptr)
+        __stcs(reinterpret_cast<uint2*>(pb + j), pack4_bf16(pv[k].x, pv[k].y, pv[k].z, pv[k].w));
+    }
+  }
+  const int64_t tail = begin + ((end - begin) & ~int64_t{3});  // the last (end - begin) % 4
+  if (tail + threadIdx.x < end) scalar(tail + threadIdx.x);
+}
+
+// partial[u] = sum of g^2 over unit u, in fp64 (a fixed order inside the unit).
+__global__ void __launch_bounds__(kThreads)
+    grad_sumsq_kernel(const __grid_constant__ TensorList<1> list,
+                      double* __restrict__ partial) {  // [units of this list]
+  __shared__ double warp_sums[kThreads / 32];
+  const int64_t u = blockIdx.x;
+  const int i = find_tensor(list, u);
+  const int64_t begin = (u - list.first_unit[i]) * kUnit;
+  const int64_t end = std::min<int64_t>(list.numel[i], begin + kUnit);
+  const float* g = static_cast<const float*>(list.ptr[0][i]);  // [n]
+  double acc = 0.0;
+  if (list.vec[i]) {
+    float4 gv[kGroups];
+#pragma unroll
+    for (int k = 0; k < kGroups; ++k) {
+      const int64_t j = begin + (static_cast<int64_t>(k) * kThreads + threadIdx.x) * 4;
+      if (j + 4 <= end) gv[k] = __ldcs(reinterpret_cast<const float4*>(g + j));
+    }
+#pragma unroll
+    for (int k = 0; k < kGroups; ++k) {
+      const int64_t j = begin + (static_cast<int64_t>(k) * kThreads + threadIdx.x) * 4;
+      if (j + 4 <= end) {
+        const double a = gv[k].x, b = gv[k].y, c = gv[k].z, d = gv[k].w;
+        acc += a * a + b * b + c * c + d * d;
+      }
+    }
+    const int64_t tail = begin + ((end - begin) & ~int64_t{3});
+    if (tail + threadIdx.x < end) {
+      const double a = g[tail + threadIdx.x];
+      acc += a * a;
+    }
+  } else {
+    for (int64_t j = begin + threadIdx.x; j < end; j += kThreads) {
+      const double a = g[j];
+      acc += a * a;
+    }
+  }
+#pragma unroll
+  for (int mask = 16; mask > 0; mask >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, mask);
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double s = 0.0;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) s += warp_sums[w];  // warp order
+    partial[u] = s;
+  }
+}
+
+// out[0] = sum of partial[0 .. count): thread t adds t, t + 1024, ... in order, then a fixed
+// shared-memory tree. One block.
+constexpr int kSumThreads = 1024;
+__global__ void __launch_bounds__(kSumThreads)
+    sum_partials_kernel(const double* __restrict__ partial,  // [count]
+                        int64_t count, double* __restrict__ out) {
+  __shared__ double s[kSumThreads];
+  double acc = 0.0;
+  for (int64_t j = threadIdx.x; j < count; j += kSumThreads) acc += partial[j];
+  s[threadIdx.x] = acc;
+  __syncthreads();
+  for (int half = kSumThreads / 2; half > 0; half >>= 1) {
+    if (static_cast<int>(threadIdx.x) < half) s[threadIdx.x] += s[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) out[0] = s[0];
+}
+
+__global__ void __launch_bounds__(kThreads)
+    refresh_bf16_kernel(const __grid_constant__ TensorList<2> list) {
+  const int64_t u = blockIdx.x;
+  const int i = find_tensor(list, u);
+  const int64_t begin = (u - list.first_unit[i]) * kUnit;
+  const int64_t end = std::min<int64_t>(list.numel[i], begin + kUnit);
+  const float* src = static_cast<const float*>(list.ptr[0][i]);  // [n]
+  bf16_t* dst = static_cast<bf16_t*>(list.ptr[1][i]);            // [n]
+  if (!list.vec[i]) {
+    for (int64_t j = begin + threadIdx.x; j < end; j += kThreads)
+      dst[j] = __float2bfloat16_rn(src[j]);
+    return;
+  }
+  float4 sv[kGroups];
+#pragma unroll
+  for (int k = 0; k < kGroups; ++k) {
+    const int64_t j = begin + (static_cast<int64_t>(k) * kThreads + threadIdx.x) * 4;
+    if (j + 4 <= end) sv[k] = __ldcs(reinterpret_cast<const float4*>(src + j));
+  }
+#pragma unroll
+  for (int k = 0; k < kGroups; ++k) {
+    const int64_t j = begin + (static_cast<int64_t>(k) * kThreads + threadIdx.x) * 4;
+    if (j + 4 <= end)
+      __stcs(reinterpret_cast<uint2*>(dst + j), pack4_bf16(sv[k].x, sv[k].y, sv[k].z, sv[k].w));
+  }
+  const int64_t tail = begin + ((end - begin) & ~int64_t{3});
+  if (tail + threadIdx.x < end)
+    dst[tail + threadIdx.x] = __float2bfloat16_rn(src[tail + threadIdx.x]);
+}
+
+// --- host side ---------------------------------------------------------------------------------
+
+int64_t units_of(int64_t numel) { return (numel + kUnit - 1) / kUnit; }
+
+bool aligned(const void* p, uintptr_t to) { return reinterpret_cast<uintptr_t>(p) % to == 0; }
+
+// Fills TensorLists of kPtrs pointers and calls launch(list, units, first_global_unit) whenever
+// one is full and once at the end (if not empty).
+template <int kPtrs, class Launch>
+class ListBatcher {
+ public:
+  explicit ListBatcher(Launch launch) : launch_(launch) {}
+  void add(int64_t numel, const std::array<void*, kPtrs>& ptrs, bool decay, bool vec) {
+    if (numel == 0) return;
+    const int i = list_.n;
+    list_.first_unit[i] = units_;
+    list_.numel[i] = numel;
+    for (int k = 0; k < kPtrs; ++k) list_.ptr[k][i] = ptrs[static_cast<size_t>(k)];
+    list_.decay[i] = decay ? 1 : 0;
+    list_.vec[i] = vec ? 1 : 0;
+    units_ += units_of(numel);
+    list_.n = i + 1;
+    if (list_.n == kMaxTensors) flush();
+  }
+  void flush() {
+    if (list_.n == 0) return;
+    list_.first_unit[list_.n] = units_;
+    GDN_CHECK(units_ <= INT_MAX, "adamw (cuda): {} work units in one launch is too many", units_);
+    launch_(list_, units_, done_);
+    done_ += units_;
+    units_ = 0;
+    list_.n = 0;
+  }
+
+ private:
+  Launch launch_;
+  TensorList<kPtrs> list_;
+  int64_t units_ = 0;  // in the current list
+  int64_t done_ = 0;   // in the lists already launched
+};
+
+void step(const AdamWStep& s) {
+  const AdamWHyper& h = s.hyper;
+  // Scalars in fp64 on the host, rounded once to fp32 (as the cpu implementation and torch's
+  // foreach AdamW).
+  const double t = static_cast<double>(h.step);
+  const double bc1 = 1.0 - std::pow(h.beta1, t), bc2 = 1.0 - std::pow(h.beta2, t);
+  AdamWScalars sc;
+  sc.b1 = static_cast<float>(h.beta1);
+  sc.omb1 = static_cast<float>(1.0 - h.beta1);
+  sc.b2 = static_cast<float>(h.beta2);
+  sc.omb2 = static_cast<float>(1.0 - h.beta2);
+  sc.step_size = static_cast<float>(h.lr / bc1);
+  sc.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  sc.eps = static_cast<float>(h.eps);
+  sc.scale = static_cast<float>(h.grad_scale);
+  sc.decay_factor = static_cast<float>(1.0 - h.lr * h.weight_decay);
+  cudaStream_t stream = cuda::stream();
+  auto launch = [&](const TensorList<5>& l, int64_t units, int64_t) {
+    adamw_step_kernel<<<static_cast<unsigned>(units), kThreads, 0, stream>>>(l, sc);
+    GDN_CUDA_LAUNCH_CHECK("adamw_step_kernel");
+  };
+  ListBatcher<5, decltype(launch)> batch(launch);
+  for (const AdamWParam& e : s.params) {
+    void* pb = e.p_bf16.defined() ? e.p_bf16.data() : nullptr;
+    const bool vec = cuda::aligned16(e.p.data()) && cuda::aligned16(e.g.data()) &&
+                     cuda::aligned16(e.m.data()) && cuda::aligned16(e.v.data()) &&
+                     (pb == nullptr || aligned(pb, 8));
+    batch.add(e.p.numel(), {e.p.data(), e.g.data(), e.m.data(), e.v.data(), pb}, e.decay, vec);
+  }
+  batch.flush();
+}
+
+double grad_sumsq(std::span<const Tensor> grads) {
+  int64_t total = 0;
+  for (const Tensor& g : grads) total += units_of(g.numel());
+  if (total == 0) return 0.0;
+  cuda::Context& ctx = cuda::Context::get();
+  double* partial = static_cast<double*>(  // [total + 1]: the unit sums, then the result
+      ctx.scratch(static_cast<size_t>(total + 1) * sizeof(double)));
+  cudaStream_t stream = ctx.stream();
+  auto launch = [&](const TensorList<1>& l, int64_t units, int64_t first) {
+    grad_sumsq_kernel<<<static_cast<unsigned>(units), kThreads, 0, stream>>>(l, partial + first);
+    GDN_CUDA_LAUNCH_CHECK("grad_sumsq_kernel");
+  };
+  ListBatcher<1, decltype(launch)> batch(launch);
+  for (const Tensor& g : grads) batch.add(g.numel(), {g.data()}, false, cuda::aligned16(g.data()));
+  batch.flush();
+  sum_partials_kernel<<<1, kSumThreads, 0, stream>>>(partial, total, partial + total);
+  GDN_CUDA_LAUNCH_CHECK("sum_partials_kernel");
+  // The contract returns a host double: the one synchronisation of the optimizer's calls.
+  double result = 0.0;
+  GDN_CUDA_CHECK(
+      cudaMemcpyAsync(&result, partial + total, sizeof(double), cudaMemcpyDeviceToHost, stream));
+  GDN_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return result;
+}
+
+void refresh_bf16(std::span<const Bf16Copy> copies) {
+  cudaStream_t stream = cuda::stream();
+  auto launch = [&](const TensorList<2>& l, int64_t units, int64_t) {
+    refresh_bf16_kernel<<<static_cast<unsigned>(units), kThreads, 0, stream>>>(l);
+    GDN_CUDA_LAUNCH_CHECK("refresh_bf16_kernel");
+  };
+  ListBatcher<2, decltype(launch)> batch(launch);
+  for (const Bf16Copy& c : copies)
+    batch.add(c.master.numel(), {c.master.data(), c.copy.data()}, false,
+              cuda::aligned16(c.master.data()) && aligned(c.copy.data(), 8));
+  batch.flush();
+}
+
+const AdamWTable kTable{step, grad_sumsq, refresh_bf16};
+
+}  // namespace
+
+GDN_REGISTER(adamw_cuda) {
+  Registry::global().add_impl({"adamw", "cuda.multi_tensor", Backend::Cuda, 10, nullptr, &kTable});
+}
+
+}  // namespace gdn::ops

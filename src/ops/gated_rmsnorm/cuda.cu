@@ -1,0 +1,341 @@
+// Gated RMSNorm on CUDA: bf16 x/z/w/y/dy/dx/dz, fp32 rstd and dw, fp32 arithmetic, one rounding
+// per output (op.h has the contract; FLA's fused_norm_gate is the peer).
+//
+// Layout (backend/cuda/memory_bound.cuh): a block of kBlock threads holds kBlock / tpr row groups
+// of tpr threads, one row (one token x value head) per group; each thread keeps its P packs of x
+// and z (and dy) in registers, so every input is read from device memory once. At the GDN shape
+// (D = dv = 128) tpr = 8 and a block covers 32 rows.
+//
+// Forward: one row per row group, one launch; rstd written by lane 0.
+// Backward: a persistent grid (as many blocks as are resident at once), each row group walking
+// rows with a grid stride. A thread owns the same columns in every row, so its dw contributions
+// stay in fp32 registers for the whole walk; the row groups of a block are summed through shared
+// memory in group order, each block writes one fp32 partial row to scratch, and
+// column_sum_add_kernel adds the partial rows to dw in a fixed order. No float atomics: dw depends
+// only on the shapes and the device's multiprocessor count (the grid size).
+//
+// Bytes moved (the floor): forward x, z, w, y, rstd; backward x, z, w, rstd, dy, dx, dz and dw read
+// and written; plus the partial rows (grid x D fp32, ~0.1 MB at D = 128).
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+
+#include "backend/cuda/memory_bound.cuh"
+#include "gdn/backend/cuda_check.h"
+#include "gdn/backend/registry.h"
+#include "ops/gated_rmsnorm/op.h"
+
+namespace gdn::ops {
+
+namespace {
+
+using cuda::bf16_t;
+using cuda::Pack;
+
+constexpr int kBlock = 256;
+
+template <int V>
+__global__ void __launch_bounds__(kBlock)
+    gated_rmsnorm_fwd_kernel(const bf16_t* __restrict__ x,  // [R, D]
+                             const bf16_t* __restrict__ z,  // [R, D]
+                             const bf16_t* __restrict__ w,  // [D]
+                             bf16_t* __restrict__ y,        // [R, D]
+                             float* __restrict__ rstd,      // [R]
+                             int64_t R, int D, int tpr, float eps) {
+  constexpr int P = cuda::row_packs_per_thread<V>();
+  __shared__ float red[kBlock / 32];
+  const int npacks = D / V;
+  const int lane = static_cast<int>(threadIdx.x) & (tpr - 1);
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kBlock / tpr) + threadIdx.x / tpr;
+  const bool active = row < R;
+  const int64_t off = active ? row * D : 0;
+
+  Pack<V> xc[P], zc[P];
+#pragma unroll
+  for (int k = 0; k < P; ++k) {  // all loads in flight before the first use
+    const int c = lane + k * tpr;
+    if (active && c < npacks) {
+      xc[k] = cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V);
+      zc[k] = cuda::load_pack<V>(z, off + static_cast<int64_t>(c) * V);
+    }
+  }
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    if (active && lane + k * tpr < npacks) {
+      float f[V];
+      cuda::unpack(xc[k], f);
+#pragma unroll
+      for (int v = 0; v < V; ++v) ss += f[v] * f[v];
+    }
+  }
+  for (int c = lane + P * tpr; active && c < npacks; c += tpr) {
+    float f[V];
+    cuda::unpack(cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V), f);
+#pragma unroll
+    for (int v = 0; v < V; ++v) ss += f[v] * f[v];
+  }
+  ss = cuda::group_allreduce_sum(ss, tpr, red);
+  if (!active) return;  // past the last barrier
+  const float r = 1.f / sqrtf(ss / static_cast<float>(D) + eps);
+  if (lane == 0) rstd[row] = r;
+
+  auto emit = [&](int c, const Pack<V>& xp, const Pack<V>& zp) {
+    float xf[V], zf[V], wf[V], out[V];
+    cuda::unpack(xp, xf);
+    cuda::unpack(zp, zf);
+    cuda::unpack(cuda::load_pack<V>(w, static_cast<int64_t>(c) * V), wf);
+#pragma unroll
+    for (int v = 0; v < V; ++v) out[v] = xf[v] * r * wf[v] * (zf[v] * cuda::sigmoidf_safe(zf[v]));
+    cuda::store_pack<V>(y, off + static_cast<int64_t>(c) * V, cuda::pack(out));
+  };
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    const int c = lane + k * tpr;
+    if (c < npacks) emit(c, xc[k], zc[k]);
+  }
+  for (int c = lane + P * tpr; c < npacks; c += tpr)
+    emit(c, cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V),
+         cuda::load_pack<V>(z, off + static_cast<int64_t>(c) * V));
+}
+
+// One element of the backward: given x, z, w, dy of a column and the row's r and
+// m = mean(xhat * dy' * w), writes dx, dz and returns dy' * xhat (the dw term).
+struct GradOut {
+  float dx, dz, dw;
+};
+__device__ __forceinline__ GradOut grad_elem(float x, float z, float w, float dy, float r,
+                                             float m) {
+  const float s = cuda::sigmoidf_safe(z);
+  const float xhat = x * r;
+  const float dyp = dy * z * s;  // dy * silu(z)
+  GradOut o;
+  o.dz = dy * xhat * w * s * (1.f + z * (1.f - s));
+  o.dx = r * (dyp * w - xhat * m);
+  o.dw = dyp * xhat;
+  return o;
+}
+
+// <= 128 registers (two blocks per multiprocessor at least): x, z, dy packs and the dw
+// accumulators stay in registers.
+template <int V>
+__global__ void __launch_bounds__(kBlock, 2)
+    gated_rmsnorm_bwd_kernel(const bf16_t* __restrict__ x,    // [R, D]
+                             const bf16_t* __restrict__ z,    // [R, D]
+                             const bf16_t* __restrict__ w,    // [D]
+                             const float* __restrict__ rstd,  // [R]
+                             const bf16_t* __restrict__ dy,   // [R, D]
+                             bf16_t* __restrict__ dx,         // [R, D]
+                             bf16_t* __restrict__ dz,         // [R, D]
+                             float* __restrict__ partial,     // [gridDim.x, D] dw partial rows
+                             int64_t R, int D, int tpr) {
+  constexpr int P = cuda::row_packs_per_thread<V>();
+  __shared__ float red[kBlock / 32];
+  extern __shared__ float comb[];  // [rpb, D] when rpb > 1
+  const int npacks = D / V;
+  const int rpb = kBlock / tpr;
+  const int g = static_cast<int>(threadIdx.x) / tpr;
+  const int lane = static_cast<int>(threadIdx.x) & (tpr - 1);
+  float* mine = partial + static_cast<int64_t>(blockIdx.x) * D;  // [D] this block's partial row
+
+  float acc[P][V];
+#pragma unroll
+  for (int k = 0; k < P; ++k)
+#pragma unroll
+    for (int v = 0; v < V; ++v) acc[k][v] = 0.f;
+  // Columns past the register-held ones exist only when rpb == 1 (tpr == kBlock): their dw goes
+  // straight to this block's partial row, which only this thread touches.
+  for (int c = lane + P * tpr; c < npacks; c += tpr) {
+#pragma unroll
+    for (int v = 0; v < V; ++v) mine[c * V + v] = 0.f;
+  }
+
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * rpb;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * rpb; base < R; base += stride) {
+    // `base` is uniform over the block: every thread meets the barriers of group_allreduce_sum.
+    const int64_t row = base + g;
+    const bool active = row < R;
+    const int64_t off = active ? row * D : 0;
+    const float r = active ? rstd[row] : 0.f;
+    Pack<V> xc[P], zc[P], dyc[P];
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const int c = lane + k * tpr;
+      if (active && c < npacks) {
+        xc[k] = cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V);
+        zc[k] = cuda::load_pack<V>(z, off + static_cast<int64_t>(c) * V);
+        dyc[k] = cuda::load_pack<V>(dy, off + static_cast<int64_t>(c) * V);
+      }
+    }
+    float dot = 0.f;  // sum(dy' * w * x) over the row
+    auto dot_terms = [&](const Pack<V>& xp, const Pack<V>& zp, const Pack<V>& dp, int c) {
+      float xf[V], zf[V], df[V], wf[V];
+      cuda::unpack(xp, xf);
+      cuda::unpack(zp, zf);
+      cuda::unpack(dp, df);
+      cuda::unpack(cuda::load_pack<V>(w, static_cast<int64_t>(c) * V), wf);
+#pragma unroll
+      for (int v = 0; v < V; ++v) dot += df[v] * zf[v] * cuda::sigmoidf_safe(zf[v]) * wf[v] * xf[v];
+    };
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const int c = lane + k * tpr;
+      if (active && c < npacks) dot_terms(xc[k], zc[k], dyc[k], c);
+    }
+    for (int c = lane + P * tpr; active && c < npacks; c += tpr)
+      dot_terms(cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V),
+                cuda::load_pack<V>(z, off + static_cast<int64_t>(c) * V),
+                cuda::load_pack<V>(dy, off + static_cast<int64_t>(c) * V), c);
+    dot = cuda::group_allreduce_sum(dot, tpr, red);
+    if (!active) continue;
+    const float m = dot * r / static_cast<float>(D);  // mean(xhat * dy' * w)
+
+    // Writes dx, dz of pack c and returns its dw terms in `dwv`.
+    auto emit = [&](int c, const Pack<V>& xp, const Pack<V>& zp, const Pack<V>& dp,
+                    float(&dwv)[V]) {
+      float xf[V], zf[V], df[V], wf[V], gx[V], gz[V];
+      cuda::unpack(xp, xf);
+      cuda::unpack(zp, zf);
+      cuda::unpack(dp, df);
+      cuda::unpack(cuda::load_pack<V>(w, static_cast<int64_t>(c) * V), wf);
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        const GradOut o = grad_elem(xf[v], zf[v], wf[v], df[v], r, m);
+        gx[v] = o.dx;
+        gz[v] = o.dz;
+        dwv[v] = o.dw;
+      }
+      cuda::store_pack<V>(dx, off + static_cast<int64_t>(c) * V, cuda::pack(gx));
+      cuda::store_pack<V>(dz, off + static_cast<int64_t>(c) * V, cuda::pack(gz));
+    };
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const int c = lane + k * tpr;
+      if (c < npacks) {
+        float dwv[V];
+        emit(c, xc[k], zc[k], dyc[k], dwv);
+#pragma unroll
+        for (int v = 0; v < V; ++v) acc[k][v] += dwv[v];
+      }
+    }
+    for (int c = lane + P * tpr; c < npacks; c += tpr) {
+      float dwv[V];
+      emit(c, cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V),
+           cuda::load_pack<V>(z, off + static_cast<int64_t>(c) * V),
+           cuda::load_pack<V>(dy, off + static_cast<int64_t>(c) * V), dwv);
+#pragma unroll
+      for (int v = 0; v < V; ++v) mine[c * V + v] += dwv[v];
+    }
+  }
+
+  if (rpb == 1) {
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const int c = lane + k * tpr;
+      if (c < npacks) {
+#pragma unroll
+        for (int v = 0; v < V; ++v) mine[c * V + v] = acc[k][v];
+      }
+    }
+    return;
+  }
+  // Several row groups: sum them in group order through shared memory (no overflow columns here:
+  // tpr < kBlock means the register-held packs cover the row).
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    const int c = lane + k * tpr;
+    if (c < npacks) {
+#pragma unroll
+      for (int v = 0; v < V; ++v) comb[g * D + c * V + v] = acc[k][v];
+    }
+  }
+  __syncthreads();
+  for (int col = static_cast<int>(threadIdx.x); col < D; col += kBlock) {
+    float s = 0.f;
+    for (int j = 0; j < rpb; ++j) s += comb[j * D + col];
+    mine[col] = s;
+  }
+}
+
+const bf16_t* in(const Tensor& t) { return reinterpret_cast<const bf16_t*>(t.ptr<bf16>()); }
+bf16_t* out(const Tensor& t) { return reinterpret_cast<bf16_t*>(t.ptr<bf16>()); }
+
+void forward(const GatedRmsNormFwd& a) {
+  const int64_t R = a.x.size(0), D = a.x.size(1);
+  if (R == 0) return;
+  GDN_CHECK(D <= INT_MAX / 2, "gated_rmsnorm (cuda): row width {} is too large", D);
+  const bf16_t* x = in(a.x);          // [R, D]
+  const bf16_t* z = in(a.z);          // [R, D]
+  const bf16_t* w = in(a.w);          // [D]
+  bf16_t* y = out(a.y);               // [R, D]
+  float* rstd = a.rstd.ptr<float>();  // [R]
+  const bool vec_ok =
+      cuda::aligned16(x) && cuda::aligned16(z) && cuda::aligned16(w) && cuda::aligned16(y);
+  const cuda::RowLayout l = cuda::row_layout(D, vec_ok, kBlock);
+  const int64_t grid = (R + l.rpb - 1) / l.rpb;
+  GDN_CHECK(grid <= INT_MAX, "gated_rmsnorm (cuda): {} rows is too many", R);
+  const float eps = static_cast<float>(a.eps);
+  cudaStream_t s = cuda::stream();
+  if (l.vec == 8) {
+    gated_rmsnorm_fwd_kernel<8><<<static_cast<unsigned>(grid), kBlock, 0, s>>>(
+        x, z, w, y, rstd, R, static_cast<int>(D), l.tpr, eps);
+  } else {
+    gated_rmsnorm_fwd_kernel<1><<<static_cast<unsigned>(grid), kBlock, 0, s>>>(
+        x, z, w, y, rstd, R, static_cast<int>(D), l.tpr, eps);
+  }
+  GDN_CUDA_LAUNCH_CHECK("gated_rmsnorm_fwd_kernel");
+}
+
+void backward(const GatedRmsNormBwd& a) {
+  const int64_t R = a.x.size(0), D = a.x.size(1);
+  if (R == 0 || D == 0) return;  // dw += 0
+  GDN_CHECK(D <= INT_MAX / 2, "gated_rmsnorm (cuda): row width {} is too large", D);
+  const bf16_t* x = in(a.x);                // [R, D]
+  const bf16_t* z = in(a.z);                // [R, D]
+  const bf16_t* w = in(a.w);                // [D]
+  const float* rstd = a.rstd.ptr<float>();  // [R]
+  const bf16_t* dy = in(a.dy);              // [R, D]
+  bf16_t* dx = out(a.dx);                   // [R, D]
+  bf16_t* dz = out(a.dz);                   // [R, D]
+  float* dw = a.dw.ptr<float>();            // [D]
+  const bool vec_ok = cuda::aligned16(x) && cuda::aligned16(z) && cuda::aligned16(w) &&
+                      cuda::aligned16(dy) && cuda::aligned16(dx) && cuda::aligned16(dz);
+  const cuda::RowLayout l = cuda::row_layout(D, vec_ok, kBlock);
+  // rpb * D <= kBlock * (packs per thread) * 8 elements: at most 16 KB.
+  const size_t smem = l.rpb > 1 ? static_cast<size_t>(l.rpb) * static_cast<size_t>(D) * 4 : 0;
+  GDN_CHECK(smem <= 48 * 1024,
+            "gated_rmsnorm (cuda): internal: {} bytes of shared memory for D = {}", smem, D);
+  const void* kernel = l.vec == 8 ? reinterpret_cast<const void*>(&gated_rmsnorm_bwd_kernel<8>)
+                                  : reinterpret_cast<const void*>(&gated_rmsnorm_bwd_kernel<1>);
+  cuda::Context& ctx = cuda::Context::get();
+  int per_sm = 0;
+  GDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlock, smem));
+  const int64_t batches = (R + l.rpb - 1) / l.rpb;
+  const int grid = static_cast<int>(
+      std::min<int64_t>(batches, static_cast<int64_t>(ctx.sm_count()) * std::max(per_sm, 1)));
+  float* partial = static_cast<float*>(  // [grid, D]
+      ctx.scratch(static_cast<size_t>(grid) * static_cast<size_t>(D) * sizeof(float)));
+  cudaStream_t s = ctx.stream();
+  if (l.vec == 8) {
+    gated_rmsnorm_bwd_kernel<8><<<grid, kBlock, smem, s>>>(x, z, w, rstd, dy, dx, dz, partial, R,
+                                                           static_cast<int>(D), l.tpr);
+  } else {
+    gated_rmsnorm_bwd_kernel<1><<<grid, kBlock, smem, s>>>(x, z, w, rstd, dy, dx, dz, partial, R,
+                                                           static_cast<int>(D), l.tpr);
+  }
+  GDN_CUDA_LAUNCH_CHECK("gated_rmsnorm_bwd_kernel");
+  cuda::column_sum_add_kernel<>
+      <<<static_cast<unsigned>((D + 31) / 32), 256, 0, s>>>(partial, dw, grid, static_cast<int>(D));
+  GDN_CUDA_LAUNCH_CHECK("column_sum_add_kernel");
+}
+
+const GatedRmsNormTable kTable{forward, backward};
+
+}  // namespace
+
+GDN_REGISTER(gated_rmsnorm_cuda) {
+  Registry::global().add_impl(
+      {"gated_rmsnorm", "cuda.rowwise", Backend::Cuda, 10, nullptr, &kTable});
+}
+
+}  // namespace gdn::ops

@@ -1,0 +1,295 @@
+// Embedding on CUDA (label gpu): cuda vs ref over swept shapes, both id dtypes and id
+// distributions that exercise every case of the sorted-window backward (all ids distinct, a few
+// ids repeated everywhere, one id over all tokens, runs of lengths around the window size, the
+// 248320-token vocabulary), an exact-copy forward, dW accumulated (+=) and bitwise deterministic,
+// out-of-range device ids (NaN rows forward, dropped backward, no out-of-bounds access), the
+// scalar path, the resolver's choice and probe, `ops run` on the cuda backend, and bad input.
+// Tolerances come from src/backend/tolerances.h.
+#include <cmath>
+#include <limits>
+
+#include "backend/tolerances.h"
+#include "gdn/core/rng.h"
+#include "ops/cuda_test_util.h"
+#include "ops/embedding/op.h"
+
+namespace gdn::ops {
+namespace {
+
+using namespace gdn::testing;  // NOLINT: test helpers
+
+constexpr ProbeError kTol = bf16_tolerance("embedding");
+
+class EmbeddingCuda : public CudaOpTest {};
+
+enum class Ids { Uniform, Few, Same, Runs };
+const char* ids_name(Ids p) {
+  return p == Ids::Uniform ? "uniform" : p == Ids::Few ? "few" : p == Ids::Same ? "same" : "runs";
+}
+
+// Host ids of `dt`: Uniform over [0, V); Few: 3 ids in random order; Same: V - 1 everywhere;
+// Runs: consecutive runs of lengths 1, 2, ..., 70, 1, ... of random ids (runs of one id may
+// repeat later, so segments are split across distant windows too).
+OwnedTensor make_ids(int64_t T, int64_t V, Ids pattern, DType dt, uint64_t seed) {
+  std::vector<int64_t> v(static_cast<size_t>(T));
+  int64_t run_left = 0, run_len = 0, run_id = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    const uint64_t r = rng::bits(seed, 5, static_cast<uint64_t>(t));
+    int64_t id = 0;
+    switch (pattern) {
+      case Ids::Uniform:
+        id = static_cast<int64_t>(r % static_cast<uint64_t>(V));
+        break;
+      case Ids::Few:
+        id = static_cast<int64_t>(r % 3) * (V / 3);
+        break;
+      case Ids::Same:
+        id = V - 1;
+        break;
+      case Ids::Runs:
+        if (run_left == 0) {
+          run_len = run_len % 70 + 1;
+          run_left = run_len;
+          run_id = static_cast<int64_t>(r % static_cast<uint64_t>(std::min<int64_t>(V, 5)));
+        }
+        --run_left;
+        id = run_id;
+        break;
+    }
+    v[static_cast<size_t>(t)] = id;
+  }
+  OwnedTensor ids = OwnedTensor::empty(dt, {T});
+  for (int64_t t = 0; t < T; ++t) {
+    if (dt == DType::I32) {
+      ids.ptr<int32_t>()[t] = static_cast<int32_t>(v[static_cast<size_t>(t)]);
+    } else {
+      ids.ptr<int64_t>()[t] = v[static_cast<size_t>(t)];
+    }
+  }
+  return ids;
+}
+
+struct Out {
+  OwnedTensor y, dw;
+};
+
+Out run_ref(const Tensor& ids, const Tensor& w, const Tensor& dy, const Tensor& dw0) {
+  Out o{OwnedTensor::zeros(DType::F64, {ids.size(0), w.size(1)}), convert(dw0, DType::F64)};
+  embedding_forward({ids, w, o.y});
+  embedding_backward({ids, dy, o.dw});
+  return o;
+}
+
+Out run_cuda(const Tensor& ids, const Tensor& w, const Tensor& dy, const Tensor& dw0) {
+  Out o{poisoned(DType::BF16, {ids.size(0), w.size(1)}), to_dev(dw0, DType::F32)};
+  embedding_forward({ids, w, o.y});
+  embedding_backward({ids, dy, o.dw});
+  return o;
+}
+
+// ref and cuda from the same host values (w, dy bf16; dw0 fp32, nonzero: += is checked).
+void check(int64_t T, int64_t V, int64_t D, Ids pattern, DType idt, uint64_t seed) {
+  OwnedTensor ids = make_ids(T, V, pattern, idt, seed);
+  OwnedTensor w = randn_as({V, D}, seed + 1, DType::BF16);
+  OwnedTensor dy = randn_as({T, D}, seed + 2, DType::BF16);
+  OwnedTensor dw0 = randn_as({V, D}, seed + 3, DType::F32);
+  Out ref = run_ref(ids, w, dy, dw0);
+  Out c = run_cuda(convert(ids, idt, Device::CUDA), to_dev(w, DType::BF16), to_dev(dy, DType::BF16),
+                   dw0);
+  expect_close(c.y, ref.y, kTol.fwd, "y");
+  expect_close(c.dw, ref.dw, kTol.bwd, "dw");
+}
+
+using Param = std::tuple<int64_t, int64_t, int64_t, Ids, DType>;
+class EmbeddingCudaSweep : public EmbeddingCuda, public ::testing::WithParamInterface<Param> {};
+
+TEST_P(EmbeddingCudaSweep, MatchesRef) {
+  auto [T, V, D, pattern, idt] = GetParam();
+  check(T, V, D, pattern, idt, 100 + static_cast<uint64_t>(T * 31 + V * 7 + D));
+}
+
+std::string case_name(const ::testing::TestParamInfo<Param>& info) {
+  const auto& p = info.param;
+  return "T" + std::to_string(std::get<0>(p)) + "_V" + std::to_string(std::get<1>(p)) + "_D" +
+         std::to_string(std::get<2>(p)) + "_" + ids_name(std::get<3>(p)) + "_" +
+         std::string(dtype_name(std::get<4>(p)));
+}
+
+// T: one token, less than / exactly / just over one 32-position window, many windows. D: the
+// scalar path (1, 17) and 16-byte packs (64).
+INSTANTIATE_TEST_SUITE_P(Shapes, EmbeddingCudaSweep,
+                         ::testing::Combine(::testing::Values(1, 31, 32, 33, 300, 2000),
+                                            ::testing::Values(1, 7, 1000),
+                                            ::testing::Values(1, 17, 64),
+                                            ::testing::Values(Ids::Uniform, Ids::Few, Ids::Runs),
+                                            ::testing::Values(DType::I32)),
+                         case_name);
+INSTANTIATE_TEST_SUITE_P(IdsI64, EmbeddingCudaSweep,
+                         ::testing::Combine(::testing::Values(33, 2000), ::testing::Values(7, 1000),
+                                            ::testing::Values(17, 64),
+                                            ::testing::Values(Ids::Uniform, Ids::Few, Ids::Runs),
+                                            ::testing::Values(DType::I64)),
+                         case_name);
+
+TEST_F(EmbeddingCuda, WideRowsSpanSeveralColumnChunks) {
+  // A backward block covers 1024 columns with 16-byte packs, a forward block 4096: D = 4096 + 8
+  // gives both a partial last chunk.
+  check(300, 100, 4104, Ids::Runs, DType::I32, 6);
+  check(70, 100, 4104, Ids::Uniform, DType::I64, 5);
+}
+
+TEST_F(EmbeddingCuda, OneIdOverEveryToken) {
+  // One segment over 157 windows: step 3 sums the owner's tail and 156 heads.
+  check(5000, 50, 256, Ids::Same, DType::I32, 7);
+  check(33, 50, 8, Ids::Same, DType::I64, 8);
+}
+
+TEST_F(EmbeddingCuda, ModelVocabulary) {
+  // V = 248320 needs 18 sorted bits; D small to keep the host reference cheap.
+  check(8192, 248320, 8, Ids::Uniform, DType::I32, 9);
+  check(8192, 248320, 8, Ids::Runs, DType::I64, 10);
+}
+
+TEST_F(EmbeddingCuda, BackwardIsBitwiseDeterministic) {
+  const int64_t T = 3000, V = 50, D = 520;
+  OwnedTensor ids = convert(make_ids(T, V, Ids::Few, DType::I32, 11), DType::I32, Device::CUDA);
+  OwnedTensor dy = to_dev(randn_as({T, D}, 12, DType::BF16, 10.0), DType::BF16);
+  OwnedTensor dw0 = randn_as({V, D}, 13, DType::F32);
+  OwnedTensor first = to_dev(dw0, DType::F32);
+  embedding_backward({ids, dy, first});
+  for (int rep = 0; rep < 3; ++rep) {
+    OwnedTensor dw = to_dev(dw0, DType::F32);
+    embedding_backward({ids, dy, dw});
+    expect_bitwise_equal(dw, first, "dw (rep " + std::to_string(rep) + ")");
+  }
+}
+
+TEST_F(EmbeddingCuda, OutOfRangeDeviceIdsGiveNanRowsAndNoGradient) {
+  const int64_t T = 70, V = 40, D = 24;
+  for (DType idt : {DType::I32, DType::I64}) {
+    OwnedTensor ids = make_ids(T, V, Ids::Uniform, idt, 14);
+    std::vector<int64_t> bad_pos = {0, 5, 31, 32, 69};
+    std::vector<int64_t> bad_val = {-1, V, V + 5, std::numeric_limits<int32_t>::max(),
+                                    std::numeric_limits<int32_t>::min()};
+    if (idt == DType::I64) bad_val[3] = int64_t{1} << 40;
+    for (size_t k = 0; k < bad_pos.size(); ++k) {
+      if (idt == DType::I32) {
+        ids.ptr<int32_t>()[bad_pos[k]] = static_cast<int32_t>(bad_val[k]);
+      } else {
+        ids.ptr<int64_t>()[bad_pos[k]] = bad_val[k];
+      }
+    }
+    OwnedTensor w = randn_as({V, D}, 15, DType::BF16), dy = randn_as({T, D}, 16, DType::BF16);
+    OwnedTensor dw0 = randn_as({V, D}, 17, DType::F32);
+    Out c = run_cuda(convert(ids, idt, Device::CUDA), to_dev(w, DType::BF16),
+                     to_dev(dy, DType::BF16), dw0);
+    // Reference: the valid tokens only (bad ones have zero dy; their y rows are checked apart).
+    std::vector<double> dyv = to_f64_vector(dy), yv = to_f64_vector(c.y);
+    OwnedTensor ids_ok = convert(ids, DType::I64);
+    for (int64_t p : bad_pos) {
+      ids_ok.ptr<int64_t>()[p] = 0;
+      for (int64_t j = 0; j < D; ++j) {
+        dyv[static_cast<size_t>(p * D + j)] = 0.0;
+        EXPECT_TRUE(std::isnan(yv[static_cast<size_t>(p * D + j)]))
+            << "y[" << p << ", " << j << "] for an out-of-range id should be NaN";
+        yv[static_cast<size_t>(p * D + j)] = 0.0;
+      }
+    }
+    Out ref = run_ref(ids_ok, w, from_f64(dyv, DType::F64, {T, D}), dw0);
+    auto ry = to_f64_vector(ref.y);
+    for (int64_t p : bad_pos)
+      for (int64_t j = 0; j < D; ++j) ry[static_cast<size_t>(p * D + j)] = 0.0;
+    EXPECT_EQ(rel_l2_error(yv, ry), 0.0) << "rows of valid ids are exact copies";
+    expect_close(c.dw, ref.dw, kTol.bwd, "dw with out-of-range ids dropped");
+  }
+}
+
+TEST_F(EmbeddingCuda, UnalignedTensorsTakeTheScalarPath) {
+  const int64_t T = 100, V = 30, D = 64;
+  OwnedTensor ids = make_ids(T, V, Ids::Runs, DType::I32, 18);
+  OwnedTensor w = randn_as({V, D}, 19, DType::BF16), dy = randn_as({T, D}, 20, DType::BF16);
+  OwnedTensor dw0 = randn_as({V, D}, 21, DType::F32);
+  Out ref = run_ref(ids, w, dy, dw0);
+  std::vector<OwnedTensor> keep;
+  OwnedTensor wd = to_dev(w, DType::BF16), dyd = to_dev(dy, DType::BF16),
+              dwd = to_dev(dw0, DType::F32);
+  Tensor wu = unaligned_copy(wd, 2, keep), dyu = unaligned_copy(dyd, 2, keep),
+         dwu = unaligned_copy(dwd, 4, keep);
+  Tensor yu = unaligned_copy(poisoned(DType::BF16, {T, D}), 2, keep);
+  OwnedTensor idd = convert(ids, DType::I32, Device::CUDA);
+  embedding_forward({idd, wu, yu});
+  embedding_backward({idd, dyu, dwu});
+  expect_close(yu, ref.y, kTol.fwd, "y (unaligned)");
+  expect_close(dwu, ref.dw, kTol.bwd, "dw (unaligned)");
+}
+
+TEST_F(EmbeddingCuda, ResolverChoosesCudaAndItPassesItsProbe) {
+  // The forward is an exact copy (error 0); dW is fp32 (its error may be 0 too).
+  expect_resolves_to_cuda("embedding", "cuda.sorted_windows", kTol, false, false);
+}
+
+// Deliberately wrong CUDA implementations built from the real one: every id shifted by one row,
+// and a backward that overwrites dW with the sums instead of accumulating into it.
+const EmbeddingTable* real_table() {
+  return cuda_table<EmbeddingTable>("embedding", "cuda.sorted_windows");
+}
+void real_forward(const EmbeddingFwd& a) { real_table()->forward(a); }
+void real_backward(const EmbeddingBwd& a) { real_table()->backward(a); }
+void shifted_forward(const EmbeddingFwd& a) {
+  OwnedTensor host = convert(a.ids, DType::I64);
+  const int64_t V = a.w.size(0);
+  for (int64_t t = 0; t < host.numel(); ++t)
+    host.ptr<int64_t>()[t] = (host.ptr<int64_t>()[t] + 1) % V;
+  OwnedTensor ids = convert(host, a.ids.dtype(), Device::CUDA);
+  EmbeddingFwd b = a;
+  b.ids = ids;
+  real_table()->forward(b);
+  device_synchronize(Device::CUDA);  // ids is freed on return
+}
+void overwriting_backward(const EmbeddingBwd& a) {
+  OwnedTensor sums = OwnedTensor::zeros(DType::F32, a.dw.shape(), Device::CUDA);
+  EmbeddingBwd b = a;
+  b.dw = sums;
+  real_table()->backward(b);
+  copy_into(a.dw, sums);
+}
+const EmbeddingTable kWrongFwd{shifted_forward, real_backward};
+const EmbeddingTable kWrongBwd{real_forward, overwriting_backward};
+
+TEST_F(EmbeddingCuda, ProbeRejectsWrongCudaKernels) {
+  ASSERT_NE(real_table(), nullptr) << "cuda.sorted_windows is not registered";
+  expect_probe_rejects("embedding", "cuda.sorted_windows",
+                       {{"cuda.wrong_rows", &kWrongFwd}, {"cuda.wrong_dw", &kWrongBwd}});
+}
+
+TEST_F(EmbeddingCuda, OpsRunOnCudaBackend) {
+  const int64_t T = 45, V = 9, D = 16;
+  OwnedTensor ids = make_ids(T, V, Ids::Few, DType::I64, 22);
+  OwnedTensor w = randn_as({V, D}, 23, DType::BF16), dy = randn_as({T, D}, 24, DType::BF16);
+  Out ref = run_ref(ids, w, dy, OwnedTensor::zeros(DType::F64, {V, D}));
+  OwnedTensor wf = convert(w, DType::F32), dyf = convert(dy, DType::F32);
+  OpsRunOnCuda run("embedding", {{"ids", ids}, {"w", wf}, {"dy", dyf}}, true);
+  EXPECT_EQ(run.result().impl, "cuda.sorted_windows");
+  expect_close(run.load("y"), ref.y, kTol.fwd, "y (ops run)");
+  expect_close(run.load("dw"), ref.dw, kTol.bwd, "dw (ops run)");
+}
+
+TEST_F(EmbeddingCuda, BadInputIsAClearError) {
+  auto ids = OwnedTensor::zeros(DType::I32, {3}, Device::CUDA);
+  auto dy = OwnedTensor::zeros(DType::BF16, {3, 4}, Device::CUDA);
+  auto dw16 = OwnedTensor::zeros(DType::BF16, {10, 4}, Device::CUDA);
+  EXPECT_NE(error_of([&] {
+              embedding_backward({ids, dy, dw16});
+            }).find("embedding: tensor 'dw' has dtype BF16, expected F32"),
+            std::string::npos);
+  auto w = OwnedTensor::zeros(DType::BF16, {10, 4}, Device::CUDA);
+  auto y = OwnedTensor::zeros(DType::BF16, {3, 4}, Device::CUDA);
+  auto ids_host = OwnedTensor::zeros(DType::I32, {3});
+  EXPECT_NE(error_of([&] {
+              embedding_forward({ids_host, w, y});
+            }).find("embedding: all tensors must be on cuda"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace gdn::ops
