@@ -31,8 +31,8 @@ nlohmann::json default_train_config() {
   return nlohmann::json::parse(R"({
     "model": {"config": "tiny", "init_from": "", "seed": 1234},
     "data": {"kind": "mqar", "path": "", "seed": 7, "eval_fraction": 0.01,
-             "mqar": {"vocab_size": 258, "num_pairs": 8, "seq_len": 64}},
-    "train": {"steps": 400, "micro_batch_tokens": 2048, "grad_accum": 1, "z_loss": 0.0001,
+             "mqar": {"vocab_size": 64, "num_pairs": 4, "seq_len": 32}},
+    "train": {"steps": 600, "micro_batch_tokens": 2048, "grad_accum": 1, "z_loss": 0.0001,
               "device": "auto"},
     "optim": {"lr": 0.003, "min_lr": 0.0003, "warmup_steps": 40, "decay": "cosine",
               "wsd_decay_fraction": 0.2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
