@@ -186,16 +186,17 @@ __global__ void __launch_bounds__(kStateThreads)
   const int ldk = ld_of(d.KP), ldb = ld_of(VB);
   extern __shared__ __align__(128) char smem[];
   SmemCarver sc(smem);
-  bf16_t* Ws[2];
-  bf16_t* Ks[2];
-  bf16_t* Us[2];
-  float* gs[2];
-  for (int b = 0; b < nbuf; ++b) {
-    Ws[b] = sc.take<bf16_t>(tile_bytes_bf16(kC, d.KP));  // [64, KP]
-    Ks[b] = sc.take<bf16_t>(tile_bytes_bf16(kC, d.KP));  // [64, KP]
-    Us[b] = sc.take<bf16_t>(tile_bytes_bf16(kC, VB));    // [64, VB]
-    gs[b] = sc.vec();                                    // [64]
-  }
+  // Staged inputs, nbuf copies of each (b = 0, 1 alternate between chunks when double-buffered);
+  // addressed by offset so that no pointer array lands in local memory.
+  const int64_t nk = tile_bytes_bf16(kC, d.KP) / 2, nu = tile_bytes_bf16(kC, VB) / 2;
+  bf16_t* Ws0 = sc.take<bf16_t>(nbuf * tile_bytes_bf16(kC, d.KP));  // nbuf x [64, KP]
+  bf16_t* Ks0 = sc.take<bf16_t>(nbuf * tile_bytes_bf16(kC, d.KP));  // nbuf x [64, KP]
+  bf16_t* Us0 = sc.take<bf16_t>(nbuf * tile_bytes_bf16(kC, VB));    // nbuf x [64, VB]
+  float* gs0 = sc.take<float>(nbuf * kVecBytes);                    // nbuf x [64]
+  auto Ws = [&](int b) { return Ws0 + b * nk; };
+  auto Ks = [&](int b) { return Ks0 + b * nk; };
+  auto Us = [&](int b) { return Us0 + b * nu; };
+  auto gs = [&](int b) { return gs0 + b * (kVecBytes / 4); };
   float* Sf = sc.take<float>(tile_bytes_f32(max(d.KP, kC), VB));  // [KP, VB] S, or [64, VB] W S
   bf16_t* Sb = sc.take<bf16_t>(tile_bytes_bf16(d.KP, VB));        // [KP, VB] bf16(S)
   bf16_t* Vd = sc.take<bf16_t>(tile_bytes_bf16(kC, VB));          // [64, VB] diag(dec) V'
@@ -210,13 +211,13 @@ __global__ void __launch_bounds__(kStateThreads)
   const int64_t ldU = static_cast<int64_t>(d.Hv) * d.dv, sd = static_cast<int64_t>(d.dk) * d.dv;
   auto stage = [&](int c, int b) {
     const int t0 = bos + (c - c0) * kC, L = min(kC, eos - t0);
-    stage_tile(Ws[b], ldk, W + (static_cast<int64_t>(t0) * d.Hv + h) * d.dk, ldW, L, d.dk, kC, d.KP,
+    stage_tile(Ws(b), ldk, W + (static_cast<int64_t>(t0) * d.Hv + h) * d.dk, ldW, L, d.dk, kC, d.KP,
                d.vec);
-    stage_tile(Ks[b], ldk, kn + (static_cast<int64_t>(t0) * d.Hk + kh) * d.dk, ldK, L, d.dk, kC,
+    stage_tile(Ks(b), ldk, kn + (static_cast<int64_t>(t0) * d.Hk + kh) * d.dk, ldK, L, d.dk, kC,
                d.KP, d.vec);
-    stage_tile(Us[b], ldb, U + (static_cast<int64_t>(t0) * d.Hv + h) * d.dv + col0, ldU, L, cvalid,
+    stage_tile(Us(b), ldb, U + (static_cast<int64_t>(t0) * d.Hv + h) * d.dv + col0, ldU, L, cvalid,
                kC, VB, d.vec);
-    if (tid < kC) gs[b][tid] = tid < L ? g[(static_cast<int64_t>(t0) + tid) * d.Hv + h] : 0.f;
+    if (tid < kC) gs(b)[tid] = tid < L ? g[(static_cast<int64_t>(t0) + tid) * d.Hv + h] : 0.f;
     cp_async_commit();
   };
 
@@ -247,7 +248,7 @@ __global__ void __launch_bounds__(kStateThreads)
     }
     __syncthreads();
     const int t0 = bos + (c - c0) * kC, L = min(kC, eos - t0);
-    chunk_gate_sums(gs[b], L, pre, tot, G, dec);
+    chunk_gate_sums(gs(b), L, pre, tot, G, dec);
 #pragma unroll
     for (int s = 0; s < kNS; ++s) {
       const int f = warp + 4 * s;
@@ -266,12 +267,12 @@ __global__ void __launch_bounds__(kStateThreads)
       if (r < d.dk && e < cvalid) Hc[static_cast<int64_t>(r) * d.dv + e] = x;
     }
     __syncthreads();
-    mma_bf16<RowM, RowM>(kC, VB, d.KP, Ws[b], ldk, Sb, ldb, Sf, ldb, false);  // W S
+    mma_bf16<RowM, RowM>(kC, VB, d.KP, Ws(b), ldk, Sb, ldb, Sf, ldb, false);  // W S
     __syncthreads();
     bf16_t* Vc = U + (static_cast<int64_t>(t0) * d.Hv + h) * d.dv + col0;  // [L, VB] at stride ldU
     for (int p = tid; p < kC * VB; p += kStateThreads) {
       const int i = p / VB, e = p % VB;
-      const float vp = bf(Us[b][i * ldb + e]) - Sf[i * ldb + e];
+      const float vp = bf(Us(b)[i * ldb + e]) - Sf[i * ldb + e];
       if (i < L && e < cvalid) Vc[static_cast<int64_t>(i) * ldU + e] = tobf(vp);
       Vd[i * ldb + e] = tobf(dec[i] * vp);
     }
@@ -287,7 +288,7 @@ __global__ void __launch_bounds__(kStateThreads)
       for (int k0 = 0; k0 < kC; k0 += 16) {
         wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16_t, ColM> a;
         wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16_t, RowM> bm;
-        wmma::load_matrix_sync(a, Ks[b] + k0 * ldk + m0, ldk);
+        wmma::load_matrix_sync(a, Ks(b) + k0 * ldk + m0, ldk);
         wmma::load_matrix_sync(bm, Vd + k0 * ldb + n0, ldb);
         wmma::mma_sync(S[s], a, bm, S[s]);
       }
