@@ -4,6 +4,7 @@
 // path), generic head dims (unaligned: the scalar path; up to 256), strong and no decay, beta near
 // 0 and 1, with and without h0 / dhT. Then: a packed batch equals its documents run one by one;
 // runs are bitwise reproducible; a GdrChunkIndexScope gives the same results as the op's own index;
+// the fused forward route (GDN_FUSED_FWD=1) matches ref and the decomposed route;
 // garbage device cu_seqlens are sanitised, not read out of bounds; the resolver picks cuda and its
 // probe passes; the probe rejects wrong CUDA variants; `ops run` on the cuda backend; bad input.
 // Tolerances come from the one table, src/backend/tolerances.h. Every case prints its errors.
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <limits>
 #include <string>
@@ -19,6 +21,7 @@
 
 #include "backend/tolerances.h"
 #include "gdn/backend/op_run.h"
+#include "gdn/core/env.h"
 #include "gdn/core/safetensors.h"
 #include "ops/gated_delta_rule/cuda.h"
 #include "ops/gated_delta_rule/op.h"
@@ -184,6 +187,37 @@ ProbeError compare(const Result& got, const Result& want, const std::string& wha
   return worst;
 }
 
+// The forward through the fused route (GDN_FUSED_FWD=1, a read-once knob: the cache is reset).
+struct FusedRoute {
+  FusedRoute() {
+    setenv("GDN_FUSED_FWD", "1", 1);
+    env::reset_cache_for_testing();
+  }
+  ~FusedRoute() {
+    unsetenv("GDN_FUSED_FWD");
+    env::reset_cache_for_testing();
+  }
+  FusedRoute(const FusedRoute&) = delete;
+  FusedRoute& operator=(const FusedRoute&) = delete;
+};
+
+// o and hT of the fused route against ref, and against the decomposed route's o and hT: the two
+// routes do the same arithmetic on the same bf16 operands in the same order per element (the
+// output columns are only tiled differently), so they agree to the last bits.
+void check_fused_forward(const Inputs& in, const Dev& d, bool l2, const Result& ref,
+                         const Result& decomposed, const std::string& what) {
+  FusedRoute fused;
+  OwnedTensor o = poisoned(DType::BF16, {in.T, in.Hv, in.dv});
+  OwnedTensor hT = poisoned(DType::F32, {in.N, in.Hv, in.dk, in.dv});
+  gated_delta_rule_forward({d.q, d.k, d.v, d.g, d.beta, d.cu, view_or_empty(d.h0), o, hT, 0.0, l2});
+  if (in.T > 0) testing::expect_close(o, ref.o, kTol.fwd, what + " fused o");
+  testing::expect_close(hT, ref.hT, kTol.fwd, what + " fused hT");
+  if (in.T > 0) testing::expect_close(o, decomposed.o, 1e-6, what + " fused vs decomposed o");
+  testing::expect_close(hT, decomposed.hT, 1e-6, what + " fused vs decomposed hT");
+  std::printf("[gdr cuda] %-24s fused o %.1e hT %.1e\n", what.c_str(),
+              in.T > 0 ? testing::rel_err(o, ref.o) : 0.0, testing::rel_err(hT, ref.hT));
+}
+
 std::vector<int32_t> random_lens(int n, int lo, int hi, uint64_t seed) {
   std::vector<int32_t> l;
   for (int i = 0; i < n; ++i)
@@ -248,6 +282,7 @@ TEST_P(GdrCudaSweep, MatchesRef) {
   Dev d = to_device(in);
   Result got = run_cuda(in, d, l2);
   compare(got, ref, s.name + (l2 ? " l2" : ""));
+  check_fused_forward(in, d, l2, ref, got, s.name + (l2 ? " l2" : ""));
 }
 
 INSTANTIATE_TEST_SUITE_P(
