@@ -2,12 +2,13 @@
 // forward and every gradient, with and without the in-kernel l2norm: T < 64, T = 64, partial
 // chunks, 1-token, empty and 50 documents, r in {1, 2, 3}, dk != dv, dk = dv = 128 (the fast
 // path), generic head dims (unaligned: the scalar path; up to 256), strong and no decay, beta near
-// 0 and 1, with and without h0 / dhT. Then: a packed batch equals its documents run one by one;
-// runs are bitwise reproducible; a GdrChunkIndexScope gives the same results as the op's own index;
-// the fused forward route (GDN_FUSED_FWD=1) matches ref and the decomposed route;
-// garbage device cu_seqlens are sanitised, not read out of bounds; the resolver picks cuda and its
-// probe passes; the probe rejects wrong CUDA variants; `ops run` on the cuda backend; bad input.
-// Tolerances come from the one table, src/backend/tolerances.h. Every case prints its errors.
+// 0 and 1, with and without h0 / dhT. Then: empty documents and an empty batch; a packed batch
+// equals its documents run one by one; runs are bitwise reproducible; a GdrChunkIndexScope gives
+// the same results as the op's own index; the fused forward route (GDN_FUSED_FWD=1) matches ref and
+// the decomposed route; garbage device cu_seqlens are sanitised, not read out of bounds; the
+// resolver picks cuda and its probe passes; the probe rejects wrong CUDA variants; `ops run` on the
+// cuda backend; bad input. Tolerances come from the one table, src/backend/tolerances.h. Every case
+// prints its errors.
 #include <unistd.h>
 
 #include <algorithm>
@@ -293,6 +294,25 @@ INSTANTIATE_TEST_SUITE_P(
       return sweep_specs()[static_cast<size_t>(std::get<0>(info.param))].name +
              (std::get<1>(info.param) ? "_l2" : "");
     });
+
+// Empty documents (and a batch with no tokens at all) pass the state through exactly: hT = h0 and
+// dh0 = dhT, bit for bit (fp32 in, fp32 out, no arithmetic).
+TEST_F(GdrCuda, EmptyDocumentsPassTheStateThroughExactly) {
+  for (const std::vector<int32_t>& lens :
+       {std::vector<int32_t>{0, 0}, std::vector<int32_t>{0, 70, 0}}) {
+    Spec s{.name = "empty", .lens = lens, .Hk = 1, .r = 2, .seed = 44};
+    Inputs in = make_inputs(s, true);
+    Dev d = to_device(in);
+    Result got = run_cuda(in, d, true);
+    compare(got, run_ref(in, true), "empty T=" + std::to_string(in.T));
+    for (int64_t n = 0; n < in.N; ++n) {
+      if (lens[static_cast<size_t>(n)] != 0) continue;
+      auto sl = [n](const Tensor& t) { return t.slice0(n, n + 1); };
+      EXPECT_EQ(to_f64_vector(sl(got.hT)), to_f64_vector(sl(in.h0))) << "hT of empty doc " << n;
+      EXPECT_EQ(to_f64_vector(sl(got.dh0)), to_f64_vector(sl(in.dhT))) << "dh0 of empty doc " << n;
+    }
+  }
+}
 
 TEST_F(GdrCuda, ExplicitScale) {
   Spec s{.name = "scale", .lens = {40, 30}, .Hk = 1, .r = 2, .seed = 61};
