@@ -34,6 +34,7 @@
 #include "gdn/backend/registry.h"
 #include "gdn/core/tensor.h"
 #include "ops/causal_conv1d/op.h"
+#include "ops/gated_delta_rule/op.h"
 #include "ops/gemm/op.h"
 #include "ops/linear_cross_entropy/op.h"
 #include "ops/adamw/op.h"
@@ -641,6 +642,76 @@ std::vector<OpCase> make_gemm_cases() {
   return cases;
 }
 
+// The gated delta rule at Qwen3.5-9B shapes (Hk = 16, Hv = 32, dk = dv = 128, in-kernel l2norm, no
+// initial state): one long document, four documents, and 32k tokens. Matrix-bound: reported in
+// nominal FLOPs of the chunked algorithm as implemented (the backward includes its recomputation of
+// the forward chain). Peers on an H200 (gdn_spec.md §7): FLA 0.47 ms fwd / 1.44 ms bwd, FlashQLA
+// 0.28 / 0.79 ms at T = 8192, one document.
+double gdr_flops(int64_t T, int64_t Hv, int64_t K, int64_t V, bool backward) {
+  const double C = 64, CK = C * K, CV = C * V, KV = static_cast<double>(K * V);
+  // forward: K K^T, W, U | W S, K^T V' | Q K^T, Q H, P V'
+  const double fwd = 2 * (3 * CK + 2 * CV + 3 * KV);
+  // backward: prep and state pass again | dV'_loc | reverse state pass | dqk | wy
+  const double bwd = 2 * (2 * CK + CV) + 2 * (2 * KV) + 2 * (CK + CV) + 2 * (3 * KV) +
+                     2 * (3 * CK + CV + 2 * KV) + 2 * (5 * CK + 2 * CV + KV + 2 * C * C);
+  return static_cast<double>(T * Hv) * (backward ? bwd : fwd);
+}
+
+std::vector<OpCase> make_gated_delta_rule_cases() {
+  struct Bufs {
+    OwnedTensor q, k, v, g, beta, cu, o, dout, dq, dk, dv, dg, dbeta;
+  };
+  struct Cfg {
+    int64_t T, N;
+  };
+  const int64_t Hk = 16, Hv = 32, D = 128;
+  std::vector<OpCase> cases;
+  for (const Cfg& c : {Cfg{8192, 1}, Cfg{8192, 4}, Cfg{32768, 1}}) {
+    auto act = [&](int64_t H) {
+      return OwnedTensor::empty(DType::BF16, {c.T, H, D}, Device::CUDA);
+    };
+    auto st = [&] { return OwnedTensor::empty(DType::F32, {c.T, Hv}, Device::CUDA); };
+    auto b = std::make_shared<Bufs>(Bufs{act(Hk), act(Hk), act(Hv), st(), st(), OwnedTensor(),
+                                         act(Hv), act(Hv), act(Hk), act(Hk), act(Hv), st(), st()});
+    fill_uniform(b->q, 300, -1.f, 1.f);
+    fill_uniform(b->k, 301, -1.f, 1.f);
+    fill_uniform(b->v, 302, -1.f, 1.f);
+    fill_uniform(b->g, 303, -2.f, -0.01f);
+    fill_uniform(b->beta, 304, 0.05f, 0.95f);
+    fill_uniform(b->dout, 305, -1.f, 1.f);
+    std::vector<int64_t> cu(static_cast<size_t>(c.N) + 1);
+    for (int64_t i = 0; i <= c.N; ++i) cu[static_cast<size_t>(i)] = c.T * i / c.N;
+    b->cu = convert(Tensor(cu.data(), DType::I64, {c.N + 1}), DType::I32, Device::CUDA);
+    const std::string shape = fmt::format("T={} N={} Hk={} Hv={} d={}", c.T, c.N, Hk, Hv, D);
+    OpCase f{"gated_delta_rule.fwd",
+             shape,
+             "gated_delta_rule",
+             0,
+             gdr_flops(c.T, Hv, D, D, false),
+             nullptr,
+             b};
+    f.run = [b](int) {
+      ops::gated_delta_rule_forward(
+          {b->q, b->k, b->v, b->g, b->beta, b->cu, Tensor(), b->o, Tensor(), 0.0, true});
+    };
+    OpCase g{"gated_delta_rule.bwd",
+             shape,
+             "gated_delta_rule",
+             0,
+             gdr_flops(c.T, Hv, D, D, true),
+             nullptr,
+             b};
+    g.run = [b](int) {
+      ops::gated_delta_rule_backward({b->q, b->k, b->v, b->g, b->beta, b->cu, Tensor(), b->dout,
+                                      Tensor(), b->dq, b->dk, b->dv, b->dg, b->dbeta, Tensor(), 0.0,
+                                      true});
+    };
+    cases.push_back(std::move(f));
+    cases.push_back(std::move(g));
+  }
+  return cases;
+}
+
 // The GDN short convolution: depthwise causal conv1d, W = 4, SiLU, no bias (Qwen3.5), at the
 // [8192 tokens, 8192 channels] micro-batch, as one document and packed as 16 documents of 512.
 // Bytes: forward x + weight + y; backward x + weight + dy + dx + dweight (fp32, read and written).
@@ -845,6 +916,7 @@ int run(int argc, char** argv) {
   for (auto& c : make_rmsnorm_cases()) cases.push_back(std::move(c));
   for (auto& c : make_gemm_cases()) cases.push_back(std::move(c));
   for (auto& c : make_causal_conv1d_cases()) cases.push_back(std::move(c));
+  for (auto& c : make_gated_delta_rule_cases()) cases.push_back(std::move(c));
   if (filter.empty() || filter.find("lce") != std::string::npos) {  // 12 GB of buffers
     for (auto& c : make_lce_cases()) cases.push_back(std::move(c));
   }

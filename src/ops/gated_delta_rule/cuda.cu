@@ -3,6 +3,10 @@
 // decomposed kernel chain; this file plans the op's scratch and issues the chain.
 //
 //   forward:  [index] [l2norm] prep (W, U) -> state_fwd (H, V', hT) -> output (o)
+//   GDN_FUSED_FWD=1: [index] [l2norm] prep (W, U, P) -> state_fwd writing o and hT: the state stays
+//             on chip from chunk to chunk and the output is formed there (no snapshots in memory,
+//             no output kernel; one sequential pass per (document, head, dv block) does all the
+//             state-dependent work, so it favours many documents over one long one)
 //   backward: [index] [l2norm] prep -> state_fwd -> dvloc -> state_bwd (dH, dV', dh0) -> dqk
 //             (dq_h, dk_h, dg part) -> wy (dv, dbeta, dg, dk_h +=) -> reduce (dq, dk)
 // The forward saves nothing (op.h): the backward rebuilds W, U, the snapshots and V' (as FLA
@@ -22,6 +26,7 @@
 
 #include "gdn/backend/cuda_check.h"
 #include "gdn/backend/registry.h"
+#include "gdn/core/env.h"
 #include "ops/gated_delta_rule/cuda.h"
 #include "ops/gated_delta_rule/cuda_kernels.h"
 #include "ops/gated_delta_rule/op.h"
@@ -93,10 +98,11 @@ const int32_t* chunk_index(const Tensor& cu, const gdr::Dims& d, char* base, siz
 }
 
 // Scratch shared by forward and backward (the forward chain's intermediates).
+// fused: the GDN_FUSED_FWD route keeps no snapshots H but the score matrices P.
 struct FwdScratch {
-  size_t index, qn, kn, W, U, H;
+  size_t index, qn, kn, W, U, H, P;
 };
-FwdScratch plan_fwd(ScratchPlan& sp, const gdr::Dims& d) {
+FwdScratch plan_fwd(ScratchPlan& sp, const gdr::Dims& d, bool fused) {
   const int64_t T = d.T;
   FwdScratch f{};
   f.index = sp.add(gdr_chunk_index_numel(T, d.N) * 4);
@@ -104,7 +110,8 @@ FwdScratch plan_fwd(ScratchPlan& sp, const gdr::Dims& d) {
   f.kn = sp.add(d.l2norm ? T * d.Hk * d.dk * 2 : 0);
   f.W = sp.add(T * d.Hv * d.dk * 2);
   f.U = sp.add(T * d.Hv * d.dv * 2);
-  f.H = sp.add(d.nt_max * d.Hv * d.dk * d.dv * 2);
+  f.H = sp.add(fused ? 0 : d.nt_max * d.Hv * d.dk * d.dv * 2);
+  f.P = sp.add(fused ? d.nt_max * d.Hv * gdr::kC * gdr::kC * 2 : 0);
   return f;
 }
 
@@ -117,10 +124,12 @@ struct FwdPtrs {
   bf16_t* H;
 };
 
-// The forward chain up to (not including) the output: index, l2norm, W and U, the state pass.
+// The forward chain up to (not including) the output: index, l2norm, W and U (and P when fused),
+// then the state pass (which, fused, writes o as well).
 FwdPtrs run_fwd_chain(const gdr::Dims& d, const FwdScratch& f, char* base, const Tensor& q,
                       const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
-                      const Tensor& cu, const Tensor& h0, float* hT, cudaStream_t s) {
+                      const Tensor& cu, const Tensor& h0, float* hT, bf16_t* fused_o,
+                      cudaStream_t s) {
   FwdPtrs p{};
   p.ix = gdr::index_view(chunk_index(cu, d, base, f.index, s), d.N);
   p.qn = bf(q);
@@ -135,8 +144,13 @@ FwdPtrs run_fwd_chain(const gdr::Dims& d, const FwdScratch& f, char* base, const
   p.W = at<bf16_t>(base, f.W);
   p.U = at<bf16_t>(base, f.U);
   p.H = at<bf16_t>(base, f.H);
-  gdr::launch_prep(d, p.ix, p.kn, bf(v), g.ptr<float>(), beta.ptr<float>(), p.W, p.U, s);
-  gdr::launch_state_fwd(d, p.ix, p.W, p.kn, g.ptr<float>(), f32_or_null(h0), p.U, p.H, hT, s);
+  bf16_t* P = fused_o != nullptr ? at<bf16_t>(base, f.P) : nullptr;
+  gdr::launch_prep(d, p.ix, p.kn, bf(v), g.ptr<float>(), beta.ptr<float>(), p.W, p.U, p.qn, P, s);
+  if (fused_o != nullptr)
+    gdr::launch_state_fwd_fused(d, p.ix, p.W, p.qn, p.kn, g.ptr<float>(), f32_or_null(h0), p.U, P,
+                                hT, fused_o, s);
+  else
+    gdr::launch_state_fwd(d, p.ix, p.W, p.kn, g.ptr<float>(), f32_or_null(h0), p.U, p.H, hT, s);
   return p;
 }
 
@@ -144,14 +158,15 @@ void forward(const GatedDeltaRuleFwd& a) {
   gdr::Dims d = make_dims(a.q, a.v, a.cu_seqlens, a.scale, a.use_qk_l2norm);
   d.vec = d.dk % 8 == 0 && d.dv % 8 == 0 && aligned16(a.q) && aligned16(a.k) && aligned16(a.v) &&
           aligned16(a.h0);
+  const bool fused = env::get_bool("GDN_FUSED_FWD");
   cuda::Context& ctx = cuda::Context::get();
   ScratchPlan sp;
-  const FwdScratch f = plan_fwd(sp, d);
+  const FwdScratch f = plan_fwd(sp, d, fused);
   char* base = static_cast<char*>(ctx.scratch(sp.total()));
   cudaStream_t s = ctx.stream();
   const FwdPtrs p = run_fwd_chain(d, f, base, a.q, a.k, a.v, a.g, a.beta, a.cu_seqlens, a.h0,
-                                  f32_out_or_null(a.hT), s);
-  gdr::launch_output(d, p.ix, p.qn, p.kn, p.U, p.H, a.g.ptr<float>(), bf_out(a.o), s);
+                                  f32_out_or_null(a.hT), fused ? bf_out(a.o) : nullptr, s);
+  if (!fused) gdr::launch_output(d, p.ix, p.qn, p.kn, p.U, p.H, a.g.ptr<float>(), bf_out(a.o), s);
 }
 
 void backward(const GatedDeltaRuleBwd& a) {
@@ -160,7 +175,7 @@ void backward(const GatedDeltaRuleBwd& a) {
           aligned16(a.h0) && aligned16(a.dout) && aligned16(a.dhT);
   cuda::Context& ctx = cuda::Context::get();
   ScratchPlan sp;
-  const FwdScratch f = plan_fwd(sp, d);
+  const FwdScratch f = plan_fwd(sp, d, false);
   const int64_t T = d.T;
   const size_t o_dvloc = sp.add(T * d.Hv * d.dv * 4);
   const size_t o_dvp = sp.add(T * d.Hv * d.dv * 2);
@@ -170,8 +185,8 @@ void backward(const GatedDeltaRuleBwd& a) {
   const size_t o_dgp = sp.add(T * d.Hv * 4);
   char* base = static_cast<char*>(ctx.scratch(sp.total()));
   cudaStream_t s = ctx.stream();
-  const FwdPtrs p =
-      run_fwd_chain(d, f, base, a.q, a.k, a.v, a.g, a.beta, a.cu_seqlens, a.h0, nullptr, s);
+  const FwdPtrs p = run_fwd_chain(d, f, base, a.q, a.k, a.v, a.g, a.beta, a.cu_seqlens, a.h0,
+                                  nullptr, nullptr, s);
   float* dvloc = at<float>(base, o_dvloc);
   bf16_t* dvp = at<bf16_t>(base, o_dvp);
   bf16_t* dH = at<bf16_t>(base, o_dH);

@@ -99,8 +99,7 @@ __global__ void __launch_bounds__(kChunkThreads)
   }
 }
 
-// --- the reverse state pass
-// ------------------------------------------------------------------------
+// --- the reverse state pass ------------------------------------------------------------------
 template <int VB>
 size_t state_bwd_smem(int KP, int nbuf) {
   const size_t per_buf = 3 * tile_bytes_bf16(kC, KP) + tile_bytes_bf16(kC, VB) + kVecBytes;
@@ -132,18 +131,18 @@ __global__ void __launch_bounds__(kStateThreads)
   const int ldk = ld_of(d.KP), ldb = ld_of(VB);
   extern __shared__ __align__(128) char smem[];
   SmemCarver sc(smem);
-  bf16_t* Kt[2];
-  bf16_t* Qs[2];
-  bf16_t* Ws[2];
-  bf16_t* dOs[2];
-  float* gs[2];
-  for (int b = 0; b < nbuf; ++b) {
-    Kt[b] = sc.take<bf16_t>(tile_bytes_bf16(kC, d.KP));  // [64, KP] K, then diag(dec) K
-    Qs[b] = sc.take<bf16_t>(tile_bytes_bf16(kC, d.KP));  // [64, KP] Q, then s diag(G) Q
-    Ws[b] = sc.take<bf16_t>(tile_bytes_bf16(kC, d.KP));  // [64, KP] W
-    dOs[b] = sc.take<bf16_t>(tile_bytes_bf16(kC, VB));   // [64, VB] dO columns
-    gs[b] = sc.vec();
-  }
+  // Staged inputs, nbuf copies of each, addressed by offset (no pointer array in local memory).
+  const int64_t nk = tile_bytes_bf16(kC, d.KP) / 2, nu = tile_bytes_bf16(kC, VB) / 2;
+  bf16_t* Kt0 = sc.take<bf16_t>(nbuf * tile_bytes_bf16(kC, d.KP));  // [64, KP] K, then dec K
+  bf16_t* Qs0 = sc.take<bf16_t>(nbuf * tile_bytes_bf16(kC, d.KP));  // [64, KP] Q, then s G Q
+  bf16_t* Ws0 = sc.take<bf16_t>(nbuf * tile_bytes_bf16(kC, d.KP));  // [64, KP] W
+  bf16_t* dOs0 = sc.take<bf16_t>(nbuf * tile_bytes_bf16(kC, VB));   // [64, VB] dO columns
+  float* gs0 = sc.take<float>(nbuf * kVecBytes);                    // [64]
+  auto Kt = [&](int b) { return Kt0 + b * nk; };
+  auto Qs = [&](int b) { return Qs0 + b * nk; };
+  auto Ws = [&](int b) { return Ws0 + b * nk; };
+  auto dOs = [&](int b) { return dOs0 + b * nu; };
+  auto gs = [&](int b) { return gs0 + b * (kVecBytes / 4); };
   float* Sf = sc.take<float>(tile_bytes_f32(max(d.KP, kC), VB));  // [KP, VB] dS, or [64, VB]
   bf16_t* Sb = sc.take<bf16_t>(tile_bytes_bf16(d.KP, VB));        // [KP, VB] bf16(dS)
   bf16_t* nV = sc.take<bf16_t>(tile_bytes_bf16(kC, VB));          // [64, VB] -dV'
@@ -159,11 +158,11 @@ __global__ void __launch_bounds__(kStateThreads)
   auto stage = [&](int c, int b) {
     const int t0 = bos + (c - c0) * kC, L = min(kC, eos - t0);
     const int64_t tk = static_cast<int64_t>(t0) * d.Hk + kh, tv = static_cast<int64_t>(t0) * d.Hv;
-    stage_tile(Kt[b], ldk, kn + tk * d.dk, ldK, L, d.dk, kC, d.KP, d.vec);
-    stage_tile(Qs[b], ldk, qn + tk * d.dk, ldK, L, d.dk, kC, d.KP, d.vec);
-    stage_tile(Ws[b], ldk, W + (tv + h) * d.dk, ldW, L, d.dk, kC, d.KP, d.vec);
-    stage_tile(dOs[b], ldb, dout + (tv + h) * d.dv + col0, ldV, L, cvalid, kC, VB, d.vec);
-    if (tid < kC) gs[b][tid] = tid < L ? g[(static_cast<int64_t>(t0) + tid) * d.Hv + h] : 0.f;
+    stage_tile(Kt(b), ldk, kn + tk * d.dk, ldK, L, d.dk, kC, d.KP, d.vec);
+    stage_tile(Qs(b), ldk, qn + tk * d.dk, ldK, L, d.dk, kC, d.KP, d.vec);
+    stage_tile(Ws(b), ldk, W + (tv + h) * d.dk, ldW, L, d.dk, kC, d.KP, d.vec);
+    stage_tile(dOs(b), ldb, dout + (tv + h) * d.dv + col0, ldV, L, cvalid, kC, VB, d.vec);
+    if (tid < kC) gs(b)[tid] = tid < L ? g[(static_cast<int64_t>(t0) + tid) * d.Hv + h] : 0.f;
     cp_async_commit();
   };
 
@@ -194,7 +193,7 @@ __global__ void __launch_bounds__(kStateThreads)
     }
     __syncthreads();
     const int t0 = bos + (c - c0) * kC, L = min(kC, eos - t0);
-    chunk_gate_sums(gs[b], L, pre, tot, G, dec);
+    chunk_gate_sums(gs(b), L, pre, tot, G, dec);
 #pragma unroll
     for (int s = 0; s < kNS; ++s) {
       const int f = warp + 4 * s;
@@ -206,8 +205,8 @@ __global__ void __launch_bounds__(kStateThreads)
     const float GL = G[L - 1];
     for (int p = tid; p < kC * d.KP; p += kStateThreads) {
       const int i = p / d.KP, e = p % d.KP;
-      Kt[b][i * ldk + e] = tobf(dec[i] * bf(Kt[b][i * ldk + e]));
-      Qs[b][i * ldk + e] = tobf(d.scale * G[i] * bf(Qs[b][i * ldk + e]));
+      Kt(b)[i * ldk + e] = tobf(dec[i] * bf(Kt(b)[i * ldk + e]));
+      Qs(b)[i * ldk + e] = tobf(d.scale * G[i] * bf(Qs(b)[i * ldk + e]));
     }
     bf16_t* dHc = dH + (static_cast<int64_t>(c) * d.Hv + h) * sd + col0;  // [dk, VB] at stride dv
     for (int p = tid; p < d.KP * VB; p += kStateThreads) {
@@ -217,7 +216,7 @@ __global__ void __launch_bounds__(kStateThreads)
       if (r < d.dk && e < cvalid) dHc[static_cast<int64_t>(r) * d.dv + e] = x;
     }
     __syncthreads();
-    mma_bf16<RowM, RowM>(kC, VB, d.KP, Kt[b], ldk, Sb, ldb, Sf, ldb, false);  // diag(dec) K dS
+    mma_bf16<RowM, RowM>(kC, VB, d.KP, Kt(b), ldk, Sb, ldb, Sf, ldb, false);  // diag(dec) K dS
     __syncthreads();
     const int64_t row0 = (static_cast<int64_t>(t0) * d.Hv + h) * d.dv + col0;
     for (int p = tid; p < kC * VB; p += kStateThreads) {
@@ -241,10 +240,10 @@ __global__ void __launch_bounds__(kStateThreads)
       for (int k0 = 0; k0 < kC; k0 += 16) {
         wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16_t, ColM> a;
         wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16_t, RowM> bm;
-        wmma::load_matrix_sync(a, Qs[b] + k0 * ldk + m0, ldk);
-        wmma::load_matrix_sync(bm, dOs[b] + k0 * ldb + n0, ldb);
+        wmma::load_matrix_sync(a, Qs(b) + k0 * ldk + m0, ldk);
+        wmma::load_matrix_sync(bm, dOs(b) + k0 * ldb + n0, ldb);
         wmma::mma_sync(S[s], a, bm, S[s]);
-        wmma::load_matrix_sync(a, Ws[b] + k0 * ldk + m0, ldk);
+        wmma::load_matrix_sync(a, Ws(b) + k0 * ldk + m0, ldk);
         wmma::load_matrix_sync(bm, nV + k0 * ldb + n0, ldb);
         wmma::mma_sync(S[s], a, bm, S[s]);
       }
@@ -267,8 +266,7 @@ __global__ void __launch_bounds__(kStateThreads)
   }
 }
 
-// --- dqk: the score, output-state and state-update paths
-// ------------------------------------------
+// --- dqk: the score, output-state and state-update paths ----------------------------------------
 size_t dqk_smem(int KP, int VP) {
   return 2 * tile_bytes_bf16(kC, KP) + 3 * tile_bytes_bf16(kC, VP) + 2 * tile_bytes_f32(kC, kC) +
          tile_bytes_bf16(kC, kC) + 9 * kVecBytes;
@@ -417,8 +415,7 @@ __global__ void __launch_bounds__(kChunkThreads)
     dgp[(t0 + tid) * d.Hv + h] = suffix_plus_prefix(dgam, phi, tid, L) + pair[tid] + red[0];
 }
 
-// --- wy: the WY factors and the UT inverse
-// ---------------------------------------------------------
+// --- wy: the WY factors and the UT inverse ------------------------------------------------------
 size_t wy_smem(int KP, int VP) {
   return 2 * tile_bytes_bf16(kC, KP) + 2 * tile_bytes_bf16(kC, VP) + 2 * tile_bytes_bf16(kC, kC) +
          4 * tile_bytes_f32(kC, kC) + 12 * kVecBytes;
@@ -601,8 +598,7 @@ __global__ void __launch_bounds__(kChunkThreads)
   }
 }
 
-// --- reduce over the value heads of each key head, then the l2norm backward
-// -----------------------
+// --- reduce over the value heads of each key head, then the l2norm backward ---------------------
 __global__ void __launch_bounds__(kReduceThreads)
     gdr_reduce_qk_kernel(Dims d,
                          const bf16_t* __restrict__ q,   // [T, Hk, dk]

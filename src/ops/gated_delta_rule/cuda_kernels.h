@@ -40,14 +40,22 @@ void launch_build_index(const int32_t* cu, int64_t N, int64_t T, int64_t nt_max,
 // qn, kn = q, k / sqrt(sum^2 + eps) rounded to bf16 ([T, Hk, dk] each).
 void launch_l2norm(const Dims& d, const bf16_t* q, const bf16_t* k, bf16_t* qn, bf16_t* kn,
                    cudaStream_t s);
-// Per (chunk, value head): T = (I + M)^{-1}, W = T diag(beta G) K, U = T diag(beta) V.
+// Per (chunk, value head): T = (I + M)^{-1}, W = T diag(beta G) K, U = T diag(beta) V; with P
+// given (the fused route) also P = bf16(Q K^T .* D) on j <= i, zeros elsewhere ([64, 64] per chunk
+// slot and value head).
 void launch_prep(const Dims& d, const IndexView& ix, const bf16_t* kn, const bf16_t* v,
-                 const float* g, const float* beta, bf16_t* W, bf16_t* U, cudaStream_t s);
+                 const float* g, const float* beta, bf16_t* W, bf16_t* U, const bf16_t* qn,
+                 bf16_t* P, cudaStream_t s);
 // Per (document, value head, dv block), sequential over chunks: chunk-start snapshots H, V' = U - W
 // S (over U, in place), the final state.
 void launch_state_fwd(const Dims& d, const IndexView& ix, const bf16_t* W, const bf16_t* kn,
                       const float* g, const float* h0, bf16_t* U_vnew, bf16_t* H, float* hT,
                       cudaStream_t s);
+// The fused route (GDN_FUSED_FWD): the same pass also writes o from P (launch_prep) while the
+// state is on chip; no snapshots, V' stays in U's place unwritten.
+void launch_state_fwd_fused(const Dims& d, const IndexView& ix, const bf16_t* W, const bf16_t* qn,
+                            const bf16_t* kn, const float* g, const float* h0, bf16_t* U,
+                            const bf16_t* P, float* hT, bf16_t* o, cudaStream_t s);
 // Per (chunk, value head, 64 dv columns): O = s (diag(G) Q H_c + (Q K^T .* D, j <= i) V').
 void launch_output(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
                    const bf16_t* vnew, const bf16_t* H, const float* g, bf16_t* o, cudaStream_t s);

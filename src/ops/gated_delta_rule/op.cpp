@@ -28,6 +28,11 @@ Dims validate_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Te
             dtype_name(act));
   const DType st = gdr_state_dtype(act);
   const Device dev = q.device();
+  // The backend follows the device (infer_backend): device tensors run on cuda, which takes bf16.
+  GDN_CHECK(dev != Device::CUDA || act == DType::BF16,
+            "{}: tensor 'q' has dtype {}, expected BF16 on cuda", kOp, dtype_name(act));
+  GDN_CHECK(dev == Device::CUDA || act != DType::BF16,
+            "{}: tensor 'q' has dtype BF16 on the host, expected F64 (ref) or F32 (cpu)", kOp);
   Dims d{q.size(0), q.size(1), 0, q.size(2), 0, 0};
   expect_tensor(k, kOp, "k", act, {d.T, d.Hk, d.dk});
   expect_tensor(v, kOp, "v", act, {d.T, -1, -1});

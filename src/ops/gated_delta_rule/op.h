@@ -54,9 +54,23 @@
 //     exp (a difference of two fp32 cumsums loses 1e-4 relative at g ~ -20). dg is assembled from
 //     the terms that reach each token, not as a reverse cumsum of O(1) differences, which would
 //     cancel to noise when the true dg is ~e^g (strong decay).
+//   cuda.chunk64 (cuda*.cu): the same chunked algorithm as a decomposed kernel chain (FLA's
+//     structure: per-chunk kernels for T, W, U and the output around a sequential state pass per
+//     (document, value head, dv block), which keeps S in fp32 registers; the backward rebuilds
+//     the forward chain, then a reverse state pass and two per-chunk gradient kernels). Chunk
+//     products are bf16 tensor-core MMAs with fp32 accumulation (the inverse's backward in tf32);
+//     the gates (summed term by term as on the cpu), T = (I + M)^{-1} (fp32 forward substitution),
+//     the running state and dS are fp32; operands rounded to bf16: normalised q/k, T, W, U, V',
+//     the chunk-boundary state snapshots and the score matrices (gdn_spec.md §3.7). dg is
+//     assembled as on the cpu. GDN_FUSED_FWD=1 forms the output inside the state pass instead
+//     (same result; see cuda.cu). Device cu_seqlens are never read on the host: the kernels clamp
+//     them into [0, T] and make them non-decreasing (cuda.h, which also exposes the chunk index so
+//     that a micro-batch builds it once for all its layers).
 // Determinism: cpu is bitwise deterministic and independent of the thread count (each (document,
 // head) pair is computed by one thread in a fixed order; the sums over the r value heads of a key
-// head run afterwards in head order; BLAS runs single-threaded inside the op).
+// head run afterwards in head order; BLAS runs single-threaded inside the op). cuda is bitwise
+// reproducible run to run: no atomics, every reduction in a fixed order (dq/dk per value head in
+// fp32, summed over the r heads in head order).
 #pragma once
 
 #include "gdn/core/tensor.h"
