@@ -35,6 +35,7 @@
 #include "gdn/core/tensor.h"
 #include "ops/causal_conv1d/op.h"
 #include "ops/gated_delta_rule/op.h"
+#include "ops/gated_attention/op.h"
 #include "ops/gemm/op.h"
 #include "ops/linear_cross_entropy/op.h"
 #include "ops/adamw/op.h"
@@ -712,6 +713,81 @@ std::vector<OpCase> make_gated_delta_rule_cases() {
   return cases;
 }
 
+// Gated attention (norms + RoPE + causal GQA attention + gate) at Qwen3.5's shape: 16 query / 4
+// kv heads of dim 256, rotary factor 0.25, theta 1e7; one 8192-token document and four of 2048.
+// Matrix-bound: FLOPs are the attention products alone, counted as FlashAttention does (causal:
+// 4 · hd per visible (query, key) pair per head forward, 2.5x that backward), so that the time
+// compares directly with torch SDPA (PEERS.md: 0.92 ms forward, 4.62 ms forward + backward at
+// T = 8192, one document; 1.53 ms forward + backward for 4 x 2048). The backward's own
+// recomputation (7 tile products where FlashAttention-2 has 5) is not counted.
+std::vector<OpCase> make_gated_attention_cases() {
+  struct Bufs {
+    OwnedTensor qg, k, v, wq, wk, cu, o, q_hat, k_hat, attn, lse, q_rstd, k_rstd, d_o, dqg, dk, dv,
+        dwq, dwk;
+  };
+  struct Cfg {
+    int64_t T, docs;
+  };
+  constexpr int64_t Hq = 16, Hkv = 4, hd = 256, rot = 64;
+  constexpr double theta = 1e7;
+  std::vector<OpCase> cases;
+  for (const Cfg& c : {Cfg{8192, 1}, Cfg{8192, 4}}) {
+    const auto bf = [](std::initializer_list<int64_t> s) {
+      return OwnedTensor::empty(DType::BF16, s, Device::CUDA);
+    };
+    const auto f32 = [](std::initializer_list<int64_t> s) {
+      return OwnedTensor::zeros(DType::F32, s, Device::CUDA);
+    };
+    std::vector<int64_t> offs;
+    for (int64_t n = 0; n <= c.docs; ++n) offs.push_back(n * c.T / c.docs);
+    OwnedTensor cu_host = convert(Tensor(offs.data(), DType::I64, {c.docs + 1}), DType::I32);
+    auto b = std::make_shared<Bufs>(
+        Bufs{bf({c.T, Hq, 2 * hd}), bf({c.T, Hkv, hd}), bf({c.T, Hkv, hd}), bf({hd}), bf({hd}),
+             convert(cu_host, DType::I32, Device::CUDA), bf({c.T, Hq, hd}), bf({c.T, Hq, hd}),
+             bf({c.T, Hkv, hd}), bf({c.T, Hq, hd}), f32({c.T, Hq}), f32({c.T, Hq}), f32({c.T, Hkv}),
+             bf({c.T, Hq, hd}), bf({c.T, Hq, 2 * hd}), bf({c.T, Hkv, hd}), bf({c.T, Hkv, hd}),
+             f32({hd}), f32({hd})});
+    fill_uniform(b->qg, 300, -2.f, 2.f);
+    fill_uniform(b->k, 301, -2.f, 2.f);
+    fill_uniform(b->v, 302, -1.f, 1.f);
+    fill_uniform(b->wq, 303, -0.1f, 0.1f);
+    fill_uniform(b->wk, 304, -0.1f, 0.1f);
+    fill_uniform(b->d_o, 305, -1.f, 1.f);
+    const auto fwd = [b] {
+      ops::gated_attention_forward({b->qg, b->k, b->v, b->wq, b->wk, b->cu, b->o, b->q_hat,
+                                    b->k_hat, b->attn, b->lse, b->q_rstd, b->k_rstd, rot, theta,
+                                    1e-6});
+    };
+    const auto bwd = [b] {
+      ops::gated_attention_backward({b->qg,    b->k,     b->v,    b->wq,  b->wk,     b->cu,
+                                     b->q_hat, b->k_hat, b->attn, b->lse, b->q_rstd, b->k_rstd,
+                                     b->d_o,   b->dqg,   b->dk,   b->dv,  b->dwq,    b->dwk,
+                                     rot,      theta,    1e-6});
+    };
+    fwd();             // the saved tensors the backward reads
+    double pairs = 0;  // visible (query, key) pairs per head
+    for (int64_t n = 0; n < c.docs; ++n) {
+      const double len = static_cast<double>(offs[n + 1] - offs[n]);
+      pairs += len * (len + 1) / 2;
+    }
+    const double flops = 4.0 * pairs * hd * Hq;
+    const std::string shape = fmt::format("T={} N={} {}/{}x{}", c.T, c.docs, Hq, Hkv, hd);
+    OpCase f{"gated_attention.fwd", shape, "gated_attention", 0, flops, nullptr, b};
+    f.run = [fwd](int) { fwd(); };
+    OpCase g{"gated_attention.bwd", shape, "gated_attention", 0, 2.5 * flops, nullptr, b};
+    g.run = [bwd](int) { bwd(); };
+    OpCase fb{"gated_attention.fwd+bwd", shape, "gated_attention", 0, 3.5 * flops, nullptr, b};
+    fb.run = [fwd, bwd](int) {
+      fwd();
+      bwd();
+    };
+    cases.push_back(std::move(f));
+    cases.push_back(std::move(g));
+    cases.push_back(std::move(fb));
+  }
+  return cases;
+}
+
 // The GDN short convolution: depthwise causal conv1d, W = 4, SiLU, no bias (Qwen3.5), at the
 // [8192 tokens, 8192 channels] micro-batch, as one document and packed as 16 documents of 512.
 // Bytes: forward x + weight + y; backward x + weight + dy + dx + dweight (fp32, read and written).
@@ -917,6 +993,7 @@ int run(int argc, char** argv) {
   for (auto& c : make_gemm_cases()) cases.push_back(std::move(c));
   for (auto& c : make_causal_conv1d_cases()) cases.push_back(std::move(c));
   for (auto& c : make_gated_delta_rule_cases()) cases.push_back(std::move(c));
+  for (auto& c : make_gated_attention_cases()) cases.push_back(std::move(c));
   if (filter.empty() || filter.find("lce") != std::string::npos) {  // 12 GB of buffers
     for (auto& c : make_lce_cases()) cases.push_back(std::move(c));
   }

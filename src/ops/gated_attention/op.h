@@ -47,7 +47,10 @@
 // cu_seqlens values are validated on the host (CPU tensors); device callers validate them when
 // they build the batch.
 // Determinism: ref and cpu are deterministic for a given thread count (no atomics; the weight
-// gradients are reduced per thread and summed in thread order).
+// gradients are reduced per thread and summed in thread order); cuda is bit-identical run to run
+// (no atomics: dq has its own pass, the weight gradients are summed in a fixed order).
+// cuda limits: hd % 8 == 0 and hd <= 256 (its capability check says so), every bf16 tensor
+// 16-byte aligned (checked, clear error otherwise).
 #pragma once
 
 #include "gdn/core/tensor.h"

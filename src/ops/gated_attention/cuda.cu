@@ -1,0 +1,314 @@
+// Gated attention on CUDA (op.h has the contract): bf16 qg/k/v/weights/outputs, fp32 lse, rstd and
+// norm-weight gradients, fp32 arithmetic, tensor-core (mma.sync m16n8k16 bf16 -> fp32) attention.
+//
+// Forward, three launches on the context stream:
+//   1. attn_tile_index_kernel (one block): per-document prefix sums of the query / key tile
+//      counts into scratch, so that the attention kernels map a block index to (document, tile)
+//      by binary search without any host-side knowledge of cu_seqlens (which lives on the device).
+//   2. attn_prologue_kernel: q_hat, k_hat = RoPE(RMSNorm_(1+w)(x)), q_rstd, k_rstd; cos/sin formed
+//      in fp64 per token (as ref and cpu).
+//   3. attn_fwd_kernel<HD>: FlashAttention-2 forward (Dao, "FlashAttention-2", 2023, Algorithm 1)
+//      per (document, 128 query rows, query head), online softmax in base 2, causal masking only
+//      on the key tiles that reach past the tile's first query, GQA by reading kv head h / group;
+//      epilogue writes attn, o = attn ⊙ σ(gate) and lse.
+// Backward, six launches:
+//   1. tile index (as above);
+//   2. attn_bwd_preprocess_kernel: dA = do ⊙ σ(gate) (bf16, parked in the gate half of dqg) and
+//      D = rowsum(dA ⊙ attn) (fp32 scratch);
+//   3. attn_bwd_dkdv_kernel<HD>: per (document, 64 keys, kv head), every query tile of every query
+//      head of the group: dv (bf16, final) and dk_hat (fp32 scratch);
+//   4. attn_bwd_dq_kernel<HD>: per (document, 128 query rows, query head): dq_hat (fp32 scratch);
+//   5. attn_bwd_epilogue_kernel: dq_hat and dk_hat back through RoPE and the norms into dqg's
+//      query half and dk, the gate gradient into dqg's gate half, per-block weight-grad partials;
+//   6. attn_dw_reduce_kernel: dq_norm_w, dk_norm_w += the partials summed in a fixed order.
+// dq is computed by its own kernel instead of FlashAttention-2's atomic dQ accumulation inside
+// the dk/dv kernel: S and dP are recomputed (7 tile products per (query, key) tile pair instead of
+// 5), and in exchange every output element is written by one block with a fixed summation order,
+// so the backward is deterministic (bit-identical run to run).
+//
+// Head dims: kernels are instantiated for HD = 64, 128, 256 and any hd with hd % 8 == 0 and
+// hd <= 256 runs on the smallest HD >= hd, the columns past hd zero-filled in shared memory. Every
+// bf16 tensor must be 16-byte aligned (16-byte copies); the host checks that and the head dim.
+//
+// cu_seqlens is never read on the host. The kernels clamp every document to [0, T] and every tile
+// to its document, and the host sizes the grids for the worst case (ceil(T / tile) + N tiles), so
+// no cu_seqlens value makes them access memory out of bounds (inconsistent values give unspecified
+// results, as op.h allows).
+//
+// Scratch (Context::scratch, grown once): forward 2(N+1) int32; backward also D [T, Hq], dq_hat
+// [T, Hq, hd] and dk_hat [T, Hkv, hd] fp32 and the weight-grad partials (ceil(T / 4) x 2hd fp32).
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "gdn/backend/cuda_check.h"
+#include "gdn/backend/registry.h"
+#include "ops/gated_attention/cuda_launch.h"
+#include "ops/gated_attention/cuda_rows.cuh"
+#include "ops/gated_attention/op.h"
+
+namespace gdn::ops {
+
+namespace {
+
+using attn::bf16_t;
+constexpr const char* kName = "gated_attention (cuda)";
+
+template <class T>
+T* dev(const Tensor& t) {
+  return reinterpret_cast<T*>(t.data());
+}
+
+struct Dims {
+  int T, Hq, Hkv, hd, N, group, hd_class;
+};
+
+// The head dims the kernels run: multiples of 8 (16-byte rows) up to 256.
+std::string unsupported_head_dim(int64_t hd) {
+  if (hd >= 8 && hd <= attn::kMaxHd && hd % 8 == 0) return "";
+  return fmt::format("head dim {} is not a multiple of 8 in [8, {}]", hd, attn::kMaxHd);
+}
+
+void check_aligned(const Tensor& t, const char* name) {
+  GDN_CHECK(reinterpret_cast<uintptr_t>(t.data()) % 16 == 0,
+            "{}: tensor '{}' must start on a 16-byte boundary (the kernels copy 16 bytes at a "
+            "time)",
+            kName, name);
+}
+
+Dims dims_of(const Tensor& qg, const Tensor& k, const Tensor& cu) {
+  const int64_t T = qg.size(0), Hq = qg.size(1), Hkv = k.size(1), hd = k.size(2);
+  const int64_t N = cu.size(0) - 1;
+  const std::string why = unsupported_head_dim(hd);
+  GDN_CHECK(why.empty(), "{}: {}", kName, why);
+  // Grid sizes: (ceil(T / 64) + N) tiles per head must fit the 1-D grid; element offsets are
+  // size_t, token and head indices int.
+  GDN_CHECK(T <= INT_MAX / 2 && N <= INT_MAX / 2 &&
+                (T / attn::kSmallTile + 1 + N) * std::max(Hq, Hkv) <= INT_MAX,
+            "{}: T = {}, N = {} documents and {} heads are too large for one launch", kName, T, N,
+            std::max(Hq, Hkv));
+  const int hd_class = hd <= 64 ? 64 : hd <= 128 ? 128 : 256;
+  return {static_cast<int>(T),
+          static_cast<int>(Hq),
+          static_cast<int>(Hkv),
+          static_cast<int>(hd),
+          static_cast<int>(N),
+          static_cast<int>(Hq / Hkv),
+          hd_class};
+}
+
+// Bump allocation of one scratch buffer: the same calls once with base = nullptr to size it.
+struct Carve {
+  char* base;
+  size_t off = 0;
+  template <class T>
+  T* take(size_t count) {
+    off = (off + 255) & ~size_t{255};
+    T* p = reinterpret_cast<T*>(base + off);
+    off += count * sizeof(T);
+    return p;
+  }
+};
+
+unsigned grid_for(int T, int N, int tile, int heads) {
+  return static_cast<unsigned>((static_cast<int64_t>(T + tile - 1) / tile + N) * heads);
+}
+
+void launch_tile_index(const Dims& d, const int32_t* cu, int32_t* ts_big, int32_t* ts_small,
+                       cudaStream_t s) {
+  attn::attn_tile_index_kernel<<<1, attn::kIndexThreads, 0, s>>>(
+      attn::TileIndexParams{cu, ts_big, ts_small, d.T, d.N});
+  GDN_CUDA_LAUNCH_CHECK("attn_tile_index_kernel");
+}
+
+void forward(const GatedAttentionFwd& a) {
+  const Dims d = dims_of(a.qg, a.k, a.cu_seqlens);
+  if (d.T == 0) return;
+  for (auto [t, name] : {std::pair{&a.qg, "qg"},
+                         {&a.k, "k"},
+                         {&a.v, "v"},
+                         {&a.q_norm_w, "q_norm_w"},
+                         {&a.k_norm_w, "k_norm_w"},
+                         {&a.o, "o"},
+                         {&a.q_hat, "q_hat"},
+                         {&a.k_hat, "k_hat"},
+                         {&a.attn, "attn"}})
+    check_aligned(*t, name);
+  cuda::Context& ctx = cuda::Context::get();
+  cudaStream_t s = ctx.stream();
+  const size_t nts = static_cast<size_t>(d.N) + 1;
+  Carve size{nullptr};
+  size.take<int32_t>(nts);
+  size.take<int32_t>(nts);
+  Carve c{static_cast<char*>(ctx.scratch(size.off))};
+  int32_t* ts_big = c.take<int32_t>(nts);                // [N+1]
+  int32_t* ts_small = c.take<int32_t>(nts);              // [N+1]
+  const int32_t* cu = dev<const int32_t>(a.cu_seqlens);  // [N+1]
+
+  launch_tile_index(d, cu, ts_big, ts_small, s);
+
+  attn::PrologueParams pp{dev<const bf16_t>(a.qg),
+                          dev<const bf16_t>(a.k),
+                          dev<const bf16_t>(a.q_norm_w),
+                          dev<const bf16_t>(a.k_norm_w),
+                          cu,
+                          dev<bf16_t>(a.q_hat),
+                          dev<bf16_t>(a.k_hat),
+                          dev<float>(a.q_rstd),
+                          dev<float>(a.k_rstd),
+                          d.T,
+                          d.Hq,
+                          d.Hkv,
+                          d.hd,
+                          static_cast<int>(a.rotary_dim),
+                          d.N,
+                          static_cast<float>(a.eps),
+                          a.rope_theta};
+  attn::
+      attn_prologue_kernel<<<static_cast<unsigned>((d.T + attn::kRowTokens - 1) / attn::kRowTokens),
+                             attn::kThreads, 0, s>>>(pp);
+  GDN_CUDA_LAUNCH_CHECK("attn_prologue_kernel");
+
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d.hd)));
+  attn::FwdParams fp{dev<const bf16_t>(a.q_hat),
+                     dev<const bf16_t>(a.k_hat),
+                     dev<const bf16_t>(a.v),
+                     dev<const bf16_t>(a.qg),
+                     cu,
+                     ts_big,
+                     dev<bf16_t>(a.attn),
+                     dev<bf16_t>(a.o),
+                     dev<float>(a.lse),
+                     d.T,
+                     d.Hq,
+                     d.Hkv,
+                     d.hd,
+                     d.N,
+                     d.group,
+                     scale * attn::kLog2e};
+  attn::launch_fwd(fp, d.hd_class, grid_for(d.T, d.N, attn::kBigTile, d.Hq), s);
+}
+
+void backward(const GatedAttentionBwd& a) {
+  const Dims d = dims_of(a.qg, a.k, a.cu_seqlens);
+  if (d.T == 0) return;  // dq_norm_w, dk_norm_w += 0
+  for (auto [t, name] : {std::pair{&a.qg, "qg"},
+                         {&a.k, "k"},
+                         {&a.v, "v"},
+                         {&a.q_norm_w, "q_norm_w"},
+                         {&a.k_norm_w, "k_norm_w"},
+                         {&a.q_hat, "q_hat"},
+                         {&a.k_hat, "k_hat"},
+                         {&a.attn, "attn"},
+                         {&a.d_o, "d_o"},
+                         {&a.dqg, "dqg"},
+                         {&a.dk, "dk"},
+                         {&a.dv, "dv"}})
+    check_aligned(*t, name);
+  cuda::Context& ctx = cuda::Context::get();
+  cudaStream_t s = ctx.stream();
+  const size_t nts = static_cast<size_t>(d.N) + 1;
+  const size_t rows_q = static_cast<size_t>(d.T) * d.Hq, rows_k = static_cast<size_t>(d.T) * d.Hkv;
+  const unsigned epi_blocks =
+      static_cast<unsigned>((d.T + attn::kRowTokens - 1) / attn::kRowTokens);
+  auto carve_all = [&](Carve& c, int32_t** ts_big, int32_t** ts_small, float** D, float** dq_hat,
+                       float** dk_hat, float** partial) {
+    *ts_big = c.take<int32_t>(nts);                                        // [N+1]
+    *ts_small = c.take<int32_t>(nts);                                      // [N+1]
+    *D = c.take<float>(rows_q);                                            // [T, Hq]
+    *dq_hat = c.take<float>(rows_q * static_cast<size_t>(d.hd));           // [T, Hq, hd]
+    *dk_hat = c.take<float>(rows_k * static_cast<size_t>(d.hd));           // [T, Hkv, hd]
+    *partial = c.take<float>(static_cast<size_t>(epi_blocks) * 2 * d.hd);  // [blocks, 2*hd]
+  };
+  int32_t *ts_big = nullptr, *ts_small = nullptr;
+  float *D = nullptr, *dq_hat = nullptr, *dk_hat = nullptr, *partial = nullptr;
+  Carve size{nullptr};
+  carve_all(size, &ts_big, &ts_small, &D, &dq_hat, &dk_hat, &partial);
+  Carve c{static_cast<char*>(ctx.scratch(size.off))};
+  carve_all(c, &ts_big, &ts_small, &D, &dq_hat, &dk_hat, &partial);
+  const int32_t* cu = dev<const int32_t>(a.cu_seqlens);  // [N+1]
+
+  launch_tile_index(d, cu, ts_big, ts_small, s);
+
+  attn::PreprocessParams pre{dev<const bf16_t>(a.qg),
+                             dev<const bf16_t>(a.d_o),
+                             dev<const bf16_t>(a.attn),
+                             dev<bf16_t>(a.dqg),
+                             D,
+                             static_cast<int64_t>(rows_q),
+                             d.hd};
+  attn::attn_bwd_preprocess_kernel<<<
+      static_cast<unsigned>((rows_q + attn::kWarps - 1) / attn::kWarps), attn::kThreads, 0, s>>>(
+      pre);
+  GDN_CUDA_LAUNCH_CHECK("attn_bwd_preprocess_kernel");
+
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d.hd)));
+  attn::BwdParams bp{dev<const bf16_t>(a.q_hat),
+                     dev<const bf16_t>(a.k_hat),
+                     dev<const bf16_t>(a.v),
+                     dev<const bf16_t>(a.dqg) + d.hd,
+                     dev<const float>(a.lse),
+                     D,
+                     cu,
+                     ts_small,
+                     dq_hat,
+                     dk_hat,
+                     dev<bf16_t>(a.dv),
+                     d.T,
+                     d.Hq,
+                     d.Hkv,
+                     d.hd,
+                     d.N,
+                     d.group,
+                     scale,
+                     scale * attn::kLog2e};
+  attn::launch_bwd_dkdv(bp, d.hd_class, grid_for(d.T, d.N, attn::kSmallTile, d.Hkv), s);
+  bp.ts = ts_big;
+  attn::launch_bwd_dq(bp, d.hd_class, grid_for(d.T, d.N, attn::kBigTile, d.Hq), s);
+
+  attn::EpilogueParams ep{dev<const bf16_t>(a.qg),
+                          dev<const bf16_t>(a.k),
+                          dev<const bf16_t>(a.q_norm_w),
+                          dev<const bf16_t>(a.k_norm_w),
+                          cu,
+                          dev<const float>(a.q_rstd),
+                          dev<const float>(a.k_rstd),
+                          dq_hat,
+                          dk_hat,
+                          dev<const bf16_t>(a.d_o),
+                          dev<const bf16_t>(a.attn),
+                          dev<bf16_t>(a.dqg),
+                          dev<bf16_t>(a.dk),
+                          partial,
+                          d.T,
+                          d.Hq,
+                          d.Hkv,
+                          d.hd,
+                          static_cast<int>(a.rotary_dim),
+                          d.N,
+                          a.rope_theta};
+  attn::attn_bwd_epilogue_kernel<<<epi_blocks, attn::kThreads, 0, s>>>(ep);
+  GDN_CUDA_LAUNCH_CHECK("attn_bwd_epilogue_kernel");
+  attn::attn_dw_reduce_kernel<<<static_cast<unsigned>((2 * d.hd + 31) / 32), 256, 0, s>>>(
+      partial, dev<float>(a.dq_norm_w), dev<float>(a.dk_norm_w), static_cast<int>(epi_blocks),
+      d.hd);
+  GDN_CUDA_LAUNCH_CHECK("attn_dw_reduce_kernel");
+}
+
+const GatedAttentionTable kTable{forward, backward};
+
+std::string supports(const OpQuery& q) {
+  const auto it = q.dims.find("hd");
+  return it == q.dims.end() ? std::string() : unsupported_head_dim(it->second);
+}
+
+}  // namespace
+
+GDN_REGISTER(gated_attention_cuda) {
+  Registry::global().add_impl(
+      {"gated_attention", "cuda.flash", Backend::Cuda, 10, supports, &kTable});
+}
+
+}  // namespace gdn::ops
