@@ -58,7 +58,7 @@ summary() {
   if [ -f "$OUT/bench.log" ]; then
     echo
     echo "=== benchmark (from $OUT/bench.log)"
-    grep -E '^(memcpy_d2d|cublaslt|op |rmsnorm|linear)' "$OUT/bench.log" || true
+    grep -vE '^(\[resolve\]|wrote )' "$OUT/bench.log" || true
   fi
   echo
   if [ "$FAILED" = 0 ]; then echo "GPU CHECK: PASS"; else echo "GPU CHECK: FAIL"; fi
