@@ -199,6 +199,10 @@ void copy_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, siz
                static_cast<const char*>(src) + r * src_pitch, device, width);
 }
 
+size_t device_memory_used() {
+  return g_cuda_installed && g_cuda_hooks.memory_used != nullptr ? g_cuda_hooks.memory_used() : 0;
+}
+
 void device_synchronize(Device d) {
   if (d == Device::CUDA && g_cuda_installed) g_cuda_hooks.synchronize();
 }

@@ -39,7 +39,7 @@ nlohmann::json default_train_config() {
               "weight_decay": 0.1, "clip": 1.0},
     "eval": {"every": 100, "batches": 4},
     "log": {"every": 10},
-    "checkpoint": {"every": 200, "keep": 2},
+    "checkpoint": {"every": 200, "keep": 2, "at_end": true},
     "run": {"dir": "runs/default"}
   })");
 }
@@ -203,14 +203,17 @@ Evaluation evaluate(model::Qwen35Model& m, DataSource& data, int64_t batches) {
     model::StepOptions o;
     o.backward = false;
     OwnedTensor logits;
+    OwnedTensor dev_logits;
     if (data.is_mqar()) {
-      logits = OwnedTensor::zeros(DType::F32, {mb.num_tokens(), V});
-      o.logits = logits;
+      dev_logits = OwnedTensor::zeros(backend_dtype(m.backend()), {mb.num_tokens(), V},
+                                      backend_device(m.backend()));
+      o.logits = dev_logits;
     }
     model::StepStats s = m.step(mb, o);
     loss_sum += s.loss * static_cast<double>(s.targets);
     targets += s.targets;
     if (data.is_mqar()) {
+      logits = convert(dev_logits, DType::F32);
       MqarAccuracy a = mqar_accuracy(
           std::span<const float>(logits.ptr<float>(), static_cast<size_t>(logits.numel())),
           mb.labels, V);
@@ -227,6 +230,86 @@ Evaluation evaluate(model::Qwen35Model& m, DataSource& data, int64_t batches) {
 struct Optimizer {
   model::ParamStore m, v;
 };
+
+// fp32 master weights and Adam moments on the device, in one arena, laid out like the host stores.
+struct DeviceOptimizer {
+  Arena arena;
+  std::vector<Tensor> master, m, v;
+  DeviceOptimizer() = default;
+  DeviceOptimizer(const model::ParamStore& host_master, const Optimizer& host_opt) {
+    size_t bytes = 0;
+    for (size_t i = 0; i < host_master.size(); ++i)
+      bytes += 3 * ((static_cast<size_t>(host_master.tensor(i).nbytes()) + 255) / 256 * 256);
+    arena = Arena("optimizer", Device::CUDA, bytes);
+    for (size_t i = 0; i < host_master.size(); ++i) {
+      auto shape = host_master.tensor(i).shape();
+      master.push_back(arena.alloc_tensor(DType::F32, shape));
+      m.push_back(arena.alloc_tensor(DType::F32, shape));
+      v.push_back(arena.alloc_tensor(DType::F32, shape));
+      copy_into(master.back(), host_master.tensor(i));
+      copy_into(m.back(), host_opt.m.tensor(i));
+      copy_into(v.back(), host_opt.v.tensor(i));
+    }
+  }
+  // Device to host stores (to write a checkpoint).
+  void download(model::ParamStore& host_master, Optimizer& host_opt) const {
+    for (size_t i = 0; i < master.size(); ++i) {
+      copy_into(host_master.tensor(i), master[i]);
+      copy_into(host_opt.m.tensor(i), m[i]);
+      copy_into(host_opt.v.tensor(i), v[i]);
+    }
+  }
+};
+
+// Training FLOPs of one micro-batch (forward + backward), the numerator of MFU. Matmuls: 6 FLOPs
+// per matmul parameter per token (the LM head included, the embedding lookup not). Attention core:
+// QK^T and PV, 4*hd FLOPs per (query, key) pair and query head in the forward, over the causal
+// pairs of each document, times 3 for forward + backward. GDN core: the chunked algorithm's
+// forward, 2*(3*C*dk + 2*C*dv + 3*dk*dv) FLOPs per token and value head (C = 64), times 3.
+double matmul_params(const model::Qwen35Config& c) {
+  const double D = static_cast<double>(c.hidden_size), I = static_cast<double>(c.intermediate_size);
+  const double hd = static_cast<double>(c.head_dim),
+               Hq = static_cast<double>(c.num_attention_heads),
+               Hkv = static_cast<double>(c.num_key_value_heads);
+  const double mlp = 3 * D * I;
+  const double attn = D * 2 * Hq * hd + 2 * D * Hkv * hd + Hq * hd * D;
+  const double gdn = D * static_cast<double>(c.conv_dim()) +
+                     D * static_cast<double>(c.value_dim()) +
+                     2 * D * static_cast<double>(c.linear_num_value_heads) +
+                     static_cast<double>(c.value_dim()) * D;
+  return static_cast<double>(c.num_hidden_layers) * mlp +
+         static_cast<double>(c.num_full_attention_layers()) * attn +
+         static_cast<double>(c.num_linear_attention_layers()) * gdn +
+         static_cast<double>(c.vocab_size) * D;
+}
+
+double step_flops(const model::Qwen35Config& c, const MicroBatch& mb) {
+  const double T = static_cast<double>(mb.num_tokens());
+  double pairs = 0;  // causal (query, key) pairs within documents
+  for (size_t i = 0; i + 1 < mb.cu_seqlens.size(); ++i) {
+    const double L = mb.cu_seqlens[i + 1] - mb.cu_seqlens[i];
+    pairs += L * (L + 1) / 2;
+  }
+  const double attn = static_cast<double>(c.num_full_attention_layers()) * 4.0 *
+                      static_cast<double>(c.num_attention_heads * c.head_dim) * pairs;
+  const double dk = static_cast<double>(c.linear_key_head_dim),
+               dv = static_cast<double>(c.linear_value_head_dim);
+  const double gdn = static_cast<double>(c.num_linear_attention_layers()) *
+                     static_cast<double>(c.linear_num_value_heads) * T * 2.0 *
+                     (3 * 64 * dk + 2 * 64 * dv + 3 * dk * dv);
+  return 6.0 * matmul_params(c) * T + 3.0 * (attn + gdn);
+}
+
+// Dense bf16 peak of an H100/H200 SXM (datasheet, no sparsity), the MFU denominator PEERS.md uses.
+constexpr double kPeakFlops = 989.4e12;
+
+std::string flops_formula(const model::Qwen35Config& c) {
+  return fmt::format(
+      "MFU = FLOPs / (step time x {:.1f} TFLOP/s, dense bf16 H100/H200 SXM); FLOPs per micro-batch "
+      "= 6 x {:.4g} matmul parameters x T + 3 x (attention 4*Hq*hd*(causal pairs) + GDN "
+      "2*(3*64*dk + 2*64*dv + 3*dk*dv)*Hv*T per layer)",
+      kPeakFlops / 1e12, matmul_params(c));
+}
 
 void save_checkpoint(CheckpointDir& cd, int64_t step, const model::Qwen35Config& cfg,
                      const model::ParamStore& master, const Optimizer& opt,
@@ -283,9 +366,6 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
   GDN_CHECK_HINT(backend != Backend::Cuda || cuda_available(),
                  "build the cuda preset and run on a machine with a GPU, or use --device cpu",
                  "train.device is cuda but no CUDA device is available");
-  GDN_CHECK_HINT(backend != Backend::Cuda,
-                 "the GPU training path (issue 8) is not in this build yet; use --device cpu",
-                 "training on the cuda backend is not supported yet");
 
   // Model config and initial weights.
   const std::string init_from = cfg.get_string("model.init_from");
@@ -371,8 +451,7 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
     log::info("resuming from {} (step {})", *latest, start_step);
   } else {
     // Never mix two runs in one directory (nor delete what an earlier run left there).
-    GDN_CHECK_HINT(cd.list().empty(),
-                   "pass --resume to continue it, or choose another --run-dir",
+    GDN_CHECK_HINT(cd.list().empty(), "pass --resume to continue it, or choose another --run-dir",
                    "run directory '{}' already holds checkpoints of an earlier run", run_dir);
     std::error_code ec;
     fs::remove(run_dir + "/metrics.jsonl", ec);
@@ -389,16 +468,35 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
     log::info("threads: {} (OpenMP)", omp_get_max_threads());
   }
 
+  // The optimizer works where the gradients are. On cuda the fp32 master weights and moments live
+  // in one device arena (the host stores are refreshed only to write checkpoints) and the step
+  // writes the bf16 compute copy in the same pass; on cpu it updates the host stores directly.
+  const bool on_device = backend == Backend::Cuda;
+  DeviceOptimizer dev;
+  if (on_device) dev = DeviceOptimizer(master, opt);
   std::vector<ops::AdamWParam> params;
-  for (size_t i = 0; i < master.size(); ++i)
-    params.push_back({master.tensor(i), m.grad(i), opt.m.tensor(i), opt.v.tensor(i), Tensor(),
-                      decays(master.spec(i).name), master.spec(i).name});
+  std::vector<size_t> f32_compute;  // cuda: parameters whose compute copy is fp32 (A_log, dt_bias)
+  for (size_t i = 0; i < master.size(); ++i) {
+    const bool bf16 = m.param(i).dtype() == DType::BF16;
+    if (on_device && !bf16) f32_compute.push_back(i);
+    params.push_back({on_device ? dev.master[i] : master.tensor(i), m.grad(i),
+                      on_device ? dev.m[i] : opt.m.tensor(i),
+                      on_device ? dev.v[i] : opt.v.tensor(i),
+                      on_device && bf16 ? m.param(i) : Tensor(), decays(master.spec(i).name),
+                      master.spec(i).name});
+  }
+  if (!topt.quiet) {
+    log::info("{}", flops_formula(mcfg));
+    if (on_device)
+      log::info("optimizer state on the device: {} (fp32 master weights, Adam m and v)",
+                format_bytes(static_cast<double>(dev.arena.capacity())));
+  }
 
   TrainResult res;
   res.skipped_steps = skipped;
   double tokens_total = 0;
   auto t0 = std::chrono::steady_clock::now();
-  double window_tokens = 0;
+  double window_tokens = 0, window_flops = 0;
   auto window_t0 = t0;
   nlohmann::json last_eval;
   auto trainer_state = [&](int64_t step) {
@@ -451,7 +549,28 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
       hyper.step = step + 1 - res.skipped_steps;
       hyper.grad_scale = ops::clip_scale(gnorm, clip);
       ops::adamw_step(params, hyper);
-      m.load_params(master);
+      if (on_device) {
+        for (size_t i : f32_compute)
+          copy_bytes(m.param(i).data(), Device::CUDA, dev.master[i].data(), Device::CUDA,
+                     static_cast<size_t>(dev.master[i].nbytes()));
+      } else {
+        m.load_params(master);
+      }
+    }
+    double flops = 0;
+    for (const MicroBatch& mb : mbs) flops += step_flops(mcfg, mb);
+    window_flops += flops;
+    if (step == start_step && !topt.quiet) {
+      log::info("first step finished {:.2f} s after launch",
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t_launch).count());
+      if (on_device)
+        log::info(
+            "device memory in use after the first step: {} (planned arenas: model {}, "
+            "optimizer {})",
+            format_bytes(static_cast<double>(device_memory_used())),
+            format_bytes(
+                static_cast<double>(m.param_bytes() + m.grad_bytes() + m.activation_bytes())),
+            format_bytes(static_cast<double>(dev.arena.capacity())));
     }
     tokens_total += static_cast<double>(tokens);
     window_tokens += static_cast<double>(tokens);
@@ -475,6 +594,7 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
       const double window = std::chrono::duration<double>(now - window_t0).count();
       const double tps = window > 0 ? window_tokens / window : 0;
       rec["tokens_per_s"] = tps;
+      if (on_device) rec["mfu"] = window > 0 ? window_flops / window / kPeakFlops : 0.0;
       if (!topt.quiet) {
         const double eta = (step + 1 > start_step)
                                ? elapsed / static_cast<double>(step + 1 - start_step) *
@@ -485,23 +605,28 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
                                                    ? fmt::format(" acc {:.3f}", res.eval_accuracy)
                                                    : "")
                                  : "";
+        const std::string mfu =
+            on_device ? fmt::format(" | MFU {:.1f}%", 100.0 * rec["mfu"].get<double>()) : "";
         log::info(
-            "step {:>5}/{} | loss {:.4f} | z {:.2e} | gnorm {:.3f} | lr {:.2e} | {:.0f} tok/s "
-            "| {} elapsed, ETA {}{}",
-            step + 1, steps, loss, zl, gnorm, lr, tps, format_duration(elapsed),
+            "step {:>5}/{} | loss {:.4f} | z {:.2e} | gnorm {:.3f} | lr {:.2e} | {:.0f} tok/s"
+            "{} | {} elapsed, ETA {}{}",
+            step + 1, steps, loss, zl, gnorm, lr, tps, mfu, format_duration(elapsed),
             format_duration(eta), ev);
       }
       window_tokens = 0;
+      window_flops = 0;
       window_t0 = now;
     }
     metrics.write(rec);
     const bool stopping = topt.stop_after > 0 && step + 1 - start_step >= topt.stop_after;
-    if ((ckpt_every > 0 && (step + 1) % ckpt_every == 0) || step + 1 == steps || stopping)
+    const bool at_end = step + 1 == steps && cfg.get_bool("checkpoint.at_end");
+    if ((ckpt_every > 0 && (step + 1) % ckpt_every == 0) || at_end || stopping) {
+      if (on_device) dev.download(master, opt);
       save_checkpoint(cd, step + 1, mcfg, master, opt, trainer_state(step + 1));
+    }
     if (stopping) break;
   }
   (void)untouched;
-  (void)t_launch;
   if (!topt.quiet) {
     if (res.eval_accuracy >= 0)
       log::info(

@@ -100,6 +100,8 @@ struct DeviceHooks {
   // `height` rows of `width` bytes. Optional: without it copy_2d copies row by row.
   void (*copy2d)(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
                  size_t height) = nullptr;
+  // Bytes of device memory in use (total - free), for the memory report. Optional.
+  size_t (*memory_used)() = nullptr;
 };
 void set_cuda_hooks(const DeviceHooks& hooks);
 bool cuda_available();
@@ -112,6 +114,8 @@ void zero_bytes(void* p, Device d, size_t n);
 void copy_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
              size_t rows, Device device);
 void device_synchronize(Device d);
+// Device memory in use by this process and others (cudaMemGetInfo total - free); 0 without CUDA.
+size_t device_memory_used();
 
 // --- owned tensors ---------------------------------------------------------------------------
 class OwnedTensor {

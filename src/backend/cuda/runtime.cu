@@ -99,6 +99,12 @@ void hook_copy2d(void* dst, size_t dpitch, const void* src, size_t spitch, size_
                                    cudaMemcpyDeviceToDevice, stream()));
 }
 
+size_t hook_memory_used() {
+  size_t free_b = 0, total_b = 0;
+  GDN_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  return total_b - free_b;
+}
+
 void hook_memset_zero(void* p, size_t n) { GDN_CUDA_CHECK(cudaMemsetAsync(p, 0, n, stream())); }
 
 void hook_synchronize() { GDN_CUDA_CHECK(cudaDeviceSynchronize()); }
@@ -119,6 +125,7 @@ bool install_hooks() {
   h.copy = hook_copy;
   h.copy_d2d = hook_copy_d2d;
   h.copy2d = hook_copy2d;
+  h.memory_used = hook_memory_used;
   h.memset_zero = hook_memset_zero;
   h.synchronize = hook_synchronize;
   set_cuda_hooks(h);
