@@ -242,7 +242,7 @@ struct DeviceOptimizer {
       bytes += 3 * ((static_cast<size_t>(host_master.tensor(i).nbytes()) + 255) / 256 * 256);
     arena = Arena("optimizer", Device::CUDA, bytes);
     for (size_t i = 0; i < host_master.size(); ++i) {
-      auto shape = host_master.tensor(i).shape();
+      const std::vector<int64_t> shape = host_master.tensor(i).shape_vec();
       master.push_back(arena.alloc_tensor(DType::F32, shape));
       m.push_back(arena.alloc_tensor(DType::F32, shape));
       v.push_back(arena.alloc_tensor(DType::F32, shape));
