@@ -115,6 +115,11 @@ CONFIGS = {
         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])),
     # nested multimodal layout (model.language_model.* + a tiny vision tower kept untouched)
     "nested_vl": dict(kind="vl", text=dict(TEXT_BASE, tie_word_embeddings=False)),
+    # r = 2 with HF's default initializer_range 0.02: a well-conditioned net. The fixtures above use
+    # 0.2, which amplifies rounding through the layers ~10^3-fold (fine for fp64/fp32 checks, too
+    # much for bf16); the cuda (bf16) golden test uses this one.
+    "r2_std_init": dict(kind="text", text=dict(TEXT_BASE, tie_word_embeddings=False,
+                                               initializer_range=0.02)),
 }
 
 # Documents per configuration: a 1-token document, a document longer than a 64-token chunk, and

@@ -43,7 +43,8 @@ TEST_P(Golden, RefMatchesHuggingFace) {
   EXPECT_LE(e.grad, 2e-6) << e.worst_grad;
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, Golden, ::testing::Values("r2_untied", "r1_tied", "nested_vl"));
+INSTANTIATE_TEST_SUITE_P(Fixtures, Golden,
+                         ::testing::Values("r2_untied", "r1_tied", "nested_vl", "r2_std_init"));
 
 TEST(Dump, PackedBatchEqualsDocumentsOneByOne) {
   // The same checkpoint on each document alone gives the same logits as the packed batch: no
