@@ -285,6 +285,9 @@ void convert_host(void* dst, DType dt, const void* src, DType st, int64_t n) {
   }
   GDN_CHECK(dtype_is_float(dt) == dtype_is_float(st), "cannot convert {} to {}", dtype_name(st),
             dtype_name(dt));
+  // Parallel for large tensors: loading a checkpoint or a model's compute copy converts
+  // billions of elements at start-up.
+#pragma omp parallel for schedule(static) if (n > (int64_t{1} << 18))
   for (int64_t i = 0; i < n; ++i) store_from_f64(dst, dt, i, load_as_f64(src, st, i));
 }
 }  // namespace

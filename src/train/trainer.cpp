@@ -236,7 +236,10 @@ struct DeviceOptimizer {
   Arena arena;
   std::vector<Tensor> master, m, v;
   DeviceOptimizer() = default;
-  DeviceOptimizer(const model::ParamStore& host_master, const Optimizer& host_opt) {
+  // `moments_zero`: the host moments are all zero (a fresh run), so the device ones are cleared
+  // instead of copied.
+  DeviceOptimizer(const model::ParamStore& host_master, const Optimizer& host_opt,
+                  bool moments_zero) {
     size_t bytes = 0;
     for (size_t i = 0; i < host_master.size(); ++i)
       bytes += 3 * ((static_cast<size_t>(host_master.tensor(i).nbytes()) + 255) / 256 * 256);
@@ -247,8 +250,13 @@ struct DeviceOptimizer {
       m.push_back(arena.alloc_tensor(DType::F32, shape));
       v.push_back(arena.alloc_tensor(DType::F32, shape));
       copy_into(master.back(), host_master.tensor(i));
-      copy_into(m.back(), host_opt.m.tensor(i));
-      copy_into(v.back(), host_opt.v.tensor(i));
+      if (moments_zero) {
+        zero_bytes(m.back().data(), Device::CUDA, static_cast<size_t>(m.back().nbytes()));
+        zero_bytes(v.back().data(), Device::CUDA, static_cast<size_t>(v.back().nbytes()));
+      } else {
+        copy_into(m.back(), host_opt.m.tensor(i));
+        copy_into(v.back(), host_opt.v.tensor(i));
+      }
     }
   }
   // Device to host stores (to write a checkpoint).
@@ -473,7 +481,7 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
   // writes the bf16 compute copy in the same pass; on cpu it updates the host stores directly.
   const bool on_device = backend == Backend::Cuda;
   DeviceOptimizer dev;
-  if (on_device) dev = DeviceOptimizer(master, opt);
+  if (on_device) dev = DeviceOptimizer(master, opt, /*moments_zero=*/!topt.resume);
   std::vector<ops::AdamWParam> params;
   std::vector<size_t> f32_compute;  // cuda: parameters whose compute copy is fp32 (A_log, dt_bias)
   for (size_t i = 0; i < master.size(); ++i) {
