@@ -45,12 +45,16 @@ TEST(TrainCuda, TracksTheCpuRunFromTheSameInitialisation) {
   ASSERT_EQ(cpu.losses.size(), 200u);
   // Step 1 runs the same weights on the same batch: bf16 activations vs fp32 only.
   EXPECT_NEAR(gpu.losses[0], cpu.losses[0], 2e-2 * cpu.losses[0]);
-  // Afterwards the two runs drift apart by rounding; their 20-step means stay close.
+  // Afterwards the two runs drift apart by rounding. Until the recall phase transition (seen on
+  // the H200, 2026-11-29, between steps 80 and 100 on cuda and later on cpu: its timing is chaotic)
+  // their 20-step means agree to 2% (seen: <= 0.7%); past it, both must keep learning.
   for (size_t w = 0; w < 200; w += 20) {
     const double g = window_mean(gpu.losses, w, w + 20), c = window_mean(cpu.losses, w, w + 20);
     std::printf("steps %3zu-%3zu: cuda %.4f cpu %.4f\n", w + 1, w + 20, g, c);
-    EXPECT_NEAR(g, c, 0.1 * std::max(c, 0.5)) << "steps " << w + 1 << "-" << w + 20;
+    if (w < 80) EXPECT_NEAR(g, c, 0.02 * c) << "steps " << w + 1 << "-" << w + 20;
   }
+  for (const auto* l : {&gpu.losses, &cpu.losses})
+    EXPECT_LT(window_mean(*l, 180, 200), 0.5 * window_mean(*l, 0, 20));
 }
 
 TEST(TrainCuda, FusedForwardKnobAgreesToBf16Precision) {

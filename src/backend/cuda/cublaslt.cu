@@ -51,6 +51,36 @@ uint32_t alignment(const void* p) {
   return a;
 }
 
+// A never-seen packed length must not cost a heuristic query (~2 ms each, seen on the H200
+// 2026-11-29: a linear layer's first call at a new T took 7x its steady time). Algorithms are
+// therefore also cached by a coarse key, every dimension rounded up to a power of two, and a new
+// exact shape first tries the algorithm of its bucket through cublasLtMatmulAlgoCheck (host-only,
+// cheap); only when that check fails does it run the heuristic.
+struct AlgoKey {
+  int64_t m, n, k;
+  bool ta, tb, c_f32;
+  uint32_t align_a, align_b, align_c;
+  auto tie() const { return std::tie(m, n, k, ta, tb, c_f32, align_a, align_b, align_c); }
+  bool operator<(const AlgoKey& o) const { return tie() < o.tie(); }
+};
+
+int64_t pow2_bucket(int64_t x) {
+  int64_t b = 1;
+  while (b < x) b *= 2;
+  return b;
+}
+
+AlgoKey algo_key(const PlanKey& k) {
+  return {pow2_bucket(k.m), pow2_bucket(k.n), pow2_bucket(k.k), k.ta,     k.tb,
+          k.c_f32,          k.align_a,        k.align_b,        k.align_c};
+}
+
+// Algorithms by bucket (guarded by plan_for's mutex).
+std::map<AlgoKey, cublasLtMatmulAlgo_t>& algo_cache() {
+  static auto* cache = new std::map<AlgoKey, cublasLtMatmulAlgo_t>();
+  return *cache;
+}
+
 Plan make_plan(const PlanKey& key, const char* what) {
   Context& ctx = Context::get();
   Plan p;
@@ -70,6 +100,17 @@ Plan make_plan(const PlanKey& key, const char* what) {
   GDN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.la, CUDA_R_16BF, a_rows, a_cols, key.lda));
   GDN_CUBLAS_CHECK(
       cublasLtMatrixLayoutCreate(&p.lc, key.c_f32 ? CUDA_R_32F : CUDA_R_16BF, N, M, key.ldc));
+
+  auto cached = algo_cache().find(algo_key(key));
+  if (cached != algo_cache().end()) {
+    cublasLtMatmulHeuristicResult_t check{};
+    if (cublasLtMatmulAlgoCheck(ctx.cublaslt(), p.op, p.lb, p.la, p.lc, p.lc, &cached->second,
+                                &check) == CUBLAS_STATUS_SUCCESS &&
+        check.state == CUBLAS_STATUS_SUCCESS && check.workspaceSize <= ctx.workspace_bytes()) {
+      p.algo = cached->second;
+      return p;
+    }
+  }
 
   cublasLtMatmulPreference_t pref = nullptr;
   GDN_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
@@ -98,6 +139,7 @@ Plan make_plan(const PlanKey& key, const char* what) {
                  key.ldb, key.ldc, key.align_a, key.align_b, key.align_c,
                  cublasGetStatusString(st));
   p.algo = heur.algo;
+  algo_cache().emplace(algo_key(key), heur.algo);
   return p;
 }
 
