@@ -51,7 +51,9 @@ TEST(TrainCuda, TracksTheCpuRunFromTheSameInitialisation) {
   for (size_t w = 0; w < 200; w += 20) {
     const double g = window_mean(gpu.losses, w, w + 20), c = window_mean(cpu.losses, w, w + 20);
     std::printf("steps %3zu-%3zu: cuda %.4f cpu %.4f\n", w + 1, w + 20, g, c);
-    if (w < 80) EXPECT_NEAR(g, c, 0.02 * c) << "steps " << w + 1 << "-" << w + 20;
+    if (w < 80) {
+      EXPECT_NEAR(g, c, 0.02 * c) << "steps " << w + 1 << "-" << w + 20;
+    }
   }
   for (const auto* l : {&gpu.losses, &cpu.losses})
     EXPECT_LT(window_mean(*l, 180, 200), 0.5 * window_mean(*l, 0, 20));
