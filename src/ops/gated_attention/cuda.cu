@@ -123,7 +123,7 @@ void launch_tile_index(const Dims& d, const int32_t* cu, int32_t* ts_big, int32_
   GDN_CUDA_LAUNCH_CHECK("attn_tile_index_kernel");
 }
 
-void forward(const GatedAttentionFwd& a) {
+void forward_with(const GatedAttentionFwd& a, const attn::AttnKernels& kernels) {
   const Dims d = dims_of(a.qg, a.k, a.cu_seqlens);
   if (d.T == 0) return;
   for (auto [t, name] : {std::pair{&a.qg, "qg"},
@@ -188,10 +188,10 @@ void forward(const GatedAttentionFwd& a) {
                      d.N,
                      d.group,
                      scale * attn::kLog2e};
-  attn::launch_fwd(fp, d.hd_class, grid_for(d.T, d.N, attn::kBigTile, d.Hq), s);
+  kernels.fwd(fp, d.hd_class, grid_for(d.T, d.N, attn::kBigTile, d.Hq), s);
 }
 
-void backward(const GatedAttentionBwd& a) {
+void backward_with(const GatedAttentionBwd& a, const attn::AttnKernels& kernels) {
   const Dims d = dims_of(a.qg, a.k, a.cu_seqlens);
   if (d.T == 0) return;  // dq_norm_w, dk_norm_w += 0
   for (auto [t, name] : {std::pair{&a.qg, "qg"},
@@ -264,9 +264,9 @@ void backward(const GatedAttentionBwd& a) {
                      d.group,
                      scale,
                      scale * attn::kLog2e};
-  attn::launch_bwd_dkdv(bp, d.hd_class, grid_for(d.T, d.N, attn::kSmallTile, d.Hkv), s);
+  kernels.dkdv(bp, d.hd_class, grid_for(d.T, d.N, attn::kSmallTile, d.Hkv), s);
   bp.ts = ts_big;
-  attn::launch_bwd_dq(bp, d.hd_class, grid_for(d.T, d.N, attn::kBigTile, d.Hq), s);
+  kernels.dq(bp, d.hd_class, grid_for(d.T, d.N, attn::kBigTile, d.Hq), s);
 
   attn::EpilogueParams ep{dev<const bf16_t>(a.qg),
                           dev<const bf16_t>(a.k),
@@ -297,18 +297,40 @@ void backward(const GatedAttentionBwd& a) {
   GDN_CUDA_LAUNCH_CHECK("attn_dw_reduce_kernel");
 }
 
-const GatedAttentionTable kTable{forward, backward};
+constexpr attn::AttnKernels kMmaSync{attn::launch_fwd, attn::launch_bwd_dq, attn::launch_bwd_dkdv};
+constexpr attn::AttnKernels kWgmma{attn::launch_fwd_sm90, attn::launch_bwd_dq_sm90,
+                                   attn::launch_bwd_dkdv_sm90};
+void forward_mma(const GatedAttentionFwd& a) { forward_with(a, kMmaSync); }
+void backward_mma(const GatedAttentionBwd& a) { backward_with(a, kMmaSync); }
+void forward_wgmma(const GatedAttentionFwd& a) { forward_with(a, kWgmma); }
+void backward_wgmma(const GatedAttentionBwd& a) { backward_with(a, kWgmma); }
+const GatedAttentionTable kTable{forward_mma, backward_mma};
+const GatedAttentionTable kTableWgmma{forward_wgmma, backward_wgmma};
 
 std::string supports(const OpQuery& q) {
   const auto it = q.dims.find("hd");
   return it == q.dims.end() ? std::string() : unsupported_head_dim(it->second);
 }
 
+// wgmma is Hopper's (compute capability 9.0; the build targets sm_90a).
+std::string supports_wgmma(const OpQuery& q) {
+  const cudaDeviceProp& prop = cuda::Context::get().props();
+  if (prop.major != 9)
+    return fmt::format("wgmma needs compute capability 9.0, the device has {}.{}", prop.major,
+                       prop.minor);
+  return supports(q);
+}
+
 }  // namespace
 
+// Two implementations with one host side and the same row kernels: "cuda.wgmma" (Hopper warpgroup
+// MMAs, preferred) and "cuda.flash" (mma.sync, the simpler fallback the resolver takes when the
+// wgmma one cannot run or fails its probe).
 GDN_REGISTER(gated_attention_cuda) {
   Registry::global().add_impl(
       {"gated_attention", "cuda.flash", Backend::Cuda, 10, supports, &kTable});
+  Registry::global().add_impl(
+      {"gated_attention", "cuda.wgmma", Backend::Cuda, 20, supports_wgmma, &kTableWgmma});
 }
 
 }  // namespace gdn::ops

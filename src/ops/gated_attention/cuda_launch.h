@@ -1,6 +1,7 @@
-// Host launchers of the gated-attention attention kernels, defined in cuda_fwd.cu and cuda_bwd.cu
-// (kept in their own translation units: the three head-dim instantiations of each are the slow
-// part of the build). `hd_class` is the kernels' padded head dim: 64, 128 or 256.
+// Host launchers of the gated-attention attention kernels, defined in cuda_fwd.cu, cuda_bwd.cu
+// (mma.sync) and sm90_attn.cu (wgmma), kept in their own translation units: the three head-dim
+// instantiations of each are the slow part of the build. `hd_class` is the kernels' padded head
+// dim: 64, 128 or 256.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -12,5 +13,16 @@ namespace gdn::ops::attn {
 void launch_fwd(const FwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
 void launch_bwd_dq(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
 void launch_bwd_dkdv(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
+
+void launch_fwd_sm90(const FwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
+void launch_bwd_dq_sm90(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
+void launch_bwd_dkdv_sm90(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
+
+// The attention kernels of one implementation.
+struct AttnKernels {
+  void (*fwd)(const FwdParams&, int, unsigned, cudaStream_t);
+  void (*dq)(const BwdParams&, int, unsigned, cudaStream_t);
+  void (*dkdv)(const BwdParams&, int, unsigned, cudaStream_t);
+};
 
 }  // namespace gdn::ops::attn
