@@ -1,5 +1,6 @@
 // Gated attention on CUDA (label gpu), for each CUDA implementation ("cuda.flash": mma.sync,
-// "cuda.wgmma": Hopper warpgroup MMAs) called directly: cuda vs ref over swept shapes (forward,
+// "cuda.wgmma": Hopper warpgroup MMAs, "cuda.pipe": the same with overlapped tile products)
+// called directly: cuda vs ref over swept shapes (forward,
 // every saved tensor and every gradient, both halves of dqg separately): one document, many
 // documents with 1-token and empty ones, T and documents not multiples of the 128-query / 64-key
 // tiles, GQA 1/2/4, head dims 8 .. 256 (64, 128, 256 native; 8, 16, 96 padded), partial rotary
@@ -114,7 +115,9 @@ DevInputs to_device(const Inputs& in) {
           b(in.dout)};
 }
 
-const char* const kImpls[] = {"cuda.flash", "cuda.wgmma"};
+const char* const kImpls[] = {"cuda.flash", "cuda.wgmma", "cuda.pipe"};
+// The resolver's choice on Hopper: the highest priority (cuda.pipe 30, cuda.wgmma 20, flash 10).
+constexpr const char* kPreferred = "cuda.pipe";
 
 // The function table of a registered CUDA implementation.
 const GatedAttentionTable& table_of(const std::string& impl) {
@@ -222,6 +225,8 @@ std::string short_name(const char* impl) { return std::string(impl).substr(5); }
 const SweepCase kCases[] = {
     // One document, several query tiles, one partial; Qwen3.5's head dim, rotary factor, base.
     SweepCase{"OneDocHd256Gqa4", {300}, 4, 1, 256, 0.25, 1e7},
+    // A longer document: 6 query tiles, up to 11 key steps (the pipelines' slots turn over).
+    SweepCase{"LongDocHd256Gqa2", {700}, 2, 1, 256, 0.25, 1e7},
     // Documents of exactly one and two tiles, one past a tile boundary, grouped heads.
     SweepCase{"TileEdgesHd256Gqa2", {128, 129, 63}, 2, 1, 256, 0.25, 1e7},
     SweepCase{"ManyDocsHd256Gqa1", {65, 191, 2}, 2, 2, 256, 0.5, 1e4},
@@ -380,12 +385,13 @@ TEST_P(GatedAttentionCudaImpl, InconsistentDeviceOffsetsDoNotFault) {
   }
 }
 
-// The resolver prefers cuda.wgmma (priority 20) over cuda.flash (10); both pass the probe.
-TEST_F(GatedAttentionCuda, ResolverChoosesWgmmaAndBothPassTheProbe) {
+// The resolver prefers cuda.pipe (priority 30) over cuda.wgmma (20) and cuda.flash (10); all pass
+// the probe.
+TEST_F(GatedAttentionCuda, ResolverChoosesPipeAndAllPassTheProbe) {
   const OpQuery q{Backend::Cuda, "", {{"hd", 256}, {"Hq", 16}, {"Hkv", 4}}};
   const Resolution& r = Registry::global().resolve("gated_attention", q);
   ASSERT_NE(r.impl, nullptr);
-  EXPECT_EQ(r.impl->name, "cuda.wgmma") << (r.rejected.empty() ? "" : r.rejected.front());
+  EXPECT_EQ(r.impl->name, kPreferred) << (r.rejected.empty() ? "" : r.rejected.front());
   EXPECT_EQ(r.impl->backend, Backend::Cuda);
   EXPECT_TRUE(r.rejected.empty()) << r.rejected.front();
   const OpDesc& op = Registry::global().op("gated_attention");
@@ -440,11 +446,11 @@ TEST_F(GatedAttentionCuda, ProbeRejectsWrongCudaKernels) {
   reg.add_impl(Registry::global().ref("gated_attention"));
   for (const ImplDesc* i : Registry::global().impls("gated_attention", Backend::Cuda))
     reg.add_impl(*i);
-  reg.add_impl({"gated_attention", "cuda.ungated", Backend::Cuda, 30, nullptr, &kUngated});
-  reg.add_impl({"gated_attention", "cuda.no_dk", Backend::Cuda, 40, nullptr, &kNoDk});
+  reg.add_impl({"gated_attention", "cuda.ungated", Backend::Cuda, 40, nullptr, &kUngated});
+  reg.add_impl({"gated_attention", "cuda.no_dk", Backend::Cuda, 50, nullptr, &kNoDk});
   const Resolution& r = reg.resolve("gated_attention", OpQuery{Backend::Cuda, "", {}});
   ASSERT_NE(r.impl, nullptr);
-  EXPECT_EQ(r.impl->name, "cuda.wgmma");
+  EXPECT_EQ(r.impl->name, kPreferred);
   ASSERT_EQ(r.rejected.size(), 2u);
   EXPECT_NE(r.rejected[0].find("rejecting cuda.no_dk: probe error"), std::string::npos)
       << r.rejected[0];
@@ -473,7 +479,7 @@ TEST_F(GatedAttentionCuda, OpsRunOnCudaBackend) {
                           {"do", dout.view(), {}, {}, nullptr, 0}});
   OpRunResult res = run_op_file("gated_attention", Backend::Cuda, inp, out, true,
                                 {{"partial_rotary_factor", 0.5}, {"rope_theta", 500.0}});
-  EXPECT_EQ(res.impl, "cuda.wgmma");
+  EXPECT_EQ(res.impl, kPreferred);
   SafeTensorsFile f(out);
   for (auto [name, want, tol] : {std::tuple{"o", &ref.o, kTol.fwd},
                                  {"lse", &ref.lse, kTol.fwd},

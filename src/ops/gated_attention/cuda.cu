@@ -123,7 +123,18 @@ void launch_tile_index(const Dims& d, const int32_t* cu, int32_t* ts_big, int32_
   GDN_CUDA_LAUNCH_CHECK("attn_tile_index_kernel");
 }
 
-void forward_with(const GatedAttentionFwd& a, const attn::AttnKernels& kernels) {
+// Records marks[i] (when marks is not null) after the i-th launch; marks[0] before the first.
+struct Marks {
+  cudaEvent_t* ev;
+  cudaStream_t s;
+  int i = 0;
+  void operator()() {
+    if (ev != nullptr) GDN_CUDA_CHECK(cudaEventRecord(ev[i++], s));
+  }
+};
+
+void forward_with(const GatedAttentionFwd& a, const attn::AttnKernels& kernels,
+                  cudaEvent_t* marks = nullptr) {
   const Dims d = dims_of(a.qg, a.k, a.cu_seqlens);
   if (d.T == 0) return;
   for (auto [t, name] : {std::pair{&a.qg, "qg"},
@@ -146,8 +157,11 @@ void forward_with(const GatedAttentionFwd& a, const attn::AttnKernels& kernels) 
   int32_t* ts_big = c.take<int32_t>(nts);                // [N+1]
   int32_t* ts_small = c.take<int32_t>(nts);              // [N+1]
   const int32_t* cu = dev<const int32_t>(a.cu_seqlens);  // [N+1]
+  Marks mark{marks, s};
 
+  mark();
   launch_tile_index(d, cu, ts_big, ts_small, s);
+  mark();
 
   attn::PrologueParams pp{dev<const bf16_t>(a.qg),
                           dev<const bf16_t>(a.k),
@@ -170,6 +184,7 @@ void forward_with(const GatedAttentionFwd& a, const attn::AttnKernels& kernels) 
       attn_prologue_kernel<<<static_cast<unsigned>((d.T + attn::kRowTokens - 1) / attn::kRowTokens),
                              attn::kThreads, 0, s>>>(pp);
   GDN_CUDA_LAUNCH_CHECK("attn_prologue_kernel");
+  mark();
 
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d.hd)));
   attn::FwdParams fp{dev<const bf16_t>(a.q_hat),
@@ -189,9 +204,11 @@ void forward_with(const GatedAttentionFwd& a, const attn::AttnKernels& kernels) 
                      d.group,
                      scale * attn::kLog2e};
   kernels.fwd(fp, d.hd_class, grid_for(d.T, d.N, attn::kBigTile, d.Hq), s);
+  mark();
 }
 
-void backward_with(const GatedAttentionBwd& a, const attn::AttnKernels& kernels) {
+void backward_with(const GatedAttentionBwd& a, const attn::AttnKernels& kernels,
+                   cudaEvent_t* marks = nullptr) {
   const Dims d = dims_of(a.qg, a.k, a.cu_seqlens);
   if (d.T == 0) return;  // dq_norm_w, dk_norm_w += 0
   for (auto [t, name] : {std::pair{&a.qg, "qg"},
@@ -229,8 +246,11 @@ void backward_with(const GatedAttentionBwd& a, const attn::AttnKernels& kernels)
   Carve c{static_cast<char*>(ctx.scratch(size.off))};
   carve_all(c, &ts_big, &ts_small, &D, &dq_hat, &dk_hat, &partial);
   const int32_t* cu = dev<const int32_t>(a.cu_seqlens);  // [N+1]
+  Marks mark{marks, s};
 
+  mark();
   launch_tile_index(d, cu, ts_big, ts_small, s);
+  mark();
 
   attn::PreprocessParams pre{dev<const bf16_t>(a.qg),
                              dev<const bf16_t>(a.d_o),
@@ -243,6 +263,7 @@ void backward_with(const GatedAttentionBwd& a, const attn::AttnKernels& kernels)
       static_cast<unsigned>((rows_q + attn::kWarps - 1) / attn::kWarps), attn::kThreads, 0, s>>>(
       pre);
   GDN_CUDA_LAUNCH_CHECK("attn_bwd_preprocess_kernel");
+  mark();
 
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d.hd)));
   attn::BwdParams bp{dev<const bf16_t>(a.q_hat),
@@ -265,8 +286,10 @@ void backward_with(const GatedAttentionBwd& a, const attn::AttnKernels& kernels)
                      scale,
                      scale * attn::kLog2e};
   kernels.dkdv(bp, d.hd_class, grid_for(d.T, d.N, attn::kSmallTile, d.Hkv), s);
+  mark();
   bp.ts = ts_big;
   kernels.dq(bp, d.hd_class, grid_for(d.T, d.N, attn::kBigTile, d.Hq), s);
+  mark();
 
   attn::EpilogueParams ep{dev<const bf16_t>(a.qg),
                           dev<const bf16_t>(a.k),
@@ -291,21 +314,35 @@ void backward_with(const GatedAttentionBwd& a, const attn::AttnKernels& kernels)
                           a.rope_theta};
   attn::attn_bwd_epilogue_kernel<<<epi_blocks, attn::kThreads, 0, s>>>(ep);
   GDN_CUDA_LAUNCH_CHECK("attn_bwd_epilogue_kernel");
+  mark();
   attn::attn_dw_reduce_kernel<<<static_cast<unsigned>((2 * d.hd + 31) / 32), 256, 0, s>>>(
       partial, dev<float>(a.dq_norm_w), dev<float>(a.dk_norm_w), static_cast<int>(epi_blocks),
       d.hd);
   GDN_CUDA_LAUNCH_CHECK("attn_dw_reduce_kernel");
+  mark();
 }
 
 constexpr attn::AttnKernels kMmaSync{attn::launch_fwd, attn::launch_bwd_dq, attn::launch_bwd_dkdv};
 constexpr attn::AttnKernels kWgmma{attn::launch_fwd_sm90, attn::launch_bwd_dq_sm90,
                                    attn::launch_bwd_dkdv_sm90};
+constexpr attn::AttnKernels kPipe{attn::launch_fwd_pipe, attn::launch_bwd_dq_pipe,
+                                  attn::launch_bwd_dkdv_pipe};
 void forward_mma(const GatedAttentionFwd& a) { forward_with(a, kMmaSync); }
 void backward_mma(const GatedAttentionBwd& a) { backward_with(a, kMmaSync); }
 void forward_wgmma(const GatedAttentionFwd& a) { forward_with(a, kWgmma); }
 void backward_wgmma(const GatedAttentionBwd& a) { backward_with(a, kWgmma); }
+void forward_pipe(const GatedAttentionFwd& a) { forward_with(a, kPipe); }
+void backward_pipe(const GatedAttentionBwd& a) { backward_with(a, kPipe); }
 const GatedAttentionTable kTable{forward_mma, backward_mma};
 const GatedAttentionTable kTableWgmma{forward_wgmma, backward_wgmma};
+const GatedAttentionTable kTablePipe{forward_pipe, backward_pipe};
+
+const attn::AttnKernels& kernels_of(std::string_view impl) {
+  if (impl == "cuda.flash") return kMmaSync;
+  if (impl == "cuda.wgmma") return kWgmma;
+  GDN_CHECK(impl == "cuda.pipe", "{}: no implementation named '{}'", kName, impl);
+  return kPipe;
+}
 
 std::string supports(const OpQuery& q) {
   const auto it = q.dims.find("hd");
@@ -323,6 +360,13 @@ std::string supports_wgmma(const OpQuery& q) {
 
 }  // namespace
 
+void attn::forward_marked(const GatedAttentionFwd& a, std::string_view impl, cudaEvent_t* marks) {
+  forward_with(a, kernels_of(impl), marks);
+}
+void attn::backward_marked(const GatedAttentionBwd& a, std::string_view impl, cudaEvent_t* marks) {
+  backward_with(a, kernels_of(impl), marks);
+}
+
 // Two implementations with one host side and the same row kernels: "cuda.wgmma" (Hopper warpgroup
 // MMAs, preferred) and "cuda.flash" (mma.sync, the simpler fallback the resolver takes when the
 // wgmma one cannot run or fails its probe).
@@ -331,6 +375,8 @@ GDN_REGISTER(gated_attention_cuda) {
       {"gated_attention", "cuda.flash", Backend::Cuda, 10, supports, &kTable});
   Registry::global().add_impl(
       {"gated_attention", "cuda.wgmma", Backend::Cuda, 20, supports_wgmma, &kTableWgmma});
+  Registry::global().add_impl(
+      {"gated_attention", "cuda.pipe", Backend::Cuda, 30, supports_wgmma, &kTablePipe});
 }
 
 }  // namespace gdn::ops

@@ -6,7 +6,10 @@
 
 #include <cuda_runtime.h>
 
+#include <string_view>
+
 #include "ops/gated_attention/cuda_common.cuh"
+#include "ops/gated_attention/op.h"
 
 namespace gdn::ops::attn {
 
@@ -18,11 +21,24 @@ void launch_fwd_sm90(const FwdParams& p, int hd_class, unsigned blocks, cudaStre
 void launch_bwd_dq_sm90(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
 void launch_bwd_dkdv_sm90(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
 
+void launch_fwd_pipe(const FwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
+void launch_bwd_dq_pipe(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
+void launch_bwd_dkdv_pipe(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
+
 // The attention kernels of one implementation.
 struct AttnKernels {
   void (*fwd)(const FwdParams&, int, unsigned, cudaStream_t);
   void (*dq)(const BwdParams&, int, unsigned, cudaStream_t);
   void (*dkdv)(const BwdParams&, int, unsigned, cudaStream_t);
 };
+
+// For kernel benchmarks (bench/cuda_bench_attn_kernels.cu): the forward / backward of CUDA
+// implementation `impl` ("cuda.flash", "cuda.wgmma" or "cuda.pipe"), no validation beyond the
+// implementation's own, with an event recorded on the context stream before the first launch and
+// after each: forward 4 marks (tile index, prologue, attention), backward 7 (tile index,
+// preprocess, dk/dv, dq, epilogue, dw reduce).
+constexpr int kFwdMarks = 4, kBwdMarks = 7;
+void forward_marked(const GatedAttentionFwd& a, std::string_view impl, cudaEvent_t* marks);
+void backward_marked(const GatedAttentionBwd& a, std::string_view impl, cudaEvent_t* marks);
 
 }  // namespace gdn::ops::attn

@@ -11,53 +11,6 @@
 
 namespace gdn::ops::attn {
 
-// Byte offset of 16-byte chunk c of row r in a chunk-row tile whose rows hold W bf16.
-template <int W>
-__device__ __forceinline__ uint32_t cr_off(int r, int c) {
-  return static_cast<uint32_t>((r >> 3) * (16 * W) + c * 128 + (r & 7) * 16);
-}
-
-// As load_tile_async, into a chunk-row tile [ROWS x HD]. Eight consecutive threads fill one
-// 128-byte core matrix (conflict-free stores); a warp reads 64 contiguous bytes of 8 rows.
-template <int ROWS, int HD>
-__device__ __forceinline__ void load_tile_cr(bf16_t* dst, const bf16_t* src, size_t ld,
-                                             int valid_rows, int hd, int tid) {
-  constexpr int CH = HD / 8;
-  constexpr int TOTAL = ROWS * CH;
-#pragma unroll
-  for (int it = 0; it < (TOTAL + kThreads - 1) / kThreads; ++it) {
-    const int i = it * kThreads + tid;
-    if (TOTAL % kThreads == 0 || i < TOTAL) {
-      const int r = (i / (8 * CH)) * 8 + (i & 7), c = (i >> 3) % CH;
-      const bool valid = r < valid_rows && c * 8 < hd;
-      const bf16_t* s = valid ? src + static_cast<size_t>(r) * ld + c * 8 : src;
-      cp_async_16(
-          reinterpret_cast<bf16_t*>(reinterpret_cast<unsigned char*>(dst) + cr_off<HD>(r, c)), s,
-          valid);
-    }
-  }
-}
-
-template <int R>
-__device__ __forceinline__ void reg_fence_u(uint32_t (&a)[R][4]) {
-#pragma unroll
-  for (int i = 0; i < R; ++i)
-#pragma unroll
-    for (int k = 0; k < 4; ++k) asm volatile("" : "+r"(a[i][k])::"memory");
-}
-
-// P (or dS) of a 16-key slice as the A operand: the accumulator of the previous product in place.
-template <int N>
-__device__ __forceinline__ void acc_to_a(const float (&s)[N / 2], uint32_t (&a)[N / 16][4]) {
-#pragma unroll
-  for (int ks = 0; ks < N / 16; ++ks) {
-    a[ks][0] = pack_bf16x2(s[8 * ks + 0], s[8 * ks + 1]);
-    a[ks][1] = pack_bf16x2(s[8 * ks + 2], s[8 * ks + 3]);
-    a[ks][2] = pack_bf16x2(s[8 * ks + 4], s[8 * ks + 5]);
-    a[ks][3] = pack_bf16x2(s[8 * ks + 6], s[8 * ks + 7]);
-  }
-}
-
 template <int HD>
 constexpr size_t fwd_sm90_smem_bytes() {  // Q [BM x HD], K and V [2][BN x HD]
   return sizeof(bf16_t) * HD * (kBigTile + 4 * kFwdKeys);

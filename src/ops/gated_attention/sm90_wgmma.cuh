@@ -22,7 +22,7 @@
 
 #include <cstdint>
 
-#include "ops/gated_attention/cuda_prims.cuh"
+#include "ops/gated_attention/cuda_common.cuh"
 
 namespace gdn::ops::attn {
 
@@ -56,6 +56,15 @@ template <int R>
 __device__ __forceinline__ void reg_fence(float (&d)[R]) {
 #pragma unroll
   for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Copies accumulators out after a wgmma wait: x[i] = d[i], ordered after the wait (both asm
+// statements are volatile) without redefining d, which would count as writing a wgmma input while
+// a later group of the stage may still be running (ptxas C7513 serializes the groups then).
+template <int R>
+__device__ __forceinline__ void take_acc(const float (&d)[R], float (&x)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("mov.b32 %0, %1;\n" : "=f"(x[i]) : "f"(d[i]));
 }
 
 // clang-format off
@@ -164,6 +173,90 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
     static_assert(N == 256, "wgmma N must be 32, 64, 128 or 256");
     wgmma_rs_n256<TB>(d, a, db, scale_d);
   }
+}
+
+// Byte offset of 16-byte chunk c of row r in a chunk-row tile whose rows hold W bf16.
+template <int W>
+__device__ __forceinline__ uint32_t cr_off(int r, int c) {
+  return static_cast<uint32_t>((r >> 3) * (16 * W) + c * 128 + (r & 7) * 16);
+}
+
+// As load_tile_async, into a chunk-row tile [ROWS x HD]. Eight consecutive threads fill one
+// 128-byte core matrix (conflict-free stores); a warp reads 64 contiguous bytes of 8 rows.
+template <int ROWS, int HD>
+__device__ __forceinline__ void load_tile_cr(bf16_t* dst, const bf16_t* src, size_t ld,
+                                             int valid_rows, int hd, int tid) {
+  constexpr int CH = HD / 8;
+  constexpr int TOTAL = ROWS * CH;
+#pragma unroll
+  for (int it = 0; it < (TOTAL + kThreads - 1) / kThreads; ++it) {
+    const int i = it * kThreads + tid;
+    if (TOTAL % kThreads == 0 || i < TOTAL) {
+      const int r = (i / (8 * CH)) * 8 + (i & 7), c = (i >> 3) % CH;
+      const bool valid = r < valid_rows && c * 8 < hd;
+      const bf16_t* s = valid ? src + static_cast<size_t>(r) * ld + c * 8 : src;
+      cp_async_16(
+          reinterpret_cast<bf16_t*>(reinterpret_cast<unsigned char*>(dst) + cr_off<HD>(r, c)), s,
+          valid);
+    }
+  }
+}
+
+// load_tile_cr with the addresses stepped instead of formed per copy: thread tid always copies
+// chunk c = (tid / 8) % CH of row tid % 8 of a row group, kThreads / CH rows further per step, so
+// a running source pointer and destination offset are all it keeps (the fully unrolled form
+// holds one 64-bit address per copy across the caller's loop: registers the MMA accumulators of
+// the pipelined kernels need). ROWS must be a multiple of kThreads / CH.
+template <int ROWS, int HD>
+__device__ __forceinline__ void load_tile_step(bf16_t* dst, const bf16_t* src, size_t ld,
+                                               int valid_rows, int hd, int tid) {
+  constexpr int CH = HD / 8;
+  constexpr int STEP = kThreads / CH;  // rows per step (8, 16, 32 for HD = 256, 128, 64)
+  static_assert(kThreads % (8 * CH) == 0 && ROWS % STEP == 0, "tile not a whole number of steps");
+  const int c = (tid >> 3) % CH;
+  int r = (tid / (8 * CH)) * 8 + (tid & 7);
+  const bool col_ok = c * 8 < hd;
+  const bf16_t* s = src + static_cast<size_t>(r) * ld + c * 8;
+  uint32_t off = cr_off<HD>(r, c);
+#pragma unroll 2
+  for (int it = 0; it < ROWS / STEP; ++it) {
+    const bool valid = col_ok && r < valid_rows;
+    cp_async_16(reinterpret_cast<bf16_t*>(reinterpret_cast<unsigned char*>(dst) + off),
+                valid ? s : src, valid);
+    r += STEP;
+    s += STEP * ld;
+    off += (STEP / 8) * 16 * HD;
+  }
+}
+
+template <int R>
+__device__ __forceinline__ void reg_fence_u(uint32_t (&a)[R][4]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) asm volatile("" : "+r"(a[i][k])::"memory");
+}
+
+// P (or dS) of a 16-key slice as the A operand: the accumulator of the previous product in place.
+template <int N>
+__device__ __forceinline__ void acc_to_a(const float (&s)[N / 2], uint32_t (&a)[N / 16][4]) {
+#pragma unroll
+  for (int ks = 0; ks < N / 16; ++ks) {
+    a[ks][0] = pack_bf16x2(s[8 * ks + 0], s[8 * ks + 1]);
+    a[ks][1] = pack_bf16x2(s[8 * ks + 2], s[8 * ks + 3]);
+    a[ks][2] = pack_bf16x2(s[8 * ks + 4], s[8 * ks + 5]);
+    a[ks][3] = pack_bf16x2(s[8 * ks + 6], s[8 * ks + 7]);
+  }
+}
+
+// Named barrier `id` (1..15; 0 is __syncthreads) over `count` threads (a multiple of 32): sync
+// waits for the barrier, arrive only signals it. Shared-memory writes before an arrive are
+// visible to the threads that pass the matching sync.
+__device__ __forceinline__ void named_bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
 }  // namespace gdn::ops::attn
