@@ -1,5 +1,14 @@
 // Gated attention on CUDA (op.h has the contract): bf16 qg/k/v/weights/outputs, fp32 lse, rstd and
-// norm-weight gradients, fp32 arithmetic, tensor-core (mma.sync m16n8k16 bf16 -> fp32) attention.
+// norm-weight gradients, fp32 arithmetic, tensor-core (bf16 -> fp32) attention.
+//
+// Three implementations share this host side and the row kernels and differ in the three
+// attention kernels (fwd, dk/dv, dq), which compute the same things with the same tiles of work:
+//   cuda.pipe  (priority 30, Hopper): warpgroup MMAs (wgmma) with the tile products overlapped,
+//              sm90_pipe.cuh;
+//   cuda.wgmma (20, Hopper): warpgroup MMAs one product after the other, sm90_attn.cuh;
+//   cuda.flash (10, any sm_80+): mma.sync m16n8k16 with ldmatrix, cuda_fwd.cuh / cuda_bwd.cuh.
+// The resolver takes the first that the device supports and that passes the probe, so a Hopper
+// kernel that went wrong falls back to the next one.
 //
 // Forward, three launches on the context stream:
 //   1. attn_tile_index_kernel (one block): per-document prefix sums of the query / key tile
@@ -7,7 +16,8 @@
 //      by binary search without any host-side knowledge of cu_seqlens (which lives on the device).
 //   2. attn_prologue_kernel: q_hat, k_hat = RoPE(RMSNorm_(1+w)(x)), q_rstd, k_rstd; cos/sin formed
 //      in fp64 per token (as ref and cpu).
-//   3. attn_fwd_kernel<HD>: FlashAttention-2 forward (Dao, "FlashAttention-2", 2023, Algorithm 1)
+//   3. the attention forward (attn_fwd_kernel<HD> and its wgmma versions): FlashAttention-2 forward
+//   (Dao, "FlashAttention-2", 2023, Algorithm 1)
 //      per (document, 128 query rows, query head), online softmax in base 2, causal masking only
 //      on the key tiles that reach past the tile's first query, GQA by reading kv head h / group;
 //      epilogue writes attn, o = attn ⊙ σ(gate) and lse.
@@ -15,9 +25,9 @@
 //   1. tile index (as above);
 //   2. attn_bwd_preprocess_kernel: dA = do ⊙ σ(gate) (bf16, parked in the gate half of dqg) and
 //      D = rowsum(dA ⊙ attn) (fp32 scratch);
-//   3. attn_bwd_dkdv_kernel<HD>: per (document, 64 keys, kv head), every query tile of every query
+//   3. the dk/dv kernel: per (document, 64 keys, kv head), every query tile of every query
 //      head of the group: dv (bf16, final) and dk_hat (fp32 scratch);
-//   4. attn_bwd_dq_kernel<HD>: per (document, 128 query rows, query head): dq_hat (fp32 scratch);
+//   4. the dq kernel: per (document, 128 query rows, query head): dq_hat (fp32 scratch);
 //   5. attn_bwd_epilogue_kernel: dq_hat and dk_hat back through RoPE and the norms into dqg's
 //      query half and dk, the gate gradient into dqg's gate half, per-block weight-grad partials;
 //   6. attn_dw_reduce_kernel: dq_norm_w, dk_norm_w += the partials summed in a fixed order.
@@ -367,9 +377,9 @@ void attn::backward_marked(const GatedAttentionBwd& a, std::string_view impl, cu
   backward_with(a, kernels_of(impl), marks);
 }
 
-// Two implementations with one host side and the same row kernels: "cuda.wgmma" (Hopper warpgroup
-// MMAs, preferred) and "cuda.flash" (mma.sync, the simpler fallback the resolver takes when the
-// wgmma one cannot run or fails its probe).
+// Three implementations with one host side and the same row kernels (see the top of this file):
+// "cuda.pipe" preferred, then "cuda.wgmma", then "cuda.flash", the fallbacks the resolver takes
+// when a preferred one cannot run or fails its probe.
 GDN_REGISTER(gated_attention_cuda) {
   Registry::global().add_impl(
       {"gated_attention", "cuda.flash", Backend::Cuda, 10, supports, &kTable});

@@ -182,8 +182,12 @@ __global__ void __launch_bounds__(kThreads, 1) attn_fwd_pipe_kernel(const FwdPar
     wgmma_wait<0>();
     reg_fence(acc);
     reg_fence_u(pa);
+    // Rescale only where a running max moved (alpha = 2^0 = 1 exactly otherwise), skipped by
+    // whole warps: past the first key tiles most rows keep their max. Exact either way.
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-    for (int i = 0; i < HD / 2; ++i) acc[i] *= alpha[(i >> 1) & 1];
+      for (int i = 0; i < HD / 2; ++i) acc[i] *= alpha[(i >> 1) & 1];
+    }
     acc_to_a<BN>(x, pa);
   }
   {                      // the last O += P V
