@@ -1,14 +1,13 @@
 // Gated attention on CUDA (label gpu), for each CUDA implementation ("cuda.flash": mma.sync,
-// "cuda.wgmma": Hopper warpgroup MMAs, "cuda.pipe": the same with overlapped tile products)
-// called directly: cuda vs ref over swept shapes (forward,
-// every saved tensor and every gradient, both halves of dqg separately): one document, many
-// documents with 1-token and empty ones, T and documents not multiples of the 128-query / 64-key
-// tiles, GQA 1/2/4, head dims 8 .. 256 (64, 128, 256 native; 8, 16, 96 padded), partial rotary
-// factors 0 .. 1; packed batch == documents run alone (bit for bit, the norm-weight gradients to
-// rounding), determinism, `+=` of the norm-weight gradients, 1-token documents, inconsistent device
-// cu_seqlens never faulting. Then, through the registry: the resolver's choice and both probes,
-// wrong CUDA kernels rejected by the probe, `ops run` on the cuda backend, and bad input.
-// Tolerances come from the one table, src/backend/tolerances.h.
+// "cuda.pipe": Hopper warpgroup MMAs with overlapped tile products) called directly: cuda vs ref
+// over swept shapes (forward, every saved tensor and every gradient, both halves of dqg
+// separately): one document, many documents with 1-token and empty ones, T and documents not
+// multiples of the 128-query / 64-key tiles, GQA 1/2/4, head dims 8 .. 256 (64, 128, 256 native; 8,
+// 16, 96 padded), partial rotary factors 0 .. 1; packed batch == documents run alone (bit for bit,
+// the norm-weight gradients to rounding), determinism, `+=` of the norm-weight gradients, 1-token
+// documents, inconsistent device cu_seqlens never faulting. Then, through the registry: the
+// resolver's choice and both probes, wrong CUDA kernels rejected by the probe, `ops run` on the
+// cuda backend, and bad input. Tolerances come from the one table, src/backend/tolerances.h.
 #include <unistd.h>
 
 #include <algorithm>
@@ -115,8 +114,8 @@ DevInputs to_device(const Inputs& in) {
           b(in.dout)};
 }
 
-const char* const kImpls[] = {"cuda.flash", "cuda.wgmma", "cuda.pipe"};
-// The resolver's choice on Hopper: the highest priority (cuda.pipe 30, cuda.wgmma 20, flash 10).
+const char* const kImpls[] = {"cuda.flash", "cuda.pipe"};
+// The resolver's choice on Hopper: the higher priority (cuda.pipe 30, cuda.flash 10).
 constexpr const char* kPreferred = "cuda.pipe";
 
 // The function table of a registered CUDA implementation.
@@ -217,11 +216,11 @@ TEST_P(GatedAttentionCudaSweep, MatchesRef) {
   compare(got, ref, std::string(impl) + " " + c.name);
 }
 
-// "cuda.wgmma" -> "wgmma" (test names are identifiers).
+// "cuda.pipe" -> "pipe" (test names are identifiers).
 std::string short_name(const char* impl) { return std::string(impl).substr(5); }
 
-// Tiles: 128 queries (forward, dq), 64 keys / queries (dk/dv), 64 keys per forward step and 32
-// (hd 256) or 64 per dq step.
+// Tiles: 128 queries (forward, dq), 64 keys / queries (dk/dv), 64 keys per forward step and per
+// dq step (cuda.flash: 32 per dq step at hd 256).
 const SweepCase kCases[] = {
     // One document, several query tiles, one partial; Qwen3.5's head dim, rotary factor, base.
     SweepCase{"OneDocHd256Gqa4", {300}, 4, 1, 256, 0.25, 1e7},
@@ -385,8 +384,7 @@ TEST_P(GatedAttentionCudaImpl, InconsistentDeviceOffsetsDoNotFault) {
   }
 }
 
-// The resolver prefers cuda.pipe (priority 30) over cuda.wgmma (20) and cuda.flash (10); all pass
-// the probe.
+// The resolver prefers cuda.pipe (priority 30) over cuda.flash (10); both pass the probe.
 TEST_F(GatedAttentionCuda, ResolverChoosesPipeAndAllPassTheProbe) {
   const OpQuery q{Backend::Cuda, "", {{"hd", 256}, {"Hq", 16}, {"Hkv", 4}}};
   const Resolution& r = Registry::global().resolve("gated_attention", q);

@@ -1,14 +1,14 @@
 // Gated attention on CUDA (op.h has the contract): bf16 qg/k/v/weights/outputs, fp32 lse, rstd and
 // norm-weight gradients, fp32 arithmetic, tensor-core (bf16 -> fp32) attention.
 //
-// Three implementations share this host side and the row kernels and differ in the three
-// attention kernels (fwd, dk/dv, dq), which compute the same things with the same tiles of work:
+// Two implementations share this host side and the row kernels and differ in the three attention
+// kernels (fwd, dk/dv, dq), which compute the same things with the same tiles of work and, on an
+// H200, the same bits (HGMMA and HMMA round alike and the products accumulate in the same order):
 //   cuda.pipe  (priority 30, Hopper): warpgroup MMAs (wgmma) with the tile products overlapped,
 //              sm90_pipe.cuh;
-//   cuda.wgmma (20, Hopper): warpgroup MMAs one product after the other, sm90_attn.cuh;
 //   cuda.flash (10, any sm_80+): mma.sync m16n8k16 with ldmatrix, cuda_fwd.cuh / cuda_bwd.cuh.
 // The resolver takes the first that the device supports and that passes the probe, so a Hopper
-// kernel that went wrong falls back to the next one.
+// kernel that went wrong falls back to the mma.sync one.
 //
 // Forward, three launches on the context stream:
 //   1. attn_tile_index_kernel (one block): per-document prefix sums of the query / key tile
@@ -47,6 +47,21 @@
 //
 // Scratch (Context::scratch, grown once): forward 2(N+1) int32; backward also D [T, Hq], dq_hat
 // [T, Hq, hd] and dk_hat [T, Hkv, hd] fp32 and the weight-grad partials (ceil(T / 4) x 2hd fp32).
+//
+// Where the time goes (H200, T = 8192 as one document, 16 / 4 heads x 256, cuda.pipe; measured
+// with bench/cuda_bench_attn_kernels): forward 2.24 ms = prologue 0.11 + attention 2.12; backward
+// 8.26 ms = preprocess 0.07 + dk/dv 5.77 + dq 2.05 + epilogue 0.33 + the rest 0.04. What remains,
+// in order of size:
+//   - the attention kernels are fed from L2 by 16-byte cp.async per thread at about 2 TB/s, which
+//     Nsight Compute reports as 82-84% of L2 throughput (forward, dq) while the SMs are 20-42%
+//     busy. Fewer, larger L2 requests (TMA, cp.async.bulk.tensor, into 128-byte-swizzled tiles,
+//     as FlashAttention-3 does) or fewer requests altogether (a cluster sharing each K / V tile
+//     among the query heads of a kv group by multicast) are the next step;
+//   - dk/dv is latency-bound (55% L2, 20% SM): per item, warps 0-1 read lse and D with plain loads
+//     on warpgroup 0's critical path, and the two warpgroups run in lockstep (one block barrier
+//     and one P handoff per 64 x 64 item);
+//   - documents are ordered by their tile index, not by work, so with several documents the
+//     longest tiles do not all start first.
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -333,23 +348,17 @@ void backward_with(const GatedAttentionBwd& a, const attn::AttnKernels& kernels,
 }
 
 constexpr attn::AttnKernels kMmaSync{attn::launch_fwd, attn::launch_bwd_dq, attn::launch_bwd_dkdv};
-constexpr attn::AttnKernels kWgmma{attn::launch_fwd_sm90, attn::launch_bwd_dq_sm90,
-                                   attn::launch_bwd_dkdv_sm90};
 constexpr attn::AttnKernels kPipe{attn::launch_fwd_pipe, attn::launch_bwd_dq_pipe,
                                   attn::launch_bwd_dkdv_pipe};
 void forward_mma(const GatedAttentionFwd& a) { forward_with(a, kMmaSync); }
 void backward_mma(const GatedAttentionBwd& a) { backward_with(a, kMmaSync); }
-void forward_wgmma(const GatedAttentionFwd& a) { forward_with(a, kWgmma); }
-void backward_wgmma(const GatedAttentionBwd& a) { backward_with(a, kWgmma); }
 void forward_pipe(const GatedAttentionFwd& a) { forward_with(a, kPipe); }
 void backward_pipe(const GatedAttentionBwd& a) { backward_with(a, kPipe); }
 const GatedAttentionTable kTable{forward_mma, backward_mma};
-const GatedAttentionTable kTableWgmma{forward_wgmma, backward_wgmma};
 const GatedAttentionTable kTablePipe{forward_pipe, backward_pipe};
 
 const attn::AttnKernels& kernels_of(std::string_view impl) {
   if (impl == "cuda.flash") return kMmaSync;
-  if (impl == "cuda.wgmma") return kWgmma;
   GDN_CHECK(impl == "cuda.pipe", "{}: no implementation named '{}'", kName, impl);
   return kPipe;
 }
@@ -377,14 +386,12 @@ void attn::backward_marked(const GatedAttentionBwd& a, std::string_view impl, cu
   backward_with(a, kernels_of(impl), marks);
 }
 
-// Three implementations with one host side and the same row kernels (see the top of this file):
-// "cuda.pipe" preferred, then "cuda.wgmma", then "cuda.flash", the fallbacks the resolver takes
-// when a preferred one cannot run or fails its probe.
+// Two implementations with one host side and the same row kernels (see the top of this file):
+// "cuda.pipe" preferred, "cuda.flash" the fallback the resolver takes when the Hopper one cannot
+// run or fails its probe.
 GDN_REGISTER(gated_attention_cuda) {
   Registry::global().add_impl(
       {"gated_attention", "cuda.flash", Backend::Cuda, 10, supports, &kTable});
-  Registry::global().add_impl(
-      {"gated_attention", "cuda.wgmma", Backend::Cuda, 20, supports_wgmma, &kTableWgmma});
   Registry::global().add_impl(
       {"gated_attention", "cuda.pipe", Backend::Cuda, 30, supports_wgmma, &kTablePipe});
 }

@@ -1,7 +1,7 @@
 // Host launchers of the gated-attention attention kernels, defined in cuda_fwd.cu, cuda_bwd.cu
-// (mma.sync) and sm90_attn.cu (wgmma), kept in their own translation units: the three head-dim
-// instantiations of each are the slow part of the build. `hd_class` is the kernels' padded head
-// dim: 64, 128 or 256.
+// (mma.sync) and sm90_pipe_{fwd,dq,dkdv}.cu (wgmma), kept in their own translation units: the
+// three head-dim instantiations of each are the slow part of the build. `hd_class` is the kernels'
+// padded head dim: 64, 128 or 256.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -17,10 +17,6 @@ void launch_fwd(const FwdParams& p, int hd_class, unsigned blocks, cudaStream_t 
 void launch_bwd_dq(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
 void launch_bwd_dkdv(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
 
-void launch_fwd_sm90(const FwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
-void launch_bwd_dq_sm90(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
-void launch_bwd_dkdv_sm90(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
-
 void launch_fwd_pipe(const FwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
 void launch_bwd_dq_pipe(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
 void launch_bwd_dkdv_pipe(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
@@ -33,7 +29,7 @@ struct AttnKernels {
 };
 
 // For kernel benchmarks (bench/cuda_bench_attn_kernels.cu): the forward / backward of CUDA
-// implementation `impl` ("cuda.flash", "cuda.wgmma" or "cuda.pipe"), no validation beyond the
+// implementation `impl` ("cuda.flash" or "cuda.pipe"), no validation beyond the
 // implementation's own, with an event recorded on the context stream before the first launch and
 // after each: forward 4 marks (tile index, prologue, attention), backward 7 (tile index,
 // preprocess, dk/dv, dq, epilogue, dw reduce).

@@ -1,25 +1,31 @@
-// Gated attention on Hopper, "cuda.pipe": the attention kernels on warpgroup MMAs (wgmma, sm_90a)
-// with the tile products of a block overlapped instead of run one after the other. Same outputs,
-// block-to-tile maps, masking and operand layouts as sm90_attn.cuh (chunk-row shared tiles, see
-// sm90_wgmma.cuh); what changes is the schedule:
+// Gated attention on Hopper, "cuda.pipe": the three attention kernels of cuda_fwd.cuh and
+// cuda_bwd.cuh on warpgroup MMAs (wgmma, sm_90a), with the tile products of a block overlapped.
+// Same block-to-tile maps, masking, online softmax and outputs as the mma.sync kernels; operands
+// come straight from shared memory in the chunk-row layout of sm90_wgmma.cuh, P and dS go to the
+// next product as register A operands. Warp w still owns rows 16w .. 16w+15 of its warpgroup's
+// 64-row accumulators (the m64nN accumulator layout per warp is mma.sync's m16n8 one).
 //
-//   forward: software-pipelined per warpgroup (FlashAttention-3, Shah et al. 2024, §3.2
-//     "intra-warpgroup overlapping"): while O += P_{j-1} V_{j-1} runs on the tensor cores, the
-//     warpgroup does the softmax of S_j; one block barrier per key tile (K_{j+1} and V_j are
-//     copied during tile j).
-//   dq: 128 query rows (64 per warpgroup) and 64 keys per step (sm90_attn: 32), S = Q Kᵀ and
-//     dP = dA Vᵀ at m64n64 (twice the work per shared-memory byte of m64n32), K and V in three
-//     rotating slots so that the next K is copied during a whole step and the next V during the
-//     dS / dQ half of it.
+//   forward: 128 query rows (64 per warpgroup), 64 keys per step, software-pipelined per
+//     warpgroup (FlashAttention-3, Shah et al. 2024, §3.2 "intra-warpgroup overlapping"): while
+//     O += P_{j-1} V_{j-1} runs on the tensor cores, the warpgroup does the softmax of S_j; one
+//     block barrier per key tile (K_{j+1} and V_j are copied during tile j).
+//   dq: 128 query rows (64 per warpgroup) and 64 keys per step (the mma.sync kernel: 32), S = Q Kᵀ
+//     and dP = dA Vᵀ at m64n64, K and V in three rotating slots so that the next K is copied
+//     during a whole step and the next V during the dS / dQ half of it.
 //   dk/dv: the warpgroups split the products, not the rows: warpgroup 0 computes Sᵀ = K Qᵀ, Pᵀ and
 //     dV += Pᵀ dA, warpgroup 1 dPᵀ = V dAᵀ, dSᵀ = Pᵀ ⊙ (dPᵀ − D) and dK += dSᵀ Q, each with the
-//     full 64 x HD accumulator and Pᵀ / dSᵀ as register A operands (sm90_attn: both products per
-//     warpgroup on half the head dim, Pᵀ and dSᵀ through shared memory as bf16). Pᵀ goes to
-//     warpgroup 1 in fp32 through shared memory in the accumulator's own register order (thread t
-//     of warpgroup 1 reads exactly the elements thread t of warpgroup 0 wrote), handed over by a
-//     named barrier.
-// The per-element arithmetic is sm90_attn's (and cuda_bwd's), so results agree to rounding order
-// within the MMAs. See cuda.cu for the design of the whole op.
+//     full 64 x HD accumulator and Pᵀ / dSᵀ as register A operands. Pᵀ goes to warpgroup 1 in fp32
+//     through shared memory in the accumulator's own register order (thread t of warpgroup 1
+//     reads exactly the elements thread t of warpgroup 0 wrote), handed over by a named barrier.
+// The per-element arithmetic and the order of every accumulation are the mma.sync kernels', and on
+// an H200 the outputs are bit-identical to cuda.flash's (bench/cuda_bench_attn_kernels checks it
+// at T = 8192).
+//
+// Measured (H200, T = 8192, 16 / 4 heads x 256, one document; cuda.flash in brackets): forward
+// 2.12 ms (2.18), dk/dv 5.77 ms (5.65), dq 2.05 ms (3.08). Nsight Compute puts the forward and dq
+// at 82-84% of L2 throughput with the SMs 27-42% busy: the K / V (Q / dA) tiles, 16-byte cp.async
+// per thread, come from L2 at about 2 TB/s and that, not the tensor cores, is the limit; dk/dv
+// sits at 55% L2 and 20% SM, bound by latency (see cuda.cu for what remains).
 #pragma once
 
 #include "ops/gated_attention/cuda_common.cuh"

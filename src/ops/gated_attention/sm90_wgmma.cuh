@@ -181,32 +181,13 @@ __device__ __forceinline__ uint32_t cr_off(int r, int c) {
   return static_cast<uint32_t>((r >> 3) * (16 * W) + c * 128 + (r & 7) * 16);
 }
 
-// As load_tile_async, into a chunk-row tile [ROWS x HD]. Eight consecutive threads fill one
-// 128-byte core matrix (conflict-free stores); a warp reads 64 contiguous bytes of 8 rows.
-template <int ROWS, int HD>
-__device__ __forceinline__ void load_tile_cr(bf16_t* dst, const bf16_t* src, size_t ld,
-                                             int valid_rows, int hd, int tid) {
-  constexpr int CH = HD / 8;
-  constexpr int TOTAL = ROWS * CH;
-#pragma unroll
-  for (int it = 0; it < (TOTAL + kThreads - 1) / kThreads; ++it) {
-    const int i = it * kThreads + tid;
-    if (TOTAL % kThreads == 0 || i < TOTAL) {
-      const int r = (i / (8 * CH)) * 8 + (i & 7), c = (i >> 3) % CH;
-      const bool valid = r < valid_rows && c * 8 < hd;
-      const bf16_t* s = valid ? src + static_cast<size_t>(r) * ld + c * 8 : src;
-      cp_async_16(
-          reinterpret_cast<bf16_t*>(reinterpret_cast<unsigned char*>(dst) + cr_off<HD>(r, c)), s,
-          valid);
-    }
-  }
-}
-
-// load_tile_cr with the addresses stepped instead of formed per copy: thread tid always copies
-// chunk c = (tid / 8) % CH of row tid % 8 of a row group, kThreads / CH rows further per step, so
-// a running source pointer and destination offset are all it keeps (the fully unrolled form
-// holds one 64-bit address per copy across the caller's loop: registers the MMA accumulators of
-// the pipelined kernels need). ROWS must be a multiple of kThreads / CH.
+// As load_tile_async (cuda_common.cuh), into a chunk-row tile [ROWS x HD]: eight consecutive
+// threads fill one 128-byte core matrix (conflict-free stores), a warp reads 64 contiguous bytes
+// of 8 rows. The addresses are stepped, not formed per copy: thread tid always copies chunk
+// c = (tid / 8) % CH of row tid % 8 of a row group, kThreads / CH rows further per step, so a
+// running source pointer and destination offset are all it keeps (a fully unrolled form holds one
+// 64-bit address per copy across the caller's loop: registers the MMA accumulators need). ROWS
+// must be a multiple of kThreads / CH.
 template <int ROWS, int HD>
 __device__ __forceinline__ void load_tile_step(bf16_t* dst, const bf16_t* src, size_t ld,
                                                int valid_rows, int hd, int tid) {
