@@ -1,5 +1,14 @@
 // Gated attention on CUDA (op.h has the contract): bf16 qg/k/v/weights/outputs, fp32 lse, rstd and
-// norm-weight gradients, fp32 arithmetic, tensor-core (mma.sync m16n8k16 bf16 -> fp32) attention.
+// norm-weight gradients, fp32 arithmetic, tensor-core (bf16 -> fp32) attention.
+//
+// Two implementations share this host side and the row kernels and differ in the three attention
+// kernels (fwd, dk/dv, dq), which compute the same things with the same tiles of work and, on an
+// H200, the same bits (HGMMA and HMMA round alike and the products accumulate in the same order):
+//   cuda.pipe  (priority 30, Hopper): warpgroup MMAs (wgmma) with the tile products overlapped,
+//              sm90_pipe.cuh;
+//   cuda.flash (10, any sm_80+): mma.sync m16n8k16 with ldmatrix, cuda_fwd.cuh / cuda_bwd.cuh.
+// The resolver takes the first that the device supports and that passes the probe, so a Hopper
+// kernel that went wrong falls back to the mma.sync one.
 //
 // Forward, three launches on the context stream:
 //   1. attn_tile_index_kernel (one block): per-document prefix sums of the query / key tile
@@ -7,7 +16,8 @@
 //      by binary search without any host-side knowledge of cu_seqlens (which lives on the device).
 //   2. attn_prologue_kernel: q_hat, k_hat = RoPE(RMSNorm_(1+w)(x)), q_rstd, k_rstd; cos/sin formed
 //      in fp64 per token (as ref and cpu).
-//   3. attn_fwd_kernel<HD>: FlashAttention-2 forward (Dao, "FlashAttention-2", 2023, Algorithm 1)
+//   3. the attention forward (attn_fwd_kernel<HD> and its wgmma versions): FlashAttention-2 forward
+//   (Dao, "FlashAttention-2", 2023, Algorithm 1)
 //      per (document, 128 query rows, query head), online softmax in base 2, causal masking only
 //      on the key tiles that reach past the tile's first query, GQA by reading kv head h / group;
 //      epilogue writes attn, o = attn ⊙ σ(gate) and lse.
@@ -15,9 +25,9 @@
 //   1. tile index (as above);
 //   2. attn_bwd_preprocess_kernel: dA = do ⊙ σ(gate) (bf16, parked in the gate half of dqg) and
 //      D = rowsum(dA ⊙ attn) (fp32 scratch);
-//   3. attn_bwd_dkdv_kernel<HD>: per (document, 64 keys, kv head), every query tile of every query
+//   3. the dk/dv kernel: per (document, 64 keys, kv head), every query tile of every query
 //      head of the group: dv (bf16, final) and dk_hat (fp32 scratch);
-//   4. attn_bwd_dq_kernel<HD>: per (document, 128 query rows, query head): dq_hat (fp32 scratch);
+//   4. the dq kernel: per (document, 128 query rows, query head): dq_hat (fp32 scratch);
 //   5. attn_bwd_epilogue_kernel: dq_hat and dk_hat back through RoPE and the norms into dqg's
 //      query half and dk, the gate gradient into dqg's gate half, per-block weight-grad partials;
 //   6. attn_dw_reduce_kernel: dq_norm_w, dk_norm_w += the partials summed in a fixed order.
@@ -37,6 +47,21 @@
 //
 // Scratch (Context::scratch, grown once): forward 2(N+1) int32; backward also D [T, Hq], dq_hat
 // [T, Hq, hd] and dk_hat [T, Hkv, hd] fp32 and the weight-grad partials (ceil(T / 4) x 2hd fp32).
+//
+// Where the time goes (H200, T = 8192 as one document, 16 / 4 heads x 256, cuda.pipe; measured
+// with bench/cuda_bench_attn_kernels): forward 2.24 ms = prologue 0.11 + attention 2.12; backward
+// 8.26 ms = preprocess 0.07 + dk/dv 5.77 + dq 2.05 + epilogue 0.33 + the rest 0.04. What remains,
+// in order of size:
+//   - the attention kernels are fed from L2 by 16-byte cp.async per thread at about 2 TB/s, which
+//     Nsight Compute reports as 82-84% of L2 throughput (forward, dq) while the SMs are 20-42%
+//     busy. Fewer, larger L2 requests (TMA, cp.async.bulk.tensor, into 128-byte-swizzled tiles,
+//     as FlashAttention-3 does) or fewer requests altogether (a cluster sharing each K / V tile
+//     among the query heads of a kv group by multicast) are the next step;
+//   - dk/dv is latency-bound (55% L2, 20% SM): per item, warps 0-1 read lse and D with plain loads
+//     on warpgroup 0's critical path, and the two warpgroups run in lockstep (one block barrier
+//     and one P handoff per 64 x 64 item);
+//   - documents are ordered by their tile index, not by work, so with several documents the
+//     longest tiles do not all start first.
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -123,7 +148,18 @@ void launch_tile_index(const Dims& d, const int32_t* cu, int32_t* ts_big, int32_
   GDN_CUDA_LAUNCH_CHECK("attn_tile_index_kernel");
 }
 
-void forward(const GatedAttentionFwd& a) {
+// Records marks[i] (when marks is not null) after the i-th launch; marks[0] before the first.
+struct Marks {
+  cudaEvent_t* ev;
+  cudaStream_t s;
+  int i = 0;
+  void operator()() {
+    if (ev != nullptr) GDN_CUDA_CHECK(cudaEventRecord(ev[i++], s));
+  }
+};
+
+void forward_with(const GatedAttentionFwd& a, const attn::AttnKernels& kernels,
+                  cudaEvent_t* marks = nullptr) {
   const Dims d = dims_of(a.qg, a.k, a.cu_seqlens);
   if (d.T == 0) return;
   for (auto [t, name] : {std::pair{&a.qg, "qg"},
@@ -146,8 +182,11 @@ void forward(const GatedAttentionFwd& a) {
   int32_t* ts_big = c.take<int32_t>(nts);                // [N+1]
   int32_t* ts_small = c.take<int32_t>(nts);              // [N+1]
   const int32_t* cu = dev<const int32_t>(a.cu_seqlens);  // [N+1]
+  Marks mark{marks, s};
 
+  mark();
   launch_tile_index(d, cu, ts_big, ts_small, s);
+  mark();
 
   attn::PrologueParams pp{dev<const bf16_t>(a.qg),
                           dev<const bf16_t>(a.k),
@@ -170,6 +209,7 @@ void forward(const GatedAttentionFwd& a) {
       attn_prologue_kernel<<<static_cast<unsigned>((d.T + attn::kRowTokens - 1) / attn::kRowTokens),
                              attn::kThreads, 0, s>>>(pp);
   GDN_CUDA_LAUNCH_CHECK("attn_prologue_kernel");
+  mark();
 
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d.hd)));
   attn::FwdParams fp{dev<const bf16_t>(a.q_hat),
@@ -188,10 +228,12 @@ void forward(const GatedAttentionFwd& a) {
                      d.N,
                      d.group,
                      scale * attn::kLog2e};
-  attn::launch_fwd(fp, d.hd_class, grid_for(d.T, d.N, attn::kBigTile, d.Hq), s);
+  kernels.fwd(fp, d.hd_class, grid_for(d.T, d.N, attn::kBigTile, d.Hq), s);
+  mark();
 }
 
-void backward(const GatedAttentionBwd& a) {
+void backward_with(const GatedAttentionBwd& a, const attn::AttnKernels& kernels,
+                   cudaEvent_t* marks = nullptr) {
   const Dims d = dims_of(a.qg, a.k, a.cu_seqlens);
   if (d.T == 0) return;  // dq_norm_w, dk_norm_w += 0
   for (auto [t, name] : {std::pair{&a.qg, "qg"},
@@ -229,8 +271,11 @@ void backward(const GatedAttentionBwd& a) {
   Carve c{static_cast<char*>(ctx.scratch(size.off))};
   carve_all(c, &ts_big, &ts_small, &D, &dq_hat, &dk_hat, &partial);
   const int32_t* cu = dev<const int32_t>(a.cu_seqlens);  // [N+1]
+  Marks mark{marks, s};
 
+  mark();
   launch_tile_index(d, cu, ts_big, ts_small, s);
+  mark();
 
   attn::PreprocessParams pre{dev<const bf16_t>(a.qg),
                              dev<const bf16_t>(a.d_o),
@@ -243,6 +288,7 @@ void backward(const GatedAttentionBwd& a) {
       static_cast<unsigned>((rows_q + attn::kWarps - 1) / attn::kWarps), attn::kThreads, 0, s>>>(
       pre);
   GDN_CUDA_LAUNCH_CHECK("attn_bwd_preprocess_kernel");
+  mark();
 
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d.hd)));
   attn::BwdParams bp{dev<const bf16_t>(a.q_hat),
@@ -264,9 +310,11 @@ void backward(const GatedAttentionBwd& a) {
                      d.group,
                      scale,
                      scale * attn::kLog2e};
-  attn::launch_bwd_dkdv(bp, d.hd_class, grid_for(d.T, d.N, attn::kSmallTile, d.Hkv), s);
+  kernels.dkdv(bp, d.hd_class, grid_for(d.T, d.N, attn::kSmallTile, d.Hkv), s);
+  mark();
   bp.ts = ts_big;
-  attn::launch_bwd_dq(bp, d.hd_class, grid_for(d.T, d.N, attn::kBigTile, d.Hq), s);
+  kernels.dq(bp, d.hd_class, grid_for(d.T, d.N, attn::kBigTile, d.Hq), s);
+  mark();
 
   attn::EpilogueParams ep{dev<const bf16_t>(a.qg),
                           dev<const bf16_t>(a.k),
@@ -291,24 +339,61 @@ void backward(const GatedAttentionBwd& a) {
                           a.rope_theta};
   attn::attn_bwd_epilogue_kernel<<<epi_blocks, attn::kThreads, 0, s>>>(ep);
   GDN_CUDA_LAUNCH_CHECK("attn_bwd_epilogue_kernel");
+  mark();
   attn::attn_dw_reduce_kernel<<<static_cast<unsigned>((2 * d.hd + 31) / 32), 256, 0, s>>>(
       partial, dev<float>(a.dq_norm_w), dev<float>(a.dk_norm_w), static_cast<int>(epi_blocks),
       d.hd);
   GDN_CUDA_LAUNCH_CHECK("attn_dw_reduce_kernel");
+  mark();
 }
 
-const GatedAttentionTable kTable{forward, backward};
+constexpr attn::AttnKernels kMmaSync{attn::launch_fwd, attn::launch_bwd_dq, attn::launch_bwd_dkdv};
+constexpr attn::AttnKernels kPipe{attn::launch_fwd_pipe, attn::launch_bwd_dq_pipe,
+                                  attn::launch_bwd_dkdv_pipe};
+void forward_mma(const GatedAttentionFwd& a) { forward_with(a, kMmaSync); }
+void backward_mma(const GatedAttentionBwd& a) { backward_with(a, kMmaSync); }
+void forward_pipe(const GatedAttentionFwd& a) { forward_with(a, kPipe); }
+void backward_pipe(const GatedAttentionBwd& a) { backward_with(a, kPipe); }
+const GatedAttentionTable kTable{forward_mma, backward_mma};
+const GatedAttentionTable kTablePipe{forward_pipe, backward_pipe};
+
+const attn::AttnKernels& kernels_of(std::string_view impl) {
+  if (impl == "cuda.flash") return kMmaSync;
+  GDN_CHECK(impl == "cuda.pipe", "{}: no implementation named '{}'", kName, impl);
+  return kPipe;
+}
 
 std::string supports(const OpQuery& q) {
   const auto it = q.dims.find("hd");
   return it == q.dims.end() ? std::string() : unsupported_head_dim(it->second);
 }
 
+// wgmma is Hopper's (compute capability 9.0; the build targets sm_90a).
+std::string supports_wgmma(const OpQuery& q) {
+  const cudaDeviceProp& prop = cuda::Context::get().props();
+  if (prop.major != 9)
+    return fmt::format("wgmma needs compute capability 9.0, the device has {}.{}", prop.major,
+                       prop.minor);
+  return supports(q);
+}
+
 }  // namespace
 
+void attn::forward_marked(const GatedAttentionFwd& a, std::string_view impl, cudaEvent_t* marks) {
+  forward_with(a, kernels_of(impl), marks);
+}
+void attn::backward_marked(const GatedAttentionBwd& a, std::string_view impl, cudaEvent_t* marks) {
+  backward_with(a, kernels_of(impl), marks);
+}
+
+// Two implementations with one host side and the same row kernels (see the top of this file):
+// "cuda.pipe" preferred, "cuda.flash" the fallback the resolver takes when the Hopper one cannot
+// run or fails its probe.
 GDN_REGISTER(gated_attention_cuda) {
   Registry::global().add_impl(
       {"gated_attention", "cuda.flash", Backend::Cuda, 10, supports, &kTable});
+  Registry::global().add_impl(
+      {"gated_attention", "cuda.pipe", Backend::Cuda, 30, supports_wgmma, &kTablePipe});
 }
 
 }  // namespace gdn::ops

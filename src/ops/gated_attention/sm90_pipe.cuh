@@ -1,0 +1,552 @@
+// Gated attention on Hopper, "cuda.pipe": the three attention kernels of cuda_fwd.cuh and
+// cuda_bwd.cuh on warpgroup MMAs (wgmma, sm_90a), with the tile products of a block overlapped.
+// Same block-to-tile maps, masking, online softmax and outputs as the mma.sync kernels; operands
+// come straight from shared memory in the chunk-row layout of sm90_wgmma.cuh, P and dS go to the
+// next product as register A operands. Warp w still owns rows 16w .. 16w+15 of its warpgroup's
+// 64-row accumulators (the m64nN accumulator layout per warp is mma.sync's m16n8 one).
+//
+//   forward: 128 query rows (64 per warpgroup), 64 keys per step, software-pipelined per
+//     warpgroup (FlashAttention-3, Shah et al. 2024, §3.2 "intra-warpgroup overlapping"): while
+//     O += P_{j-1} V_{j-1} runs on the tensor cores, the warpgroup does the softmax of S_j; one
+//     block barrier per key tile (K_{j+1} and V_j are copied during tile j).
+//   dq: 128 query rows (64 per warpgroup) and 64 keys per step (the mma.sync kernel: 32), S = Q Kᵀ
+//     and dP = dA Vᵀ at m64n64, K and V in three rotating slots so that the next K is copied
+//     during a whole step and the next V during the dS / dQ half of it.
+//   dk/dv: the warpgroups split the products, not the rows: warpgroup 0 computes Sᵀ = K Qᵀ, Pᵀ and
+//     dV += Pᵀ dA, warpgroup 1 dPᵀ = V dAᵀ, dSᵀ = Pᵀ ⊙ (dPᵀ − D) and dK += dSᵀ Q, each with the
+//     full 64 x HD accumulator and Pᵀ / dSᵀ as register A operands. Pᵀ goes to warpgroup 1 in fp32
+//     through shared memory in the accumulator's own register order (thread t of warpgroup 1
+//     reads exactly the elements thread t of warpgroup 0 wrote), handed over by a named barrier.
+// The per-element arithmetic and the order of every accumulation are the mma.sync kernels', and on
+// an H200 the outputs are bit-identical to cuda.flash's (bench/cuda_bench_attn_kernels checks it
+// at T = 8192).
+//
+// Measured (H200, T = 8192, 16 / 4 heads x 256, one document; cuda.flash in brackets): forward
+// 2.12 ms (2.18), dk/dv 5.77 ms (5.65), dq 2.05 ms (3.08). Nsight Compute puts the forward and dq
+// at 82-84% of L2 throughput with the SMs 27-42% busy: the K / V (Q / dA) tiles, 16-byte cp.async
+// per thread, come from L2 at about 2 TB/s and that, not the tensor cores, is the limit; dk/dv
+// sits at 55% L2 and 20% SM, bound by latency (see cuda.cu for what remains).
+#pragma once
+
+#include "ops/gated_attention/cuda_common.cuh"
+#include "ops/gated_attention/sm90_wgmma.cuh"
+
+namespace gdn::ops::attn {
+
+constexpr int kPipeDqKeys = 64;  // keys per step of the pipelined dq kernel
+
+template <int HD>
+constexpr size_t fwd_pipe_smem_bytes() {  // Q [BM x HD], K and V [2][BN x HD]
+  return sizeof(bf16_t) * HD * (kBigTile + 4 * kFwdKeys);
+}
+template <int HD>
+constexpr size_t dq_pipe_smem_bytes() {  // Q, dA [BM x HD], three K / V slots [BN x HD]
+  return sizeof(bf16_t) * HD * (2 * kBigTile + 3 * kPipeDqKeys);
+}
+template <int HD>
+constexpr size_t dkdv_pipe_smem_bytes() {  // K, V; Q, dA [2]; Pᵀ fp32 [64 x 64]; lse, D [2][64]
+  return sizeof(bf16_t) * HD * 6 * kSmallTile + sizeof(float) * kSmallTile * kSmallTile +
+         sizeof(float) * 4 * kSmallTile;
+}
+static_assert(fwd_pipe_smem_bytes<256>() <= 227 * 1024 && dq_pipe_smem_bytes<256>() <= 227 * 1024 &&
+                  dkdv_pipe_smem_bytes<256>() <= 227 * 1024,
+              "a kernel's shared memory exceeds the 227 KiB an sm_90 block may have");
+
+// Forward. Iteration j (0 <= j < nk) issues S_j = Q K_jᵀ and then O += P_{j-1} V_{j-1} (j > 0)
+// as two wgmma groups, waits for the first, does the softmax of S_j while the second runs,
+// waits for it, rescales O to the new running max and keeps P_j (bf16 A fragments) for the next
+// iteration; the last P V follows the loop. Shared: K_j in slot j % 2, V_j in slot j % 2; at the
+// top of iteration j (after the barrier that ends every warp's iteration j-1) the copies of K_{j+1}
+// and V_j start, into the slots of K_{j-1} and V_{j-2}, which no product reads any more.
+template <int HD>
+__global__ void __launch_bounds__(kThreads, 1) attn_fwd_pipe_kernel(const FwdParams p) {
+  constexpr int BM = kBigTile, BN = kFwdKeys;
+  constexpr uint32_t ROWB = 16 * HD;                   // bytes per 8 rows of a tile
+  bf16_t* sQ = reinterpret_cast<bf16_t*>(dyn_smem());  // [BM x HD] chunk-row
+  bf16_t* sK = sQ + BM * HD;                           // [2][BN x HD]
+  bf16_t* sV = sK + 2 * BN * HD;                       // [2][BN x HD]
+
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int h = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.Hq));
+  const int rev = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.Hq));
+  const int total = p.ts[p.N];
+  if (rev >= total) return;
+  const int tile = total - 1 - rev;  // longest tiles first
+  const int n = find_doc(p.ts, p.N, tile);
+  const Doc d = doc_bounds(p.cu, n, p.T);
+  const int64_t q0l = d.b + static_cast<int64_t>(tile - p.ts[n]) * BM;
+  if (q0l >= d.e) return;
+  const int q0 = static_cast<int>(q0l), q_end = imin(q0 + BM, d.e);
+  const int j = h / p.group;
+  const int nk = (q_end - d.b + BN - 1) / BN;  // key tiles [d.b, q_end)
+
+  const size_t ldq = static_cast<size_t>(p.Hq) * p.hd, ldkv = static_cast<size_t>(p.Hkv) * p.hd;
+  const bf16_t* gQ = p.q_hat + static_cast<size_t>(h) * p.hd;  // row t at + t·ldq
+  const bf16_t* gK = p.k_hat + static_cast<size_t>(j) * p.hd;  // row u at + u·ldkv
+  const bf16_t* gV = p.v + static_cast<size_t>(j) * p.hd;
+
+  load_tile_step<BM, HD>(sQ, gQ + q0 * ldq, ldq, q_end - q0, p.hd, tid);
+  load_tile_step<BN, HD>(sK, gK + d.b * ldkv, ldkv, imin(BN, q_end - d.b), p.hd, tid);
+  cp_async_commit();
+
+  const int g = lane >> 2, c = lane & 3;
+  const int t0 = q0 + warp * 16 + g, t1 = t0 + 8;  // this thread's rows (tokens)
+  const unsigned char* qrows =                     // this warpgroup's 64 query rows
+      reinterpret_cast<const unsigned char*>(sQ) + (warp >> 2) * 8 * ROWB;
+  float acc[HD / 2];  // O, C layout of m64nHD
+#pragma unroll
+  for (int i = 0; i < HD / 2; ++i) acc[i] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+  uint32_t pa[BN / 16][4];  // P_{j-1} as A fragments
+#pragma unroll
+  for (int i = 0; i < BN / 16; ++i) pa[i][0] = pa[i][1] = pa[i][2] = pa[i][3] = 0u;
+
+  for (int jt = 0; jt < nk; ++jt) {
+    cp_async_wait<0>();  // K_jt, V_{jt-1} (this thread's part)
+    fence_proxy_async();
+    __syncthreads();  // ... everybody's part; every warp is done with K_{jt-1} and V_{jt-2}
+    if (jt + 1 < nk) {
+      const int k1 = d.b + (jt + 1) * BN;
+      load_tile_step<BN, HD>(sK + ((jt + 1) & 1) * BN * HD, gK + k1 * ldkv, ldkv,
+                             imin(BN, q_end - k1), p.hd, tid);
+    }
+    {
+      const int k0 = d.b + jt * BN;
+      load_tile_step<BN, HD>(sV + (jt & 1) * BN * HD, gV + k0 * ldkv, ldkv, imin(BN, q_end - k0),
+                             p.hd, tid);
+    }
+    cp_async_commit();
+    const unsigned char* Vp =  // V_{jt-1}
+        reinterpret_cast<const unsigned char*>(sV + ((jt + 1) & 1) * BN * HD);
+    const unsigned char* K = reinterpret_cast<const unsigned char*>(sK + (jt & 1) * BN * HD);
+    const int k0 = d.b + jt * BN;
+    float s[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
+    uint64_t vdesc[BN / 16];  // formed before the first wgmma of the stage (C7513)
+#pragma unroll
+    for (int ks = 0; ks < BN / 16; ++ks) vdesc[ks] = smem_desc(Vp + ks * 2 * ROWB, ROWB, 128);
+    reg_fence(s);
+    reg_fence_u(pa);
+    reg_fence(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk)
+      wgmma_ss<BN, 0>(s, smem_desc(qrows + kk * 256, 128, ROWB), smem_desc(K + kk * 256, 128, ROWB),
+                      1);
+    wgmma_commit();
+    if (jt > 0) {
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < BN / 16; ++ks) wgmma_rs<HD, 1>(acc, pa[ks], vdesc[ks], 1);
+      wgmma_commit();
+      wgmma_wait<1>();  // S_jt is done; P_{jt-1} V_{jt-1} may still run
+    } else {
+      wgmma_wait<0>();
+    }
+    float x[BN / 2];
+    take_acc(s, x);
+
+    // Scale, causal mask (only tiles reaching past the first query), online softmax.
+    // The scores live in x, not in s: s are the accumulators of this stage's first wgmma group,
+    // and redefining them while the second group runs would serialize the groups (C7513).
+    const bool diag = k0 + BN - 1 > q0;
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float v = x[4 * nt + e] * p.scale_log2;
+        const int u = k0 + nt * 8 + 2 * c + (e & 1);
+        if (diag && u > (e < 2 ? t0 : t1)) v = -INFINITY;
+        x[4 * nt + e] = v;
+        mx[e >> 1] = fmaxf(mx[e >> 1], v);
+      }
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float m_new = fmaxf(m_run[r], quad_max(mx[r]));
+      // A row with no visible key yet keeps m = −inf; exponentiate against 0 then (all terms 0).
+      const float base = m_new == -INFINITY ? 0.f : m_new;
+      alpha[r] = ex2(m_run[r] - base);
+      m_run[r] = m_new;
+      mx[r] = base;
+    }
+    float sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) {
+      const float pv = ex2(x[i] - mx[(i >> 1) & 1]);
+      x[i] = pv;
+      sum[(i >> 1) & 1] += pv;
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + sum[r];
+
+    // O += P_{jt-1} V_{jt-1} is done: O may be rescaled, pa rewritten. Unconditional (a no-op
+    // at jt = 0): behind `if (jt > 0)` ptxas cannot tell that no group is pending on the other
+    // path and serializes every wgmma of the kernel (C7513).
+    wgmma_wait<0>();
+    reg_fence(acc);
+    reg_fence_u(pa);
+    // Rescale only where a running max moved (alpha = 2^0 = 1 exactly otherwise), skipped by
+    // whole warps: past the first key tiles most rows keep their max. Exact either way.
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+      for (int i = 0; i < HD / 2; ++i) acc[i] *= alpha[(i >> 1) & 1];
+    }
+    acc_to_a<BN>(x, pa);
+  }
+  {                      // the last O += P V
+    cp_async_wait<0>();  // V_{nk-1}
+    fence_proxy_async();
+    __syncthreads();
+    const unsigned char* Vp = reinterpret_cast<const unsigned char*>(sV + ((nk - 1) & 1) * BN * HD);
+    reg_fence_u(pa);
+    reg_fence(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < BN / 16; ++ks)
+      wgmma_rs<HD, 1>(acc, pa[ks], smem_desc(Vp + ks * 2 * ROWB, ROWB, 128), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(acc);
+    reg_fence_u(pa);
+  }
+
+  // Epilogue: normalise, gate, write the rows inside the document.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int t = r == 0 ? t0 : t1;
+    const float l = quad_sum(l_run[r]);
+    if (t >= q_end) continue;
+    const float inv = 1.0f / l;
+    const size_t row = static_cast<size_t>(t) * p.Hq + h;
+    const bf16_t* gate = p.qg + row * 2 * p.hd + p.hd;  // [hd]
+    bf16_t* at = p.attn + row * p.hd;                   // [hd]
+    bf16_t* o = p.o + row * p.hd;                       // [hd]
+#pragma unroll
+    for (int nt = 0; nt < HD / 8; ++nt) {
+      const int col = nt * 8 + 2 * c;
+      if (col < p.hd) {
+        const float a0 = acc[4 * nt + 2 * r] * inv, a1 = acc[4 * nt + 2 * r + 1] * inv;
+        const uint32_t gw = *reinterpret_cast<const uint32_t*>(gate + col);
+        *reinterpret_cast<uint32_t*>(at + col) = pack_bf16x2(a0, a1);
+        *reinterpret_cast<uint32_t*>(o + col) =
+            pack_bf16x2(a0 * sigmoidf_(bf16x2_lo(gw)), a1 * sigmoidf_(bf16x2_hi(gw)));
+      }
+    }
+    if (c == 0) p.lse[row] = (m_run[r] + log2f(l)) * kLn2;
+  }
+}
+
+// dq. One block per (document, kBigTile query rows, query head), warpgroup w owning rows
+// 64w .. 64w+63 and their dQ accumulator. Per key step j (64 keys): S = Q Kᵀ (wgmma group 1),
+// [barrier: V_j visible] dP = dA Vᵀ (group 2), dS = P ⊙ (dP − D) in registers,
+// [barrier: V_j read by all] dQ += dS K (RS). Slots: K_j in slot j % 2, every V_j in slot 2.
+// cp.async groups, in commit order: {Q, dA, K_0}, {V_0}, then per step {K_{j+1}} at its top and
+// {V_{j+1}} after its second barrier (empty groups where there is nothing left to copy), so that
+// "all but the newest group" is K_j at the top of step j and V_j after its first wgmma group.
+template <int HD>
+__global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_pipe_kernel(const BwdParams p) {
+  constexpr int BM = kBigTile, BN = kPipeDqKeys;
+  constexpr uint32_t ROWB = 16 * HD;
+  bf16_t* sQ = reinterpret_cast<bf16_t*>(dyn_smem());  // [BM x HD]
+  bf16_t* sA = sQ + BM * HD;                           // [BM x HD] dA
+  bf16_t* sKV = sA + BM * HD;                          // [3][BN x HD]: K, K, V
+
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int h = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.Hq));
+  const int rev = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.Hq));
+  const int total = p.ts[p.N];
+  if (rev >= total) return;
+  const int tile = total - 1 - rev;  // longest tiles first
+  const int n = find_doc(p.ts, p.N, tile);
+  const Doc d = doc_bounds(p.cu, n, p.T);
+  const int64_t q0l = d.b + static_cast<int64_t>(tile - p.ts[n]) * BM;
+  if (q0l >= d.e) return;
+  const int q0 = static_cast<int>(q0l), q_end = imin(q0 + BM, d.e);
+  const int j = h / p.group;
+  const int nk = (q_end - d.b + BN - 1) / BN;
+
+  const size_t ldq = static_cast<size_t>(p.Hq) * p.hd, ldkv = static_cast<size_t>(p.Hkv) * p.hd;
+  const size_t lda = 2 * ldq;                                   // row stride of dA (in dqg)
+  const bf16_t* gQ = p.q_hat + static_cast<size_t>(h) * p.hd;   // row t at + t·ldq
+  const bf16_t* gA = p.dA + static_cast<size_t>(h) * 2 * p.hd;  // row t at + t·lda
+  const bf16_t* gK = p.k_hat + static_cast<size_t>(j) * p.hd;
+  const bf16_t* gV = p.v + static_cast<size_t>(j) * p.hd;
+  bf16_t* const sVs = sKV + 2 * BN * HD;  // the V slot
+
+  load_tile_step<BM, HD>(sQ, gQ + q0 * ldq, ldq, q_end - q0, p.hd, tid);
+  load_tile_step<BM, HD>(sA, gA + q0 * lda, lda, q_end - q0, p.hd, tid);
+  load_tile_step<BN, HD>(sKV, gK + d.b * ldkv, ldkv, imin(BN, q_end - d.b), p.hd, tid);
+  cp_async_commit();
+  load_tile_step<BN, HD>(sVs, gV + d.b * ldkv, ldkv, imin(BN, q_end - d.b), p.hd, tid);
+  cp_async_commit();
+
+  const int g = lane >> 2, c = lane & 3;
+  const int t0 = q0 + warp * 16 + g, t1 = t0 + 8;
+  float lse2[2], Dr[2];  // lse in base-2 units and D of rows t0, t1
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int t = r == 0 ? t0 : t1;
+    const bool ok = t < q_end;
+    const size_t row = static_cast<size_t>(ok ? t : q0) * p.Hq + h;
+    lse2[r] = ok ? p.lse[row] * kLog2e : INFINITY;
+    Dr[r] = ok ? p.D[row] : 0.f;
+  }
+  const size_t wg_off = static_cast<size_t>(warp >> 2) * 8 * ROWB;  // this warpgroup's 64 rows
+  const unsigned char* qrows = reinterpret_cast<const unsigned char*>(sQ) + wg_off;
+  const unsigned char* arows = reinterpret_cast<const unsigned char*>(sA) + wg_off;
+  const unsigned char* V = reinterpret_cast<const unsigned char*>(sVs);
+  float acc[HD / 2];  // dQ
+#pragma unroll
+  for (int i = 0; i < HD / 2; ++i) acc[i] = 0.f;
+
+  for (int jt = 0; jt < nk; ++jt) {
+    cp_async_wait<1>();  // K_jt (and Q, dA): all but the newest group (V_jt)
+    fence_proxy_async();
+    __syncthreads();  // K_jt visible; every warp is done with step jt-1 (the slot of K_{jt-1})
+    if (jt + 1 < nk) {
+      const int k1 = d.b + (jt + 1) * BN;
+      load_tile_step<BN, HD>(sKV + ((jt + 1) & 1) * BN * HD, gK + k1 * ldkv, ldkv,
+                             imin(BN, q_end - k1), p.hd, tid);
+    }
+    cp_async_commit();  // {K_{jt+1}}
+    const unsigned char* K = reinterpret_cast<const unsigned char*>(sKV + (jt & 1) * BN * HD);
+    const int k0 = d.b + jt * BN;
+
+    float s[BN / 2], dp[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) s[i] = dp[i] = 0.f;
+    reg_fence(s);
+    reg_fence(dp);
+    reg_fence(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk)
+      wgmma_ss<BN, 0>(s, smem_desc(qrows + kk * 256, 128, ROWB), smem_desc(K + kk * 256, 128, ROWB),
+                      1);
+    wgmma_commit();
+    cp_async_wait<1>();  // V_jt: all but {K_{jt+1}}
+    fence_proxy_async();
+    __syncthreads();  // V_jt visible
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk)
+      wgmma_ss<BN, 0>(dp, smem_desc(arows + kk * 256, 128, ROWB),
+                      smem_desc(V + kk * 256, 128, ROWB), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(s);
+    reg_fence(dp);
+    __syncthreads();  // every warp is done with V_jt
+    if (jt + 1 < nk) {
+      const int k1 = d.b + (jt + 1) * BN;
+      load_tile_step<BN, HD>(sVs, gV + k1 * ldkv, ldkv, imin(BN, q_end - k1), p.hd, tid);
+    }
+    cp_async_commit();  // {V_{jt+1}}
+
+    // P and dS = P ⊙ (dP − D), in place of s.
+    const bool diag = k0 + BN - 1 > q0;
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[4 * nt + e] * p.scale_log2 - lse2[e >> 1];
+        const int u = k0 + nt * 8 + 2 * c + (e & 1);
+        if (diag && u > (e < 2 ? t0 : t1)) x = -INFINITY;
+        s[4 * nt + e] = ex2(x) * (dp[4 * nt + e] - Dr[e >> 1]);
+      }
+
+    // dQ += dS K
+    uint32_t pa[BN / 16][4];
+    acc_to_a<BN>(s, pa);
+    reg_fence_u(pa);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < BN / 16; ++ks)
+      wgmma_rs<HD, 1>(acc, pa[ks], smem_desc(K + ks * 2 * ROWB, ROWB, 128), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(acc);
+    reg_fence_u(pa);
+  }
+  cp_async_wait<0>();  // no copy may outlive the block (the last groups are empty)
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int t = r == 0 ? t0 : t1;
+    if (t >= q_end) continue;
+    float* out = p.dq_hat + (static_cast<size_t>(t) * p.Hq + h) * p.hd;  // [hd]
+#pragma unroll
+    for (int nt = 0; nt < HD / 8; ++nt) {
+      const int col = nt * 8 + 2 * c;
+      if (col < p.hd)
+        *reinterpret_cast<float2*>(out + col) =
+            make_float2(acc[4 * nt + 2 * r] * p.scale, acc[4 * nt + 2 * r + 1] * p.scale);
+    }
+  }
+}
+
+// dk/dv. One block per (document, kSmallTile keys, kv head), walking the items (query head of the
+// group, 64-query tile) as cuda_bwd.cuh's kernel does, with Q, dA, lse and D of the next item
+// copied during the current one. Per item:
+//   warpgroup 0: Sᵀ = K Qᵀ (m64n64, SS), Pᵀ = 2^(Sᵀ·scale·log2e − lse·log2e) (masked) → fp32 to
+//     sP [arrive on barrier 1] → bf16 A fragments, dV += Pᵀ dA (m64nHD, RS; dA MN-major);
+//   warpgroup 1: dPᵀ = V dAᵀ (m64n64, SS) [sync on barrier 1] Pᵀ from sP,
+//     dSᵀ = Pᵀ ⊙ (dPᵀ − D) → bf16 A fragments, dK += dSᵀ Q (m64nHD, RS; Q MN-major).
+// sP is rewritten for the next item only after the block barrier that starts it, which warpgroup
+// 1 reaches after its reads. Epilogue: warpgroup 0 writes dv (bf16), warpgroup 1 dk_hat =
+// scale · dK (fp32 scratch), for the keys inside the document.
+template <int HD>
+__global__ void __launch_bounds__(kThreads, 1) attn_bwd_dkdv_pipe_kernel(const BwdParams p) {
+  constexpr int BN = kSmallTile, BM = kSmallTile;
+  constexpr uint32_t ROWB = 16 * HD;
+  constexpr int kBarP = 1;                                 // named barrier: Pᵀ written
+  bf16_t* sK = reinterpret_cast<bf16_t*>(dyn_smem());      // [BN x HD]
+  bf16_t* sV = sK + BN * HD;                               // [BN x HD]
+  bf16_t* sQ = sV + BN * HD;                               // [2][BM x HD]
+  bf16_t* sA = sQ + 2 * BM * HD;                           // [2][BM x HD] dA
+  float* sP = reinterpret_cast<float*>(sA + 2 * BM * HD);  // [BN·BM / 128][128] Pᵀ, register order
+  float* sL = sP + BN * BM;                                // [2][BM] lse · log2e
+  float* sD = sL + 2 * BM;                                 // [2][BM] D
+
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  // Block -> (kv head, key tile): tiles in natural order, the first key tiles of a document (seen
+  // by every later query, the longest walks) start first.
+  const int j = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.Hkv));
+  const int tile = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.Hkv));
+  const int total = p.ts[p.N];
+  if (tile >= total) return;
+  const int n = find_doc(p.ts, p.N, tile);
+  const Doc d = doc_bounds(p.cu, n, p.T);
+  const int64_t k0l = d.b + static_cast<int64_t>(tile - p.ts[n]) * BN;
+  if (k0l >= d.e) return;
+  const int k0 = static_cast<int>(k0l), k_end = imin(k0 + BN, d.e);
+  // Query tiles are aligned to the document start like the key tiles (BM == BN): tile m_first
+  // holds the key tile's own tokens, every later one sees all of its keys.
+  const int m_first = (k0 - d.b) / BM, n_m = (d.e - d.b + BM - 1) / BM - m_first;
+  const int n_items = p.group * n_m;
+
+  const size_t ldq = static_cast<size_t>(p.Hq) * p.hd, ldkv = static_cast<size_t>(p.Hkv) * p.hd;
+  const size_t lda = 2 * ldq;
+  const bf16_t* gK = p.k_hat + static_cast<size_t>(j) * p.hd;
+  const bf16_t* gV = p.v + static_cast<size_t>(j) * p.hd;
+
+  // Item it: query head h = j·group + it / n_m, query tile m = m_first + it % n_m.
+  auto load_item = [&](int it, int b) {
+    const int h = j * p.group + it / n_m;
+    const int qs = d.b + (m_first + it % n_m) * BM, rows = imin(BM, d.e - qs);
+    load_tile_step<BM, HD>(sQ + b * BM * HD, p.q_hat + static_cast<size_t>(h) * p.hd + qs * ldq,
+                           ldq, rows, p.hd, tid);
+    load_tile_step<BM, HD>(sA + b * BM * HD, p.dA + static_cast<size_t>(h) * 2 * p.hd + qs * lda,
+                           lda, rows, p.hd, tid);
+    if (tid < BM) {
+      const bool ok = tid < rows;
+      const size_t row = static_cast<size_t>(qs + (ok ? tid : 0)) * p.Hq + h;
+      sL[b * BM + tid] = ok ? p.lse[row] * kLog2e : INFINITY;
+      sD[b * BM + tid] = ok ? p.D[row] : 0.f;
+    }
+  };
+  load_tile_step<BN, HD>(sK, gK + k0 * ldkv, ldkv, k_end - k0, p.hd, tid);
+  load_tile_step<BN, HD>(sV, gV + k0 * ldkv, ldkv, k_end - k0, p.hd, tid);
+  load_item(0, 0);
+  cp_async_commit();
+
+  const int g = lane >> 2, c = lane & 3;
+  const int wg = warp >> 2, wtid = tid & 127;  // warpgroup, thread in the warpgroup
+  const int kr = (warp & 3) * 16 + g;          // this thread's key rows kr, kr + 8 of the tile
+  const int u0 = k0 + kr, u1 = u0 + 8;
+  const unsigned char* Kt = reinterpret_cast<const unsigned char*>(sK);
+  const unsigned char* Vt = reinterpret_cast<const unsigned char*>(sV);
+  float acc[HD / 2];  // warpgroup 0: dV; warpgroup 1: dK (64 keys x HD)
+#pragma unroll
+  for (int i = 0; i < HD / 2; ++i) acc[i] = 0.f;
+
+  for (int it = 0; it < n_items; ++it) {
+    const int buf = it & 1;
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();  // item it visible (tiles, lse, D); every warp is done with item it-1
+    if (it + 1 < n_items) {
+      load_item(it + 1, buf ^ 1);
+      cp_async_commit();
+    }
+    const unsigned char* Q = reinterpret_cast<const unsigned char*>(sQ + buf * BM * HD);
+    const unsigned char* A = reinterpret_cast<const unsigned char*>(sA + buf * BM * HD);
+    const float* L = sL + buf * BM;
+    const float* Dv = sD + buf * BM;
+    const int qs = d.b + (m_first + it % n_m) * BM;
+    const bool diag = k0 + BN - 1 > qs;  // some key of the tile lies after some query
+
+    // Sᵀ = K Qᵀ (warpgroup 0) or dPᵀ = V dAᵀ (warpgroup 1): 64 keys x 64 queries.
+    float st[BM / 2];
+#pragma unroll
+    for (int i = 0; i < BM / 2; ++i) st[i] = 0.f;
+    reg_fence(st);
+    reg_fence(acc);
+    wgmma_fence();
+    // Descriptors advance by adding to their address field (bytes / 16): no carry can leave it,
+    // shared addresses are below 2^18.
+    const uint64_t da = smem_desc(wg == 0 ? Kt : Vt, 128, ROWB);
+    const uint64_t db = smem_desc(wg == 0 ? Q : A, 128, ROWB);
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) wgmma_ss<BM, 0>(st, da + kk * 16, db + kk * 16, 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(st);
+
+    uint32_t pa[BM / 16][4];
+    if (wg == 0) {
+#pragma unroll
+      for (int i = 0; i < BM / 2; ++i) {
+        const int q = (i >> 2) * 8 + 2 * c + (i & 1);  // query column in the item
+        float x = st[i] * p.scale_log2 - L[q];
+        if (diag && ((i & 2) ? u1 : u0) > qs + q) x = -INFINITY;
+        st[i] = ex2(x);
+        sP[i * 128 + wtid] = st[i];
+      }
+      named_bar_arrive(kBarP, kThreads);
+    } else {
+      named_bar_sync(kBarP, kThreads);
+#pragma unroll
+      for (int i = 0; i < BM / 2; ++i) {
+        const int q = (i >> 2) * 8 + 2 * c + (i & 1);
+        st[i] = sP[i * 128 + wtid] * (st[i] - Dv[q]);
+      }
+    }
+    acc_to_a<BM>(st, pa);
+    // dV += Pᵀ dA (warpgroup 0) or dK += dSᵀ Q (warpgroup 1).
+    const uint64_t db2 = smem_desc(wg == 0 ? A : Q, ROWB, 128);
+    reg_fence_u(pa);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < BM / 16; ++ks)
+      wgmma_rs<HD, 1>(acc, pa[ks], db2 + ks * (2 * ROWB / 16), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(acc);
+    reg_fence_u(pa);
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int u = r == 0 ? u0 : u1;
+    if (u >= k_end) continue;
+    const size_t row = static_cast<size_t>(u) * p.Hkv + j;
+#pragma unroll
+    for (int nt = 0; nt < HD / 8; ++nt) {
+      const int col = nt * 8 + 2 * c;
+      if (col < p.hd) {
+        if (wg == 0) {
+          *reinterpret_cast<uint32_t*>(p.dv + row * p.hd + col) =
+              pack_bf16x2(acc[4 * nt + 2 * r], acc[4 * nt + 2 * r + 1]);
+        } else {
+          *reinterpret_cast<float2*>(p.dk_hat + row * p.hd + col) =
+              make_float2(acc[4 * nt + 2 * r] * p.scale, acc[4 * nt + 2 * r + 1] * p.scale);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace gdn::ops::attn
