@@ -24,11 +24,9 @@ constexpr Knob kKnobs[] = {
      "Byte budget for the logits chunk of the fused linear cross-entropy (extra memory beyond the "
      "fp32 dW buffer stays within it whatever the vocabulary size).",
      false, nullptr},
-    {"GDN_FUSED_FWD", KnobType::Bool, "0",
-     "gated_delta_rule forward on CUDA: 1 forms the output inside the sequential state pass (state "
-     "on chip, no per-chunk state snapshots in memory, one kernel fewer; suits many documents), 0 "
-     "the decomposed chain (per-chunk kernels around a lean state pass; suits long documents). "
-     "Both save the same (nothing) for the backward.",
+    {"GDN_GDR_GENERIC", KnobType::Bool, "0",
+     "gated_delta_rule on CUDA: 1 takes the generic WMMA route for every shape (the reference for "
+     "the fast route, which otherwise runs head dims <= 128 that are multiples of 8).",
      false, nullptr},
     {"GDN_LOG_LEVEL", KnobType::Choice, "info", "Lowest log level printed.", false,
      "debug|info|warn|error"},

@@ -1,14 +1,15 @@
 // Gated delta rule on CUDA (label gpu): cuda.chunk64 vs ref (fp64 recurrence) over swept shapes,
 // forward and every gradient, with and without the in-kernel l2norm: T < 64, T = 64, partial
-// chunks, 1-token, empty and 50 documents, r in {1, 2, 3}, dk != dv, dk = dv = 128 (the fast
-// path), generic head dims (unaligned: the scalar path; up to 256), strong and no decay, beta near
-// 0 and 1, with and without h0 / dhT. Then: empty documents and an empty batch; a packed batch
-// equals its documents run one by one; runs are bitwise reproducible; a GdrChunkIndexScope gives
-// the same results as the op's own index; the fused forward route (GDN_FUSED_FWD=1) matches ref and
-// the decomposed route; garbage device cu_seqlens are sanitised, not read out of bounds; the
-// resolver picks cuda and its probe passes; the probe rejects wrong CUDA variants; `ops run` on the
-// cuda backend; bad input. Tolerances come from the one table, src/backend/tolerances.h. Every case
-// prints its errors.
+// chunks, 1-token, empty and 50 documents, r in {1, 2, 3}, dk != dv, strong and no decay, beta
+// near 0 and 1, with and without h0 / dhT. Both routes of cuda.cu: the fast one (head dims
+// multiples of 8 up to 128: 16..48 in most cases, and 64, 96, 120, 128 with long, many and
+// strongly decaying documents) and the generic one (dims not multiples of 8: the scalar path; dims
+// up to 256). Then: empty documents and an empty batch; a packed batch equals its documents run one
+// by one; runs are bitwise reproducible; a GdrChunkIndexScope gives the same results as the op's
+// own index; garbage device cu_seqlens are sanitised, not read out of bounds; the resolver picks
+// cuda and its probe passes; the probe rejects wrong CUDA variants; `ops run` on the cuda backend;
+// bad input. Tolerances come from the one table, src/backend/tolerances.h. Every case prints its
+// errors.
 #include <unistd.h>
 
 #include <algorithm>
@@ -188,36 +189,19 @@ ProbeError compare(const Result& got, const Result& want, const std::string& wha
   return worst;
 }
 
-// The forward through the fused route (GDN_FUSED_FWD=1, a read-once knob: the cache is reset).
-struct FusedRoute {
-  FusedRoute() {
-    setenv("GDN_FUSED_FWD", "1", 1);
+// Every shape through the generic route (GDN_GDR_GENERIC=1, a read-once knob: the cache is reset).
+struct GenericRoute {
+  GenericRoute() {
+    setenv("GDN_GDR_GENERIC", "1", 1);
     env::reset_cache_for_testing();
   }
-  ~FusedRoute() {
-    unsetenv("GDN_FUSED_FWD");
+  ~GenericRoute() {
+    unsetenv("GDN_GDR_GENERIC");
     env::reset_cache_for_testing();
   }
-  FusedRoute(const FusedRoute&) = delete;
-  FusedRoute& operator=(const FusedRoute&) = delete;
+  GenericRoute(const GenericRoute&) = delete;
+  GenericRoute& operator=(const GenericRoute&) = delete;
 };
-
-// o and hT of the fused route against ref, and against the decomposed route's o and hT: the two
-// routes do the same arithmetic on the same bf16 operands in the same order per element (the
-// output columns are only tiled differently), so they agree to the last bits.
-void check_fused_forward(const Inputs& in, const Dev& d, bool l2, const Result& ref,
-                         const Result& decomposed, const std::string& what) {
-  FusedRoute fused;
-  OwnedTensor o = poisoned(DType::BF16, {in.T, in.Hv, in.dv});
-  OwnedTensor hT = poisoned(DType::F32, {in.N, in.Hv, in.dk, in.dv});
-  gated_delta_rule_forward({d.q, d.k, d.v, d.g, d.beta, d.cu, view_or_empty(d.h0), o, hT, 0.0, l2});
-  if (in.T > 0) testing::expect_close(o, ref.o, kTol.fwd, what + " fused o");
-  testing::expect_close(hT, ref.hT, kTol.fwd, what + " fused hT");
-  if (in.T > 0) testing::expect_close(o, decomposed.o, 1e-6, what + " fused vs decomposed o");
-  testing::expect_close(hT, decomposed.hT, 1e-6, what + " fused vs decomposed hT");
-  std::printf("[gdr cuda] %-24s fused o %.1e hT %.1e\n", what.c_str(),
-              in.T > 0 ? testing::rel_err(o, ref.o) : 0.0, testing::rel_err(hT, ref.hT));
-}
 
 std::vector<int32_t> random_lens(int n, int lo, int hi, uint64_t seed) {
   std::vector<int32_t> l;
@@ -263,7 +247,58 @@ std::vector<Spec> sweep_specs() {
                .dv = 128,
                .g_lo = -2,
                .seed = 13});
-  // Head dims that are not multiples of 8: the scalar (unaligned) staging path.
+  // The fast route at its own sizes: long and many documents, strong decay, dims that leave part of
+  // a 16-column tile or of a 32-column state block empty, dk != dv.
+  s.push_back({.name = "d128_long",
+               .lens = {1000},
+               .Hk = 1,
+               .r = 2,
+               .dk = 128,
+               .dv = 128,
+               .g_lo = -0.3,
+               .seed = 18});
+  s.push_back({.name = "d128_strong_decay",
+               .lens = {100, 30},
+               .Hk = 1,
+               .r = 2,
+               .dk = 128,
+               .dv = 128,
+               .g_lo = -21,
+               .g_hi = -19,
+               .seed = 19});
+  s.push_back({.name = "d64_thirty_docs",
+               .lens = random_lens(30, 1, 140, 20),
+               .Hk = 2,
+               .r = 2,
+               .dk = 64,
+               .dv = 64,
+               .seed = 20});
+  s.push_back({.name = "dk96_dv120_r3",
+               .lens = {90, 40},
+               .Hk = 1,
+               .r = 3,
+               .dk = 96,
+               .dv = 120,
+               .seed = 21});
+  s.push_back({.name = "dk128_dv40_no_state",
+               .lens = {150},
+               .Hk = 1,
+               .r = 2,
+               .dk = 128,
+               .dv = 40,
+               .init = false,
+               .dhT = false,
+               .seed = 22});
+  s.push_back({.name = "dk64_dv128_beta1",
+               .lens = {77, 64},
+               .Hk = 1,
+               .r = 2,
+               .dk = 64,
+               .dv = 128,
+               .b_lo = 0.99,
+               .b_hi = 1.0,
+               .seed = 23});
+  // Head dims that are not multiples of 8: the generic route's scalar (unaligned) staging path.
   s.push_back(
       {.name = "dk20_dv12_scalar", .lens = {70, 9}, .r = 2, .dk = 20, .dv = 12, .seed = 14});
   s.push_back({.name = "dk40_dv8", .lens = {65, 1}, .r = 2, .dk = 40, .dv = 8, .seed = 15});
@@ -283,7 +318,6 @@ TEST_P(GdrCudaSweep, MatchesRef) {
   Dev d = to_device(in);
   Result got = run_cuda(in, d, l2);
   compare(got, ref, s.name + (l2 ? " l2" : ""));
-  check_fused_forward(in, d, l2, ref, got, s.name + (l2 ? " l2" : ""));
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -294,6 +328,33 @@ INSTANTIATE_TEST_SUITE_P(
       return sweep_specs()[static_cast<size_t>(std::get<0>(info.param))].name +
              (std::get<1>(info.param) ? "_l2" : "");
     });
+
+// The fast route's shapes through the generic route too: both match ref, and each other within the
+// tolerance (they round differently: fp32 cumsum gates and bf16 T^T dT T^T against term-by-term
+// gates and tf32).
+TEST_F(GdrCuda, FastAndGenericRoutesAgree) {
+  for (bool l2 : {false, true}) {
+    Spec s{.name = "routes",
+           .lens = {130, 1, 64, 20},
+           .Hk = 2,
+           .r = 2,
+           .dk = 128,
+           .dv = 64,
+           .g_lo = -4,
+           .seed = 71};
+    Inputs in = make_inputs(s, l2);
+    Result ref = run_ref(in, l2);
+    Dev d = to_device(in);
+    Result fast = run_cuda(in, d, l2);
+    compare(fast, ref, std::string("fast route") + (l2 ? " l2" : ""));
+    Result generic = [&] {
+      GenericRoute route;
+      return run_cuda(in, d, l2);
+    }();
+    compare(generic, ref, std::string("generic route") + (l2 ? " l2" : ""));
+    compare(fast, generic, std::string("fast vs generic") + (l2 ? " l2" : ""));
+  }
+}
 
 // Empty documents (and a batch with no tokens at all) pass the state through exactly: hT = h0 and
 // dh0 = dhT, bit for bit (fp32 in, fp32 out, no arithmetic).

@@ -1,23 +1,29 @@
 // Gated delta rule on CUDA ("cuda.chunk64"): bf16 q, k, v, o and their gradients, fp32 g, beta,
 // states and their gradients (op.h has the contract). The chunked WY/UT algorithm with C = 64 as a
-// decomposed kernel chain; this file plans the op's scratch and issues the chain.
+// decomposed kernel chain; this file plans the op's scratch and issues the chain. Two routes:
 //
+// fast (cuda_fast.h; dk, dv <= 128, multiples of 8, 16-byte aligned tensors): mma.sync kernels
+//   with the sequential passes' state in registers:
+//   forward:  [index] [l2norm] prep (gamma, W, U) -> state_fwd (Ht, Vt, hT) -> output (o)
+//   backward: [index] [l2norm] prep (+ T) -> state_fwd -> dvloc -> state_bwd (dHt, dVt, dh0) ->
+//             dqkw (dq_h, dk_h, dW, dg part) -> wy (dv, dbeta, dg, dk_h +=) -> reduce (dq, dk)
+// generic (cuda_kernels.h; any dims up to 256, unaligned tensors; every shape with
+//   GDN_GDR_GENERIC=1): WMMA kernels
 //   forward:  [index] [l2norm] prep (W, U) -> state_fwd (H, V', hT) -> output (o)
-//   GDN_FUSED_FWD=1: [index] [l2norm] prep (W, U, P) -> state_fwd writing o and hT: the state stays
-//             on chip from chunk to chunk and the output is formed there (no snapshots in memory,
-//             no output kernel; one sequential pass per (document, head, dv block) does all the
-//             state-dependent work, so it favours many documents over one long one)
 //   backward: [index] [l2norm] prep -> state_fwd -> dvloc -> state_bwd (dH, dV', dh0) -> dqk
 //             (dq_h, dk_h, dg part) -> wy (dv, dbeta, dg, dk_h +=) -> reduce (dq, dk)
 // The forward saves nothing (op.h): the backward rebuilds W, U, the snapshots and V' (as FLA
-// rebuilds w, u, h and v_new; FLA also keeps T, which we re-invert in fp32 instead).
+// rebuilds w, u, h and v_new).
 //
 // Scratch (Context::scratch, one request per call, carved at 256-byte boundaries): the chunk index
-// unless a GdrChunkIndexScope provides it; q, k normalised (l2norm only); W [T, Hv, dk] and
-// U / V' [T, Hv, dv] bf16; the chunk-start states H [chunks, Hv, dk, dv] bf16; backward adds
-// dV'_loc [T, Hv, dv] fp32, dV' [T, Hv, dv] bf16, the chunk-end state gradients dH bf16, dq_h and
-// dk_h [T, Hv, dk] fp32 and a dg part [T, Hv] fp32. At T = 8192, Hv = 32, dk = dv = 128 that is
-// about 0.5 GB for the forward and 1.2 GB for the backward.
+// unless a GdrChunkIndexScope provides it; q, k normalised (l2norm only); W [T, Hv, dk] and U
+// [T, Hv, dv] bf16; the fast route's gam [chunks, Hv, 64] fp32, Ht [chunks, Hv, dv, dk] and Vt
+// [chunks, Hv, dv, 64] bf16, and in the backward Tinv [chunks, Hv, 64, 64] fp32, dvlocT
+// [chunks, Hv, dv, 64] fp32, dHt, dVt bf16, dq_h and dk_h [T, Hv, dk] fp32 and a dg part [T, Hv]
+// fp32 (dW reuses W once the reverse pass is done with it); the generic route's chunk-start states
+// H [chunks, Hv, dk, dv] bf16 (V' over U), and in the backward dV'_loc [T, Hv, dv] fp32, dV' bf16,
+// dH bf16, dq_h, dk_h and the dg part. At T = 8192, Hv = 32, dk = dv = 128: about 0.4 GB forward
+// and 1.0 GB backward on the fast route (1.2 GB on the generic one).
 //
 // Nothing synchronises the host; every launch goes to the compute stream. Device-resident
 // cu_seqlens are never read on the host: the index sanitises them (cuda.h).
@@ -28,6 +34,7 @@
 #include "gdn/backend/registry.h"
 #include "gdn/core/env.h"
 #include "ops/gated_delta_rule/cuda.h"
+#include "ops/gated_delta_rule/cuda_fast.h"
 #include "ops/gated_delta_rule/cuda_kernels.h"
 #include "ops/gated_delta_rule/op.h"
 
@@ -97,85 +104,167 @@ const int32_t* chunk_index(const Tensor& cu, const gdr::Dims& d, char* base, siz
   return ix;
 }
 
-// Scratch shared by forward and backward (the forward chain's intermediates).
-// fused: the GDN_FUSED_FWD route keeps no snapshots H but the score matrices P.
-struct FwdScratch {
-  size_t index, qn, kn, W, U, H, P;
+// The chunk index and the l2norm, common to both routes.
+struct Prologue {
+  gdr::IndexView ix;
+  const bf16_t* qn;
+  const bf16_t* kn;
 };
-FwdScratch plan_fwd(ScratchPlan& sp, const gdr::Dims& d, bool fused) {
+struct PrologueScratch {
+  size_t index, qn, kn;
+};
+PrologueScratch plan_prologue(ScratchPlan& sp, const gdr::Dims& d) {
   const int64_t T = d.T;
-  FwdScratch f{};
-  f.index = sp.add(gdr_chunk_index_numel(T, d.N) * 4);
-  f.qn = sp.add(d.l2norm ? T * d.Hk * d.dk * 2 : 0);
-  f.kn = sp.add(d.l2norm ? T * d.Hk * d.dk * 2 : 0);
+  PrologueScratch p{};
+  p.index = sp.add(gdr_chunk_index_numel(T, d.N) * 4);
+  p.qn = sp.add(d.l2norm ? T * d.Hk * d.dk * 2 : 0);
+  p.kn = sp.add(d.l2norm ? T * d.Hk * d.dk * 2 : 0);
+  return p;
+}
+Prologue run_prologue(const gdr::Dims& d, const PrologueScratch& ps, char* base, const Tensor& q,
+                      const Tensor& k, const Tensor& cu, cudaStream_t s) {
+  Prologue p{};
+  p.ix = gdr::index_view(chunk_index(cu, d, base, ps.index, s), d.N);
+  p.qn = bf(q);
+  p.kn = bf(k);
+  if (d.l2norm) {
+    bf16_t* qn = at<bf16_t>(base, ps.qn);
+    bf16_t* kn = at<bf16_t>(base, ps.kn);
+    gdr::launch_l2norm(d, bf(q), bf(k), qn, kn, s);
+    p.qn = qn;
+    p.kn = kn;
+  }
+  return p;
+}
+
+// --- the fast route
+// ----------------------------------------------------------------------------------
+struct FastFwdScratch {
+  size_t W, U, gam, Ht, Vt;
+};
+FastFwdScratch plan_fast_fwd(ScratchPlan& sp, const gdr::Dims& d) {
+  const int64_t T = d.T, nt = d.nt_max;
+  FastFwdScratch f{};
   f.W = sp.add(T * d.Hv * d.dk * 2);
   f.U = sp.add(T * d.Hv * d.dv * 2);
-  f.H = sp.add(fused ? 0 : d.nt_max * d.Hv * d.dk * d.dv * 2);
-  f.P = sp.add(fused ? d.nt_max * d.Hv * gdr::kC * gdr::kC * 2 : 0);
+  f.gam = sp.add(nt * d.Hv * gdr::kC * 4);
+  f.Ht = sp.add(nt * d.Hv * d.dv * d.dk * 2);
+  f.Vt = sp.add(nt * d.Hv * d.dv * gdr::kC * 2);
+  return f;
+}
+struct FastFwd {
+  bf16_t* W;
+  float* gam;
+  bf16_t* Ht;
+  bf16_t* Vt;
+};
+// prep and the state pass (shared by forward and backward).
+FastFwd run_fast_fwd(const gdr::Dims& d, const FastFwdScratch& f, char* base, const Prologue& p,
+                     const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& h0,
+                     float* hT, float* Tinv, cudaStream_t s) {
+  FastFwd r{at<bf16_t>(base, f.W), at<float>(base, f.gam), at<bf16_t>(base, f.Ht),
+            at<bf16_t>(base, f.Vt)};
+  bf16_t* U = at<bf16_t>(base, f.U);
+  gdr::fast_prep(d, p.ix, p.kn, bf(v), g.ptr<float>(), beta.ptr<float>(), r.W, U, r.gam, Tinv, s);
+  gdr::fast_state_fwd(d, p.ix, r.W, p.kn, U, r.gam, f32_or_null(h0), r.Ht, r.Vt, hT, s);
+  return r;
+}
+
+void forward_fast(const GatedDeltaRuleFwd& a, const gdr::Dims& d) {
+  cuda::Context& ctx = cuda::Context::get();
+  ScratchPlan sp;
+  const PrologueScratch ps = plan_prologue(sp, d);
+  const FastFwdScratch f = plan_fast_fwd(sp, d);
+  char* base = static_cast<char*>(ctx.scratch(sp.total()));
+  cudaStream_t s = ctx.stream();
+  const Prologue p = run_prologue(d, ps, base, a.q, a.k, a.cu_seqlens, s);
+  const FastFwd r =
+      run_fast_fwd(d, f, base, p, a.v, a.g, a.beta, a.h0, f32_out_or_null(a.hT), nullptr, s);
+  gdr::fast_output(d, p.ix, p.qn, p.kn, r.Ht, r.Vt, r.gam, bf_out(a.o), s);
+}
+
+void backward_fast(const GatedDeltaRuleBwd& a, const gdr::Dims& d) {
+  cuda::Context& ctx = cuda::Context::get();
+  ScratchPlan sp;
+  const PrologueScratch ps = plan_prologue(sp, d);
+  const FastFwdScratch f = plan_fast_fwd(sp, d);
+  const int64_t T = d.T, nt = d.nt_max;
+  const size_t o_Tinv = sp.add(nt * d.Hv * gdr::kC * gdr::kC * 4);
+  const size_t o_dvl = sp.add(nt * d.Hv * d.dv * gdr::kC * 4);
+  const size_t o_dHt = sp.add(nt * d.Hv * d.dv * d.dk * 2);
+  const size_t o_dVt = sp.add(nt * d.Hv * d.dv * gdr::kC * 2);
+  const size_t o_dqh = sp.add(T * d.Hv * d.dk * 4);
+  const size_t o_dkh = sp.add(T * d.Hv * d.dk * 4);
+  const size_t o_dgp = sp.add(T * d.Hv * 4);
+  char* base = static_cast<char*>(ctx.scratch(sp.total()));
+  cudaStream_t s = ctx.stream();
+  const Prologue p = run_prologue(d, ps, base, a.q, a.k, a.cu_seqlens, s);
+  float* Tinv = at<float>(base, o_Tinv);
+  const FastFwd r = run_fast_fwd(d, f, base, p, a.v, a.g, a.beta, a.h0, nullptr, Tinv, s);
+  float* dvl = at<float>(base, o_dvl);
+  bf16_t* dHt = at<bf16_t>(base, o_dHt);
+  bf16_t* dVt = at<bf16_t>(base, o_dVt);
+  float* dqh = at<float>(base, o_dqh);
+  float* dkh = at<float>(base, o_dkh);
+  float* dgp = at<float>(base, o_dgp);
+  bf16_t* dW = r.W;  // W is dead once the reverse pass has run
+  gdr::fast_dvloc(d, p.ix, p.qn, p.kn, bf(a.dout), r.gam, dvl, s);
+  gdr::fast_state_bwd(d, p.ix, p.qn, p.kn, r.W, bf(a.dout), dvl, r.gam, f32_or_null(a.dhT), dHt,
+                      dVt, f32_out_or_null(a.dh0), s);
+  gdr::fast_dqkw(d, p.ix, p.qn, p.kn, bf(a.dout), r.Vt, dVt, r.Ht, dHt, r.gam, dqh, dkh, dW, dgp,
+                 s);
+  gdr::fast_wy(d, p.ix, p.kn, bf(a.v), dVt, dW, Tinv, r.gam, a.beta.ptr<float>(), dgp, dkh,
+               bf_out(a.dv), a.dg.ptr<float>(), a.dbeta.ptr<float>(), s);
+  gdr::fast_reduce_qk(d, bf(a.q), bf(a.k), dqh, dkh, bf_out(a.dq), bf_out(a.dk), s);
+}
+
+// --- the generic route
+// -------------------------------------------------------------------------------
+struct FwdScratch {
+  size_t W, U, H;
+};
+FwdScratch plan_fwd(ScratchPlan& sp, const gdr::Dims& d) {
+  const int64_t T = d.T;
+  FwdScratch f{};
+  f.W = sp.add(T * d.Hv * d.dk * 2);
+  f.U = sp.add(T * d.Hv * d.dv * 2);
+  f.H = sp.add(d.nt_max * d.Hv * d.dk * d.dv * 2);
   return f;
 }
 
 struct FwdPtrs {
-  gdr::IndexView ix;
-  const bf16_t* qn;
-  const bf16_t* kn;
   bf16_t* W;
   bf16_t* U;  // U, then V'
   bf16_t* H;
 };
 
-// The forward chain up to (not including) the output: index, l2norm, W and U (and P when fused),
-// then the state pass (which, fused, writes o as well).
-FwdPtrs run_fwd_chain(const gdr::Dims& d, const FwdScratch& f, char* base, const Tensor& q,
-                      const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
-                      const Tensor& cu, const Tensor& h0, float* hT, bf16_t* fused_o,
-                      cudaStream_t s) {
-  FwdPtrs p{};
-  p.ix = gdr::index_view(chunk_index(cu, d, base, f.index, s), d.N);
-  p.qn = bf(q);
-  p.kn = bf(k);
-  if (d.l2norm) {
-    bf16_t* qn = at<bf16_t>(base, f.qn);
-    bf16_t* kn = at<bf16_t>(base, f.kn);
-    gdr::launch_l2norm(d, bf(q), bf(k), qn, kn, s);
-    p.qn = qn;
-    p.kn = kn;
-  }
-  p.W = at<bf16_t>(base, f.W);
-  p.U = at<bf16_t>(base, f.U);
-  p.H = at<bf16_t>(base, f.H);
-  bf16_t* P = fused_o != nullptr ? at<bf16_t>(base, f.P) : nullptr;
-  gdr::launch_prep(d, p.ix, p.kn, bf(v), g.ptr<float>(), beta.ptr<float>(), p.W, p.U, p.qn, P, s);
-  if (fused_o != nullptr)
-    gdr::launch_state_fwd_fused(d, p.ix, p.W, p.qn, p.kn, g.ptr<float>(), f32_or_null(h0), p.U, P,
-                                hT, fused_o, s);
-  else
-    gdr::launch_state_fwd(d, p.ix, p.W, p.kn, g.ptr<float>(), f32_or_null(h0), p.U, p.H, hT, s);
-  return p;
+// prep (W, U), then the state pass (H, V' over U, hT).
+FwdPtrs run_fwd_chain(const gdr::Dims& d, const FwdScratch& f, char* base, const Prologue& p,
+                      const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& h0,
+                      float* hT, cudaStream_t s) {
+  FwdPtrs r{at<bf16_t>(base, f.W), at<bf16_t>(base, f.U), at<bf16_t>(base, f.H)};
+  gdr::launch_prep(d, p.ix, p.kn, bf(v), g.ptr<float>(), beta.ptr<float>(), r.W, r.U, s);
+  gdr::launch_state_fwd(d, p.ix, r.W, p.kn, g.ptr<float>(), f32_or_null(h0), r.U, r.H, hT, s);
+  return r;
 }
 
-void forward(const GatedDeltaRuleFwd& a) {
-  gdr::Dims d = make_dims(a.q, a.v, a.cu_seqlens, a.scale, a.use_qk_l2norm);
-  d.vec = d.dk % 8 == 0 && d.dv % 8 == 0 && aligned16(a.q) && aligned16(a.k) && aligned16(a.v) &&
-          aligned16(a.h0);
-  const bool fused = env::get_bool("GDN_FUSED_FWD");
+void forward_generic(const GatedDeltaRuleFwd& a, const gdr::Dims& d) {
   cuda::Context& ctx = cuda::Context::get();
   ScratchPlan sp;
-  const FwdScratch f = plan_fwd(sp, d, fused);
+  const PrologueScratch ps = plan_prologue(sp, d);
+  const FwdScratch f = plan_fwd(sp, d);
   char* base = static_cast<char*>(ctx.scratch(sp.total()));
   cudaStream_t s = ctx.stream();
-  const FwdPtrs p = run_fwd_chain(d, f, base, a.q, a.k, a.v, a.g, a.beta, a.cu_seqlens, a.h0,
-                                  f32_out_or_null(a.hT), fused ? bf_out(a.o) : nullptr, s);
-  if (!fused) gdr::launch_output(d, p.ix, p.qn, p.kn, p.U, p.H, a.g.ptr<float>(), bf_out(a.o), s);
+  const Prologue p = run_prologue(d, ps, base, a.q, a.k, a.cu_seqlens, s);
+  const FwdPtrs r = run_fwd_chain(d, f, base, p, a.v, a.g, a.beta, a.h0, f32_out_or_null(a.hT), s);
+  gdr::launch_output(d, p.ix, p.qn, p.kn, r.U, r.H, a.g.ptr<float>(), bf_out(a.o), s);
 }
 
-void backward(const GatedDeltaRuleBwd& a) {
-  gdr::Dims d = make_dims(a.q, a.v, a.cu_seqlens, a.scale, a.use_qk_l2norm);
-  d.vec = d.dk % 8 == 0 && d.dv % 8 == 0 && aligned16(a.q) && aligned16(a.k) && aligned16(a.v) &&
-          aligned16(a.h0) && aligned16(a.dout) && aligned16(a.dhT);
+void backward_generic(const GatedDeltaRuleBwd& a, const gdr::Dims& d) {
   cuda::Context& ctx = cuda::Context::get();
   ScratchPlan sp;
-  const FwdScratch f = plan_fwd(sp, d, false);
+  const PrologueScratch ps = plan_prologue(sp, d);
+  const FwdScratch f = plan_fwd(sp, d);
   const int64_t T = d.T;
   const size_t o_dvloc = sp.add(T * d.Hv * d.dv * 4);
   const size_t o_dvp = sp.add(T * d.Hv * d.dv * 2);
@@ -185,8 +274,8 @@ void backward(const GatedDeltaRuleBwd& a) {
   const size_t o_dgp = sp.add(T * d.Hv * 4);
   char* base = static_cast<char*>(ctx.scratch(sp.total()));
   cudaStream_t s = ctx.stream();
-  const FwdPtrs p = run_fwd_chain(d, f, base, a.q, a.k, a.v, a.g, a.beta, a.cu_seqlens, a.h0,
-                                  nullptr, nullptr, s);
+  const Prologue p = run_prologue(d, ps, base, a.q, a.k, a.cu_seqlens, s);
+  const FwdPtrs r = run_fwd_chain(d, f, base, p, a.v, a.g, a.beta, a.h0, nullptr, s);
   float* dvloc = at<float>(base, o_dvloc);
   bf16_t* dvp = at<bf16_t>(base, o_dvp);
   bf16_t* dH = at<bf16_t>(base, o_dH);
@@ -195,12 +284,33 @@ void backward(const GatedDeltaRuleBwd& a) {
   float* dgp = at<float>(base, o_dgp);
   const float* g = a.g.ptr<float>();
   gdr::launch_dvloc(d, p.ix, p.qn, p.kn, bf(a.dout), g, dvloc, s);
-  gdr::launch_state_bwd(d, p.ix, p.qn, p.kn, p.W, bf(a.dout), dvloc, g, f32_or_null(a.dhT), dvp, dH,
+  gdr::launch_state_bwd(d, p.ix, p.qn, p.kn, r.W, bf(a.dout), dvloc, g, f32_or_null(a.dhT), dvp, dH,
                         f32_out_or_null(a.dh0), s);
-  gdr::launch_bwd_dqk(d, p.ix, p.qn, p.kn, p.U, bf(a.dout), p.H, dH, g, dqh, dkh, dgp, s);
-  gdr::launch_bwd_wy(d, p.ix, p.kn, bf(a.v), dvp, p.H, g, a.beta.ptr<float>(), dgp, dkh,
+  gdr::launch_bwd_dqk(d, p.ix, p.qn, p.kn, r.U, bf(a.dout), r.H, dH, g, dqh, dkh, dgp, s);
+  gdr::launch_bwd_wy(d, p.ix, p.kn, bf(a.v), dvp, r.H, g, a.beta.ptr<float>(), dgp, dkh,
                      bf_out(a.dv), a.dg.ptr<float>(), a.dbeta.ptr<float>(), s);
   gdr::launch_reduce_qk(d, bf(a.q), bf(a.k), dqh, dkh, bf_out(a.dq), bf_out(a.dk), s);
+}
+
+void forward(const GatedDeltaRuleFwd& a) {
+  gdr::Dims d = make_dims(a.q, a.v, a.cu_seqlens, a.scale, a.use_qk_l2norm);
+  d.vec = d.dk % 8 == 0 && d.dv % 8 == 0 && aligned16(a.q) && aligned16(a.k) && aligned16(a.v) &&
+          aligned16(a.h0) && aligned16(a.o) && aligned16(a.hT);
+  if (gdr::fast_path(d) && !env::get_bool("GDN_GDR_GENERIC"))
+    forward_fast(a, d);
+  else
+    forward_generic(a, d);
+}
+
+void backward(const GatedDeltaRuleBwd& a) {
+  gdr::Dims d = make_dims(a.q, a.v, a.cu_seqlens, a.scale, a.use_qk_l2norm);
+  d.vec = d.dk % 8 == 0 && d.dv % 8 == 0 && aligned16(a.q) && aligned16(a.k) && aligned16(a.v) &&
+          aligned16(a.h0) && aligned16(a.dout) && aligned16(a.dhT) && aligned16(a.dq) &&
+          aligned16(a.dk) && aligned16(a.dv);
+  if (gdr::fast_path(d) && !env::get_bool("GDN_GDR_GENERIC"))
+    backward_fast(a, d);
+  else
+    backward_generic(a, d);
 }
 
 const GatedDeltaRuleTable kTable{forward, backward};

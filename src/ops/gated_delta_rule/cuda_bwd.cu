@@ -1,4 +1,5 @@
-// Gated delta rule on CUDA, the backward kernels: fla/ops/gated_delta_rule/chunk.py
+// Gated delta rule on CUDA, the generic route's backward kernels (cuda_fast_bwd.cu is the fast
+// route): fla/ops/gated_delta_rule/chunk.py
 // (chunk_gated_delta_rule_bwd) re-derived in cpu.cpp's notation (its header lists every formula):
 //   dvloc     dV'_loc = s P^T dO                                  (fla chunk_bwd_kernel_dv_local)
 //   state_bwd reverse over chunks, dS in registers: dH_c = dS (the chunk END state's gradient),

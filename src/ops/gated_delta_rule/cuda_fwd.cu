@@ -1,5 +1,6 @@
-// Gated delta rule on CUDA, the forward kernels (also run by the backward to rebuild what the
-// forward does not save): the decomposed chain of fla/ops/gated_delta_rule/chunk.py
+// Gated delta rule on CUDA, the generic route's forward kernels (head dims up to 256, unaligned
+// tensors; cuda_fast_fwd.cu is the fast route), also run by the backward to rebuild what the
+// forward does not save: the decomposed chain of fla/ops/gated_delta_rule/chunk.py
 // (chunk_gated_delta_rule_fwd): in-kernel l2norm; per chunk the UT transform and the WY factors
 // (fla/ops/gated_delta_rule/chunk_fwd.py, wy_fast.py); the sequential state pass
 // (fla/ops/common/chunk_delta_h.py, chunk_gated_delta_rule_fwd_kernel_h_blockdim64); the output
@@ -66,9 +67,9 @@ __global__ void __launch_bounds__(kL2Threads)
 }
 
 // --- prep: T, W, U per (chunk, value head) -----------------------------------------------------
-size_t prep_smem(int KP, int VP, bool with_p) {
+size_t prep_smem(int KP, int VP) {
   return tile_bytes_bf16(kC, KP) + tile_bytes_bf16(kC, VP) + 3 * tile_bytes_f32(kC, kC) +
-         tile_bytes_bf16(kC, kC) + 6 * kVecBytes + (with_p ? tile_bytes_bf16(kC, KP) : 0);
+         tile_bytes_bf16(kC, kC) + 6 * kVecBytes;
 }
 
 // dst rows [0, L) x cols [0, ncols) (global, row stride `stride`) = bf16(Tb X[:, 0:P]), computed in
@@ -93,10 +94,8 @@ __global__ void __launch_bounds__(kChunkThreads)
                     const bf16_t* __restrict__ v,    // [T, Hv, dv]
                     const float* __restrict__ g,     // [T, Hv]
                     const float* __restrict__ beta,  // [T, Hv]
-                    const bf16_t* __restrict__ qn,   // [T, Hk, dk] (fused route only)
                     bf16_t* __restrict__ W,          // [T, Hv, dk]
-                    bf16_t* __restrict__ U,          // [T, Hv, dv]
-                    bf16_t* __restrict__ P) {        // [nt_max, Hv, 64, 64] or null
+                    bf16_t* __restrict__ U) {        // [T, Hv, dv]
   const ChunkInfo ci = ix.table[blockIdx.x];
   if (ci.len <= 0) return;
   const int h = static_cast<int>(blockIdx.y), kh = h / d.r, L = ci.len;
@@ -117,16 +116,10 @@ __global__ void __launch_bounds__(kChunkThreads)
   float* tot = sc.vec();                                    // [4]
   float* G = sc.vec();                                      // [64]
   float* dec = sc.vec();                                    // [64]
-  bf16_t* Qs = P != nullptr ? sc.take<bf16_t>(tile_bytes_bf16(kC, d.KP)) : nullptr;  // [64, KP]
   sc.done();
 
   stage_tile(Ks, ldk, kn + (t0 * d.Hk + kh) * d.dk, static_cast<int64_t>(d.Hk) * d.dk, L, d.dk, kC,
              d.KP, d.vec);
-  if (P != nullptr) {
-    stage_tile(Qs, ldk, qn + (t0 * d.Hk + kh) * d.dk, static_cast<int64_t>(d.Hk) * d.dk, L, d.dk,
-               kC, d.KP, d.vec);
-    for (int p = tid; p < kC * kLd64; p += kChunkThreads) Tb[p] = bf16_zero();
-  }
   stage_tile(Vs, ldv, v + (t0 * d.Hv + h) * d.dv, static_cast<int64_t>(d.Hv) * d.dv, L, d.dv, kC,
              d.VP, d.vec);
   if (tid < kC) {
@@ -138,19 +131,6 @@ __global__ void __launch_bounds__(kChunkThreads)
   cp_async_wait<0>();
   __syncthreads();
   chunk_gate_sums(gs, L, pre, tot, G, dec);
-  if (P != nullptr) {
-    // The fused route's score matrix P = bf16(Q K^T .* D), j <= i (zeros elsewhere), for its state
-    // pass; Tb is free until the inverse is done.
-    mma_bf16<RowM, ColM>(kC, kC, d.KP, Qs, ldk, Ks, ldk, KK, kLd64, false);  // Q K^T
-    __syncthreads();
-    for_each_gate(gs, pre, tot, L, [&](int i, int j, float dd) {
-      Tb[i * kLd64 + j] = tobf(KK[i * kLd64 + j] * dd);
-    });
-    __syncthreads();
-    bf16_t* Pc = P + (static_cast<int64_t>(blockIdx.x) * d.Hv + h) * kC * kC;  // [64, 64]
-    for (int p = tid; p < kC * kC; p += kChunkThreads) Pc[p] = Tb[(p / kC) * kLd64 + p % kC];
-    __syncthreads();
-  }
   mma_bf16<RowM, ColM>(kC, kC, d.KP, Ks, ldk, Ks, ldk, KK, kLd64, false);  // K K^T
   __syncthreads();
   for_each_gate(gs, pre, tot, L, [&](int i, int j, float dd) {
@@ -177,20 +157,16 @@ __global__ void __launch_bounds__(kChunkThreads)
 }
 
 // --- the state pass -----------------------------------------------------------------------------
-template <int VB, bool kFused>
+template <int VB>
 size_t state_fwd_smem(int KP, int nbuf) {
-  size_t per_buf = 2 * tile_bytes_bf16(kC, KP) + tile_bytes_bf16(kC, VB) + kVecBytes;
-  if (kFused) per_buf += tile_bytes_bf16(kC, KP) + tile_bytes_bf16(kC, kC);
+  const size_t per_buf = 2 * tile_bytes_bf16(kC, KP) + tile_bytes_bf16(kC, VB) + kVecBytes;
   return nbuf * per_buf + tile_bytes_f32(std::max(KP, kC), VB) + tile_bytes_bf16(KP, VB) +
-         (kFused ? 2 : 1) * tile_bytes_bf16(kC, VB) + 4 * kVecBytes;
+         tile_bytes_bf16(kC, VB) + 4 * kVecBytes;
 }
 
 // The state S [KP, VB] of one column block lives in WMMA accumulators: 16x16 tile f = warp + 4 s
 // (row tile f / (VB/16), column tile f % (VB/16)), s < kNS.
-// kFused (the GDN_FUSED_FWD route): the pass also forms the output columns of each chunk,
-// O = s (diag(G) Q S + P V') with P from the prep kernel, while S and V' are still on chip, and
-// writes neither the snapshots H nor V' (the backward rebuilds both anyway).
-template <int VB, bool kFused>
+template <int VB>
 __global__ void __launch_bounds__(kStateThreads)
     gdr_state_fwd_kernel(Dims d, IndexView ix, int nbuf,
                          const bf16_t* __restrict__ W,   // [T, Hv, dk]
@@ -199,10 +175,7 @@ __global__ void __launch_bounds__(kStateThreads)
                          const float* __restrict__ h0,   // [N, Hv, dk, dv] or null
                          bf16_t* U,                      // [T, Hv, dv] U in, V' out (in place)
                          bf16_t* __restrict__ H,         // [nt_max, Hv, dk, dv] chunk-start states
-                         float* __restrict__ hT,         // [N, Hv, dk, dv] or null
-                         const bf16_t* __restrict__ qn,  // [T, Hk, dk] (kFused)
-                         const bf16_t* __restrict__ P,   // [nt_max, Hv, 64, 64] (kFused)
-                         bf16_t* __restrict__ o) {       // [T, Hv, dv] (kFused)
+                         float* __restrict__ hT) {       // [N, Hv, dk, dv] or null
   constexpr int kTn = VB / 16;
   constexpr int kNS = ((static_cast<int>(kGdrMaxHeadDim) / 16) * kTn + 3) / 4;
   const int nvb = (d.VP + VB - 1) / VB;
@@ -225,15 +198,9 @@ __global__ void __launch_bounds__(kStateThreads)
   auto Ks = [&](int b) { return Ks0 + b * nk; };
   auto Us = [&](int b) { return Us0 + b * nu; };
   auto gs = [&](int b) { return gs0 + b * (kVecBytes / 4); };
-  bf16_t* Qs0 = kFused ? sc.take<bf16_t>(nbuf * tile_bytes_bf16(kC, d.KP)) : nullptr;
-  bf16_t* Ps0 = kFused ? sc.take<bf16_t>(nbuf * tile_bytes_bf16(kC, kC)) : nullptr;
-  const int64_t np = tile_bytes_bf16(kC, kC) / 2;
-  auto Qs = [&](int b) { return Qs0 + b * nk; };                  // [64, KP] Q (kFused)
-  auto Ps = [&](int b) { return Ps0 + b * np; };                  // [64, 64] P (kFused)
   float* Sf = sc.take<float>(tile_bytes_f32(max(d.KP, kC), VB));  // [KP, VB] S, or [64, VB] W S
   bf16_t* Sb = sc.take<bf16_t>(tile_bytes_bf16(d.KP, VB));        // [KP, VB] bf16(S)
   bf16_t* Vd = sc.take<bf16_t>(tile_bytes_bf16(kC, VB));          // [64, VB] diag(dec) V'
-  bf16_t* Vb = kFused ? sc.take<bf16_t>(tile_bytes_bf16(kC, VB)) : nullptr;  // [64, VB] V'
   float* pre = sc.vec();
   float* tot = sc.vec();
   float* G = sc.vec();
@@ -252,12 +219,6 @@ __global__ void __launch_bounds__(kStateThreads)
     stage_tile(Us(b), ldb, U + (static_cast<int64_t>(t0) * d.Hv + h) * d.dv + col0, ldU, L, cvalid,
                kC, VB, d.vec);
     if (tid < kC) gs(b)[tid] = tid < L ? g[(static_cast<int64_t>(t0) + tid) * d.Hv + h] : 0.f;
-    if constexpr (kFused) {
-      stage_tile(Qs(b), ldk, qn + (static_cast<int64_t>(t0) * d.Hk + kh) * d.dk, ldK, L, d.dk, kC,
-                 d.KP, d.vec);
-      stage_tile(Ps(b), kLd64, P + (static_cast<int64_t>(c) * d.Hv + h) * kC * kC,
-                 static_cast<int64_t>(kC), kC, kC, kC, kC, true);
-    }
     cp_async_commit();
   };
 
@@ -299,13 +260,12 @@ __global__ void __launch_bounds__(kStateThreads)
     __syncthreads();
     const float GL = G[L - 1];
     // The chunk-start snapshot (bf16), also the MMA operand of W S.
-    bf16_t* Hc =
-        kFused ? nullptr : H + (static_cast<int64_t>(c) * d.Hv + h) * sd + col0;  // [dk, VB]
+    bf16_t* Hc = H + (static_cast<int64_t>(c) * d.Hv + h) * sd + col0;  // [dk, VB] at stride dv
     for (int p = tid; p < d.KP * VB; p += kStateThreads) {
       const int r = p / VB, e = p % VB;
       const bf16_t x = tobf(Sf[r * ldb + e]);
       Sb[r * ldb + e] = x;
-      if (!kFused && r < d.dk && e < cvalid) Hc[static_cast<int64_t>(r) * d.dv + e] = x;
+      if (r < d.dk && e < cvalid) Hc[static_cast<int64_t>(r) * d.dv + e] = x;
     }
     __syncthreads();
     mma_bf16<RowM, RowM>(kC, VB, d.KP, Ws(b), ldk, Sb, ldb, Sf, ldb, false);  // W S
@@ -314,27 +274,10 @@ __global__ void __launch_bounds__(kStateThreads)
     for (int p = tid; p < kC * VB; p += kStateThreads) {
       const int i = p / VB, e = p % VB;
       const float vp = bf(Us(b)[i * ldb + e]) - Sf[i * ldb + e];
-      if constexpr (kFused)
-        Vb[i * ldb + e] = tobf(vp);
-      else if (i < L && e < cvalid)
-        Vc[static_cast<int64_t>(i) * ldU + e] = tobf(vp);
+      if (i < L && e < cvalid) Vc[static_cast<int64_t>(i) * ldU + e] = tobf(vp);
       Vd[i * ldb + e] = tobf(dec[i] * vp);
     }
     __syncthreads();
-    if constexpr (kFused) {
-      // O = s (diag(G) Q S + P V') for these columns, S the chunk-start state (Sb).
-      mma_bf16<RowM, RowM>(kC, VB, d.KP, Qs(b), ldk, Sb, ldb, Sf, ldb, false);  // Q S
-      __syncthreads();
-      for (int p = tid; p < kC * VB; p += kStateThreads) Sf[(p / VB) * ldb + p % VB] *= G[p / VB];
-      __syncthreads();
-      mma_bf16<RowM, RowM>(kC, VB, kC, Ps(b), kLd64, Vb, ldb, Sf, ldb, true);  // + P V'
-      __syncthreads();
-      bf16_t* oc = o + (static_cast<int64_t>(t0) * d.Hv + h) * d.dv + col0;  // [L, VB], ldU
-      for (int p = tid; p < L * cvalid; p += kStateThreads) {
-        const int i = p / cvalid, e = p % cvalid;
-        oc[static_cast<int64_t>(i) * ldU + e] = tobf(d.scale * Sf[i * ldb + e]);
-      }
-    }
     // S <- G_L S + K^T diag(dec) V'.
 #pragma unroll
     for (int s = 0; s < kNS; ++s) {
@@ -460,57 +403,42 @@ void launch_l2norm(const Dims& d, const bf16_t* q, const bf16_t* k, bf16_t* qn, 
 }
 
 void launch_prep(const Dims& d, const IndexView& ix, const bf16_t* kn, const bf16_t* v,
-                 const float* g, const float* beta, bf16_t* W, bf16_t* U, const bf16_t* qn,
-                 bf16_t* P, cudaStream_t s) {
+                 const float* g, const float* beta, bf16_t* W, bf16_t* U, cudaStream_t s) {
   if (d.nt_max == 0) return;
-  const size_t smem = prep_smem(d.KP, d.VP, P != nullptr);
+  const size_t smem = prep_smem(d.KP, d.VP);
   allow_smem(reinterpret_cast<const void*>(&gdr_prep_kernel), smem, "gdr_prep_kernel", d.dk, d.dv);
   const dim3 grid(grid_x(d.nt_max, "gdr_prep_kernel"), static_cast<unsigned>(d.Hv));
-  gdr_prep_kernel<<<grid, kChunkThreads, smem, s>>>(d, ix, kn, v, g, beta, qn, W, U, P);
+  gdr_prep_kernel<<<grid, kChunkThreads, smem, s>>>(d, ix, kn, v, g, beta, W, U);
   GDN_CUDA_LAUNCH_CHECK("gdr_prep_kernel");
 }
 
 namespace {
-template <int VB, bool kFused>
+template <int VB>
 void launch_state_fwd_vb(const Dims& d, const IndexView& ix, const bf16_t* W, const bf16_t* kn,
                          const float* g, const float* h0, bf16_t* U, bf16_t* H, float* hT,
-                         const bf16_t* qn, const bf16_t* P, bf16_t* o, cudaStream_t s) {
-  const auto* kernel = reinterpret_cast<const void*>(&gdr_state_fwd_kernel<VB, kFused>);
+                         cudaStream_t s) {
+  const auto* kernel = reinterpret_cast<const void*>(&gdr_state_fwd_kernel<VB>);
   const size_t optin = cuda::Context::get().props().sharedMemPerBlockOptin;
-  const int nbuf = state_fwd_smem<VB, kFused>(d.KP, 2) <= optin ? 2 : 1;
-  const size_t smem = state_fwd_smem<VB, kFused>(d.KP, nbuf);
+  const int nbuf = state_fwd_smem<VB>(d.KP, 2) <= optin ? 2 : 1;
+  const size_t smem = state_fwd_smem<VB>(d.KP, nbuf);
   allow_smem(kernel, smem, "gdr_state_fwd_kernel", d.dk, d.dv);
   const int nvb = (d.VP + VB - 1) / VB;
   const dim3 grid(grid_x(static_cast<int64_t>(d.N) * nvb, "gdr_state_fwd_kernel"),
                   static_cast<unsigned>(d.Hv));
-  gdr_state_fwd_kernel<VB, kFused>
-      <<<grid, kStateThreads, smem, s>>>(d, ix, nbuf, W, kn, g, h0, U, H, hT, qn, P, o);
+  gdr_state_fwd_kernel<VB><<<grid, kStateThreads, smem, s>>>(d, ix, nbuf, W, kn, g, h0, U, H, hT);
   GDN_CUDA_LAUNCH_CHECK("gdr_state_fwd_kernel");
-}
-
-template <bool kFused>
-void launch_state_fwd_any(const Dims& d, const IndexView& ix, const bf16_t* W, const bf16_t* kn,
-                          const float* g, const float* h0, bf16_t* U, bf16_t* H, float* hT,
-                          const bf16_t* qn, const bf16_t* P, bf16_t* o, cudaStream_t s) {
-  // Few (document, head) pairs (long documents): narrower column blocks, twice the blocks.
-  const int64_t blocks32 = static_cast<int64_t>(d.N) * d.Hv * ((d.VP + 31) / 32);
-  if (blocks32 < 2 * cuda::Context::get().sm_count())
-    launch_state_fwd_vb<16, kFused>(d, ix, W, kn, g, h0, U, H, hT, qn, P, o, s);
-  else
-    launch_state_fwd_vb<32, kFused>(d, ix, W, kn, g, h0, U, H, hT, qn, P, o, s);
 }
 }  // namespace
 
 void launch_state_fwd(const Dims& d, const IndexView& ix, const bf16_t* W, const bf16_t* kn,
                       const float* g, const float* h0, bf16_t* U_vnew, bf16_t* H, float* hT,
                       cudaStream_t s) {
-  launch_state_fwd_any<false>(d, ix, W, kn, g, h0, U_vnew, H, hT, nullptr, nullptr, nullptr, s);
-}
-
-void launch_state_fwd_fused(const Dims& d, const IndexView& ix, const bf16_t* W, const bf16_t* qn,
-                            const bf16_t* kn, const float* g, const float* h0, bf16_t* U,
-                            const bf16_t* P, float* hT, bf16_t* o, cudaStream_t s) {
-  launch_state_fwd_any<true>(d, ix, W, kn, g, h0, U, nullptr, hT, qn, P, o, s);
+  // Few (document, head) pairs (long documents): narrower column blocks, twice the blocks.
+  const int64_t blocks32 = static_cast<int64_t>(d.N) * d.Hv * ((d.VP + 31) / 32);
+  if (blocks32 < 2 * cuda::Context::get().sm_count())
+    launch_state_fwd_vb<16>(d, ix, W, kn, g, h0, U_vnew, H, hT, s);
+  else
+    launch_state_fwd_vb<32>(d, ix, W, kn, g, h0, U_vnew, H, hT, s);
 }
 
 void launch_output(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,

@@ -141,6 +141,10 @@ void allow_smem(const void* kernel, size_t bytes, const char* what, int dk, int 
   if (bytes <= have) return;
   GDN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(bytes)));
+  // Every kernel here lives on shared memory (tiles, not cached loads): ask for the whole carveout
+  // so that as many blocks fit per multiprocessor as their size allows (a hint to the driver).
+  GDN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                      cudaSharedmemCarveoutMaxShared));
   have = bytes;
 }
 

@@ -1,5 +1,7 @@
-// Launchers of the gated delta rule's CUDA kernels (cuda_index.cu, cuda_fwd.cu, cuda_bwd.cu),
-// called by the orchestration in cuda.cu. Included from .cu files only.
+// Launchers of the gated delta rule's generic CUDA kernels (cuda_index.cu, cuda_fwd.cu,
+// cuda_bwd.cu: WMMA, any head dims up to 256, unaligned tensors) and what the fast path
+// (cuda_fast.h) shares with them (the index, Dims, the l2norm), called by the orchestration in
+// cuda.cu. Included from .cu files only.
 //
 // Every launcher checks on the host what its kernel assumes (shared memory fits, sizes fit the
 // grid) and launches on `s`. Kernels take the index and never trust a token offset they did not
@@ -40,22 +42,14 @@ void launch_build_index(const int32_t* cu, int64_t N, int64_t T, int64_t nt_max,
 // qn, kn = q, k / sqrt(sum^2 + eps) rounded to bf16 ([T, Hk, dk] each).
 void launch_l2norm(const Dims& d, const bf16_t* q, const bf16_t* k, bf16_t* qn, bf16_t* kn,
                    cudaStream_t s);
-// Per (chunk, value head): T = (I + M)^{-1}, W = T diag(beta G) K, U = T diag(beta) V; with P
-// given (the fused route) also P = bf16(Q K^T .* D) on j <= i, zeros elsewhere ([64, 64] per chunk
-// slot and value head).
+// Per (chunk, value head): T = (I + M)^{-1}, W = T diag(beta G) K, U = T diag(beta) V.
 void launch_prep(const Dims& d, const IndexView& ix, const bf16_t* kn, const bf16_t* v,
-                 const float* g, const float* beta, bf16_t* W, bf16_t* U, const bf16_t* qn,
-                 bf16_t* P, cudaStream_t s);
+                 const float* g, const float* beta, bf16_t* W, bf16_t* U, cudaStream_t s);
 // Per (document, value head, dv block), sequential over chunks: chunk-start snapshots H, V' = U - W
 // S (over U, in place), the final state.
 void launch_state_fwd(const Dims& d, const IndexView& ix, const bf16_t* W, const bf16_t* kn,
                       const float* g, const float* h0, bf16_t* U_vnew, bf16_t* H, float* hT,
                       cudaStream_t s);
-// The fused route (GDN_FUSED_FWD): the same pass also writes o from P (launch_prep) while the
-// state is on chip; no snapshots, V' stays in U's place unwritten.
-void launch_state_fwd_fused(const Dims& d, const IndexView& ix, const bf16_t* W, const bf16_t* qn,
-                            const bf16_t* kn, const float* g, const float* h0, bf16_t* U,
-                            const bf16_t* P, float* hT, bf16_t* o, cudaStream_t s);
 // Per (chunk, value head, 64 dv columns): O = s (diag(G) Q H_c + (Q K^T .* D, j <= i) V').
 void launch_output(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
                    const bf16_t* vnew, const bf16_t* H, const float* g, bf16_t* o, cudaStream_t s);
@@ -82,7 +76,8 @@ void launch_reduce_qk(const Dims& d, const bf16_t* q, const bf16_t* k, const flo
                       const float* dkh, bf16_t* dq, bf16_t* dk, cudaStream_t s);
 
 // Sets the kernel's dynamic shared-memory limit (once per kernel and size) after checking the
-// device allows it; `what` names the kernel and the dims in the error.
+// device allows it, and prefers the whole shared-memory carveout for it; `what` names the kernel
+// and the dims in the error.
 void allow_smem(const void* kernel, size_t bytes, const char* what, int dk, int dv);
 
 }  // namespace gdn::ops::gdr

@@ -56,16 +56,18 @@
 //     cancel to noise when the true dg is ~e^g (strong decay).
 //   cuda.chunk64 (cuda*.cu): the same chunked algorithm as a decomposed kernel chain (FLA's
 //     structure: per-chunk kernels for T, W, U and the output around a sequential state pass per
-//     (document, value head, dv block), which keeps S in fp32 registers; the backward rebuilds
-//     the forward chain, then a reverse state pass and two per-chunk gradient kernels). Chunk
-//     products are bf16 tensor-core MMAs with fp32 accumulation (the inverse's backward in tf32);
-//     the gates (summed term by term as on the cpu), T = (I + M)^{-1} (fp32 forward substitution),
-//     the running state and dS are fp32; operands rounded to bf16: normalised q/k, T, W, U, V',
-//     the chunk-boundary state snapshots and the score matrices (gdn_spec.md §3.7). dg is
-//     assembled as on the cpu. GDN_FUSED_FWD=1 forms the output inside the state pass instead
-//     (same result; see cuda.cu). Device cu_seqlens are never read on the host: the kernels clamp
-//     them into [0, T] and make them non-decreasing (cuda.h, which also exposes the chunk index so
-//     that a micro-batch builds it once for all its layers).
+//     (document, value head, block of value columns), which keeps S in fp32 registers; the
+//     backward rebuilds the forward chain, then a reverse state pass and per-chunk gradient
+//     kernels). Two routes with the same contract (cuda.cu): the fast one (dk, dv <= 128,
+//     multiples of 8, 16-byte aligned tensors; mma.sync with operands kept in registers, gates
+//     from fp32 chunk-local cumsums of g, every product bf16 x bf16 -> fp32) and the generic one
+//     (any dims; WMMA, gates summed term by term as on the cpu, the inverse's backward in tf32).
+//     On both, T = (I + M)^{-1} is inverted in fp32, the running state and dS are fp32, and the
+//     operands are rounded to bf16: normalised q/k, T, W, U, V', the chunk-boundary state
+//     snapshots and the score matrices (gdn_spec.md §3.7). dg is assembled as on the cpu. Device
+//     cu_seqlens are never read on the host: the kernels clamp them into [0, T] and make them
+//     non-decreasing (cuda.h, which also exposes the chunk index so that a micro-batch builds it
+//     once for all its layers).
 // Determinism: cpu is bitwise deterministic and independent of the thread count (each (document,
 // head) pair is computed by one thread in a fixed order; the sums over the r value heads of a key
 // head run afterwards in head order; BLAS runs single-threaded inside the op). cuda is bitwise

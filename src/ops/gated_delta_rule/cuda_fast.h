@@ -1,0 +1,70 @@
+// Launchers of the gated delta rule's fast CUDA path (cuda_fast_fwd.cu, cuda_fast_bwd.cu), called
+// by cuda.cu for head dims dk, dv <= 128 that are multiples of 8 with 16-byte aligned tensors
+// (Dims::vec); other shapes take the generic kernels of cuda_kernels.h. Included from .cu files
+// only.
+//
+// The fast path is FLA's decomposed chain (fla/ops/gated_delta_rule/chunk.py) with every product on
+// mma.sync tensor cores and the sequential passes keeping their state in registers:
+//   forward   prep (per chunk: gamma, T = (I + M)^{-1}, W, U) -> state_fwd (per document, value
+//             head, 32 value columns: chunk-start snapshots H, V', hT) -> output (per chunk)
+//   backward  prep (+ T kept) -> state_fwd -> dvloc (per chunk) -> state_bwd (reverse: dH, dV',
+//             dh0) -> dqkw (per chunk: dq_h, dk_h part, dW, dg part) -> wy (per chunk: dv, dbeta,
+//             dg, dk_h +=) -> reduce (dq, dk over the r value heads, l2norm backward)
+// Intermediates that only the op's kernels read are stored per chunk slot c in "transposed" layouts
+// that the register fragments write with 4-byte stores and the next kernel stages as ldmatrix
+// tiles: Ht / dHt [chunks, Hv, dv, dk] (S^T of the chunk-start state / dS^T of the chunk-end
+// gradient, bf16), Vt / dVt [chunks, Hv, dv, 64] (V' / dV' transposed, bf16; tokens past a partial
+// chunk's end are exact zeros), dvlocT [chunks, Hv, dv, 64] fp32, gam [chunks, Hv, 64] fp32 (the
+// chunk-local inclusive cumsum gamma of g, padded past the chunk's end with its last value) and
+// Tinv [chunks, Hv, 64, 64] fp32 (the backward's copy of T).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "ops/gated_delta_rule/cuda_kernels.h"
+
+namespace gdn::ops::gdr {
+
+// Whether the fast path takes these dims (d.vec must be set first).
+inline bool fast_path(const Dims& d) { return d.vec && d.KP <= 128 && d.VP <= 128; }
+
+// --- forward (and the backward's recomputation) ---
+// Per chunk and value head: gam, W = T diag(beta G) K, U = T diag(beta) V, and T itself when Tinv
+// is not null.
+void fast_prep(const Dims& d, const IndexView& ix, const bf16_t* kn, const bf16_t* v,
+               const float* g, const float* beta, bf16_t* W, bf16_t* U, float* gam, float* Tinv,
+               cudaStream_t s);
+// Sequential over each document's chunks: Ht, Vt and (when not null) hT.
+void fast_state_fwd(const Dims& d, const IndexView& ix, const bf16_t* W, const bf16_t* kn,
+                    const bf16_t* U, const float* gam, const float* h0, bf16_t* Ht, bf16_t* Vt,
+                    float* hT, cudaStream_t s);
+// O = s (diag(G) Q H_c + (Q K^T .* D, j <= i) V'), per chunk and value head.
+void fast_output(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
+                 const bf16_t* Ht, const bf16_t* Vt, const float* gam, bf16_t* o, cudaStream_t s);
+
+// --- backward ---
+// dvlocT = (s P^T dO)^T per chunk (the intra-chunk part of dV').
+void fast_dvloc(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
+                const bf16_t* dout, const float* gam, float* dvlocT, cudaStream_t s);
+// Reverse over each document's chunks: dHt (chunk-end state gradients), dVt (dV') and dh0.
+void fast_state_bwd(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
+                    const bf16_t* W, const bf16_t* dout, const float* dvlocT, const float* gam,
+                    const float* dhT, bf16_t* dHt, bf16_t* dVt, float* dh0, cudaStream_t s);
+// Per chunk: dq_h (complete), dk_h (score and state-update paths), dW = -dV' H^T ([T, Hv, dk] bf16)
+// and the dg part of those paths.
+void fast_dqkw(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
+               const bf16_t* dout, const bf16_t* Vt, const bf16_t* dVt, const bf16_t* Ht,
+               const bf16_t* dHt, const float* gam, float* dqh, float* dkh, bf16_t* dW, float* dgp,
+               cudaStream_t s);
+// Per chunk, through the WY factors and T: dv, dbeta, dg (= dgp + the rest), dk_h +=.
+void fast_wy(const Dims& d, const IndexView& ix, const bf16_t* kn, const bf16_t* v,
+             const bf16_t* dVt, const bf16_t* dW, const float* Tinv, const float* gam,
+             const float* beta, const float* dgp, float* dkh, bf16_t* dv, float* dg, float* dbeta,
+             cudaStream_t s);
+// dq, dk = sum over the r value heads of dq_h, dk_h (in head order), then the l2norm backward.
+void fast_reduce_qk(const Dims& d, const bf16_t* q, const bf16_t* k, const float* dqh,
+                    const float* dkh, bf16_t* dq, bf16_t* dk, cudaStream_t s);
+
+}  // namespace gdn::ops::gdr

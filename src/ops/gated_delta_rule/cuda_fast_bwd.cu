@@ -1,0 +1,1046 @@
+// Gated delta rule, fast CUDA path: the backward kernels. cuda_fast.h has the chain and the scratch
+// layouts, cuda_mma.cuh the fragment conventions; the formulas are cpu.cpp's backward (its header
+// lists them), split as FLA splits them (fla/ops/gated_delta_rule/chunk.py):
+//   dvloc      dV'_loc = s P^T dO, stored transposed (fla chunk_bwd_kernel_dv_local)
+//   state_bwd  reverse over chunks, per (document, value head, 32 value columns), 2 warps, dS^T in
+//              fp32 mma accumulators (fla chunk_gated_delta_rule_bwd_kernel_dhu): per chunk
+//              bf16(dS^T) is the snapshot dH_c (gradient of the chunk's END state) and the A
+//              operand of dV'^T = dV'_loc^T + (dS^T K^T) diag(dec); then
+//              dS^T <- G_L dS^T + (s dO^T diag(G)) Q - dV'^T W, both A operands from registers or
+//              one ldmatrix.trans of dO. dV'_loc comes straight from global memory into registers
+//              one chunk ahead.
+//   dqkw       per chunk (fla chunk_bwd_kernel_dqkwg): E = s dO V'^T, dP = E .* D (j <= i),
+//              dQ = dP K + s diag(G) dO H_c^T, dK_a = dP^T Q + diag(dec) V' dH_c^T,
+//              dW = -dV' H_c^T, and the gate terms of these paths
+//   wy         per chunk (fla prepare_wy_repr_bwd): dT = dV' (beta V)^T + dW (beta G K)^T
+//              (strictly lower), dv = beta T^T dV', dK_b = beta G T^T dW, dM = -T^T dT T^T, then
+//              dK_c = dKK K + dKK^T K with dKK = beta_i D_ij dM_ij; dbeta and dg completed here
+//   reduce     dq, dk = sum over the r value heads, then the l2norm backward.
+// dg is assembled per chunk from the terms that reach each token, as cpu.cpp does: suffix sums of
+// the G-type terms (dgam), prefix sums of the dec-type terms (phi), pair terms h_ij over
+// j < t <= i, and G_L <H_c, dH_c> for every token; dqkw adds the score / output-state / update
+// parts into dgp, wy the WY parts. Never a reverse cumsum of O(1) differences, which would cancel
+// to noise when the true dg is ~e^g (strong decay).
+// Precision: every product is bf16 x bf16 -> fp32 (T and dT, dT T^T included; the generic path
+// keeps T^T dT T^T in tf32); dS and the partial gradients are fp32.
+// Determinism: no atomics; every reduction has a fixed order (quad butterflies, then warps in
+// order); dq_h / dk_h per value head are fp32 and summed over the r heads in head order.
+#include <climits>
+
+#include "gdn/backend/cuda_check.h"
+#include "ops/gated_delta_rule/cuda_fast.h"
+#include "ops/gated_delta_rule/cuda_mma.cuh"
+#include "ops/gated_delta_rule/op.h"
+
+namespace gdn::ops::gdr {
+
+namespace {
+
+using fast::c_col;
+using fast::c_row;
+using fast::c_to_a;
+using fast::hi_f;
+using fast::lo_f;
+using fast::load_a_km;
+using fast::load_a_mk;
+using fast::load_b_kn;
+using fast::load_b_nk;
+using fast::mma;
+using fast::pack;
+using fast::row_dot_bf16;
+using fast::scale2;
+
+constexpr int kThreads = 256;
+constexpr int kStateThreads = 64;
+constexpr int kVB = 32;
+constexpr int kLdF = 68;
+constexpr int kLdP = kLd64;
+constexpr size_t kF32Tile = buf_bytes(kC * kLdF * 4);
+constexpr size_t kVec256 = buf_bytes(256 * sizeof(float));
+
+unsigned grid_x(int64_t n, const char* what) {
+  GDN_CHECK(n >= 1 && n <= INT_MAX, "gated_delta_rule (cuda): {} needs a grid of {} blocks", what,
+            n);
+  return static_cast<unsigned>(n);
+}
+
+__device__ __forceinline__ void stage_gamma(float* dst, const float* src) {
+  const int tid = static_cast<int>(threadIdx.x);
+  if (tid < kC / 4) cp_async16(dst + 4 * tid, src + 4 * tid);
+}
+
+// pair[t] = sum_{i >= t} sum_{j < t} F[i][j] for t < 64 (0 for t = 0): the pair terms h_ij that
+// reach dg_t (j < t <= i). F is fp32 [64, 64] (ld kLdF) with zeros on and above the diagonal; it is
+// overwritten by its row prefix sums. Direct sums in a fixed order (quarters of 16, then the
+// quarters in order). 256 threads; barriers inside; qtot and ppart hold 256 floats; pair is
+// complete for the whole block on return.
+__device__ void pair_sums(float* F, float* qtot, float* ppart, float* pair) {
+  const int tid = static_cast<int>(threadIdx.x), i = tid >> 2, q = tid & 3;
+  float* row = F + i * kLdF + 16 * q;
+  float run = 0.f;
+#pragma unroll
+  for (int jj = 0; jj < 16; ++jj) {
+    run += row[jj];
+    row[jj] = run;
+  }
+  qtot[tid] = run;
+  __syncthreads();
+  if (q > 0) {
+    float off = 0.f;
+    for (int qq = 0; qq < q; ++qq) off += qtot[4 * i + qq];
+#pragma unroll
+    for (int jj = 0; jj < 16; ++jj) row[jj] += off;
+  }
+  __syncthreads();
+  const int t = i;  // now: token t, rows 16 q .. 16 q + 15
+  float s = 0.f;
+  if (t > 0) {
+    for (int ii = max(16 * q, t); ii < 16 * q + 16; ++ii) s += F[ii * kLdF + t - 1];
+  }
+  ppart[tid] = s;
+  __syncthreads();
+  if (tid < kC)
+    pair[tid] = ((ppart[4 * tid] + ppart[4 * tid + 1]) + ppart[4 * tid + 2]) + ppart[4 * tid + 3];
+  __syncthreads();
+}
+
+// --- dV'_loc -------------------------------------------------------------------------------------
+size_t dvloc_smem(const Dims& d) {
+  return 2 * tile_bytes_bf16(kC, d.KP) + tile_bytes_bf16(kC, d.VP) + tile_bytes_bf16(kC, kC) +
+         kVecBytes;
+}
+
+__global__ void __launch_bounds__(kThreads, 2)
+    gdr_fast_dvloc_kernel(Dims d, IndexView ix,
+                          const bf16_t* __restrict__ qn,    // [T, Hk, dk]
+                          const bf16_t* __restrict__ kn,    // [T, Hk, dk]
+                          const bf16_t* __restrict__ dout,  // [T, Hv, dv]
+                          const float* __restrict__ gam,    // [nt_max, Hv, 64]
+                          float* __restrict__ dvlocT) {     // [nt_max, Hv, dv, 64]
+  const int c = static_cast<int>(blockIdx.x);
+  const ChunkInfo ci = ix.table[c];
+  if (ci.len <= 0) return;
+  const int h = static_cast<int>(blockIdx.y), kh = h / d.r, L = ci.len;
+  const int64_t t0 = ci.t0;
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5;
+  const int ldk = ld_of(d.KP), ldv = ld_of(d.VP), nkb = d.KP / 16;
+  extern __shared__ __align__(128) char smem[];
+  SmemCarver sc(smem);
+  bf16_t* Qs = sc.take<bf16_t>(tile_bytes_bf16(kC, d.KP));   // [64, KP]
+  bf16_t* Ks = sc.take<bf16_t>(tile_bytes_bf16(kC, d.KP));   // [64, KP]
+  bf16_t* dOs = sc.take<bf16_t>(tile_bytes_bf16(kC, d.VP));  // [64, VP]
+  bf16_t* Ps = sc.take<bf16_t>(tile_bytes_bf16(kC, kC));     // [64, 64] P, j <= i
+  float* gm = sc.vec();
+  sc.done();
+
+  const int64_t ldq = static_cast<int64_t>(d.Hk) * d.dk, ldV = static_cast<int64_t>(d.Hv) * d.dv;
+  const int64_t slot = static_cast<int64_t>(c) * d.Hv + h;
+  stage_tile(Qs, ldk, qn + (t0 * d.Hk + kh) * d.dk, ldq, L, d.dk, kC, d.KP, true);
+  stage_tile(Ks, ldk, kn + (t0 * d.Hk + kh) * d.dk, ldq, L, d.dk, kC, d.KP, true);
+  stage_tile(dOs, ldv, dout + (t0 * d.Hv + h) * d.dv, ldV, L, d.dv, kC, d.VP, true);
+  stage_gamma(gm, gam + slot * kC);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+  {
+    // P = Q K^T .* D (j <= i): warp (mt, nh) rows 16 mt.., columns 32 nh...
+    const int mt = warp & 3, nh = warp >> 2;
+    float p[4][4] = {};
+    if (32 * nh <= 16 * mt + 15) {
+      for (int kb = 0; kb < nkb; ++kb) {
+        uint32_t a[4], bb[4];
+        load_a_mk(a, Qs, ldk, 16 * mt, 16 * kb);
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+          load_b_nk(bb, Ks, ldk, 32 * nh + 16 * np, 16 * kb);
+          mma(p[2 * np], a, bb[0], bb[1]);
+          mma(p[2 * np + 1], a, bb[2], bb[3]);
+        }
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = 16 * mt + c_row(2 * hf), j = 32 * nh + 8 * nt + c_col(0);
+        const float p0 = j <= i ? p[nt][2 * hf] * expf(gm[i] - gm[j]) : 0.f;
+        const float p1 = j + 1 <= i ? p[nt][2 * hf + 1] * expf(gm[i] - gm[j + 1]) : 0.f;
+        *reinterpret_cast<uint32_t*>(Ps + i * kLdP + j) = pack(p0, p1);
+      }
+    }
+  }
+  __syncthreads();
+  // dvlocT[v][j] = s sum_i dO[i][v] P[i][j]: warp w owns value rows 16 w...
+  if (16 * warp >= d.VP) return;
+  float acc[8][4] = {};
+#pragma unroll
+  for (int kb = 0; kb < 4; ++kb) {
+    uint32_t a[4];
+    load_a_km(a, dOs, ldv, 16 * warp, 16 * kb);
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      if (np > kb) break;  // P[i][j] = 0 for j > i
+      uint32_t bb[4];
+      load_b_kn(bb, Ps, kLdP, 16 * np, 16 * kb);
+      mma(acc[2 * np], a, bb[0], bb[1]);
+      mma(acc[2 * np + 1], a, bb[2], bb[3]);
+    }
+  }
+  fast::store_acc_f32(acc, dvlocT + slot * d.dv * kC, kC, 16 * warp, 0, d.dv, kC, d.scale);
+}
+
+// --- the reverse state pass
+// ---------------------------------------------------------------------------
+size_t state_bwd_smem(const Dims& d) {
+  return 2 * (3 * tile_bytes_bf16(kC, d.KP) + tile_bytes_bf16(kC, kVB) + kVecBytes);
+}
+
+__global__ void __launch_bounds__(kStateThreads)
+    gdr_fast_state_bwd_kernel(Dims d, IndexView ix,
+                              const bf16_t* __restrict__ qn,     // [T, Hk, dk]
+                              const bf16_t* __restrict__ kn,     // [T, Hk, dk]
+                              const bf16_t* __restrict__ W,      // [T, Hv, dk]
+                              const bf16_t* __restrict__ dout,   // [T, Hv, dv]
+                              const float* __restrict__ dvlocT,  // [nt_max, Hv, dv, 64]
+                              const float* __restrict__ gam,     // [nt_max, Hv, 64]
+                              const float* __restrict__ dhT,     // [N, Hv, dk, dv] or null
+                              bf16_t* __restrict__ dHt,          // [nt_max, Hv, dv, dk]
+                              bf16_t* __restrict__ dVt,          // [nt_max, Hv, dv, 64]
+                              float* __restrict__ dh0) {         // [N, Hv, dk, dv] or null
+  const int nvb = (d.VP + kVB - 1) / kVB;
+  const int n = static_cast<int>(blockIdx.x) / nvb, vb = static_cast<int>(blockIdx.x) % nvb;
+  const int h = static_cast<int>(blockIdx.y), kh = h / d.r;
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int g8 = lane >> 2, t4 = lane & 3;
+  const int col0 = vb * kVB, cvalid = min(kVB, d.dv - col0);
+  const int vw = col0 + 16 * warp;
+  const int ldk = ld_of(d.KP), ldo = ld_of(kVB), nkb = d.KP / 16;
+  extern __shared__ __align__(128) char smem[];
+  SmemCarver sc(smem);
+  const int64_t nk = tile_bytes_bf16(kC, d.KP) / 2, nu = tile_bytes_bf16(kC, kVB) / 2;
+  bf16_t* Qs0 = sc.take<bf16_t>(2 * tile_bytes_bf16(kC, d.KP));  // 2 x [64, KP] Q
+  bf16_t* Ks0 = sc.take<bf16_t>(2 * tile_bytes_bf16(kC, d.KP));  // 2 x [64, KP] K
+  bf16_t* Ws0 = sc.take<bf16_t>(2 * tile_bytes_bf16(kC, d.KP));  // 2 x [64, KP] W
+  bf16_t* dOs0 = sc.take<bf16_t>(2 * tile_bytes_bf16(kC, kVB));  // 2 x [64, 32] dO columns
+  float* gm0 = sc.take<float>(2 * kVecBytes);                    // 2 x [64] gamma
+  sc.done();
+
+  const int bos = ix.bos[n], eos = ix.bos[n + 1], c0 = ix.chunk0[n], c1 = ix.chunk0[n + 1];
+  const int64_t ldK = static_cast<int64_t>(d.Hk) * d.dk, ldW = static_cast<int64_t>(d.Hv) * d.dk;
+  const int64_t ldV = static_cast<int64_t>(d.Hv) * d.dv;
+  auto stage = [&](int c, int b) {
+    const int t0 = bos + (c - c0) * kC, L = min(kC, eos - t0);
+    const int64_t tk = static_cast<int64_t>(t0) * d.Hk + kh, tv = static_cast<int64_t>(t0) * d.Hv;
+    stage_tile(Qs0 + b * nk, ldk, qn + tk * d.dk, ldK, L, d.dk, kC, d.KP, true);
+    stage_tile(Ks0 + b * nk, ldk, kn + tk * d.dk, ldK, L, d.dk, kC, d.KP, true);
+    stage_tile(Ws0 + b * nk, ldk, W + (tv + h) * d.dk, ldW, L, d.dk, kC, d.KP, true);
+    stage_tile(dOs0 + b * nu, ldo, dout + (tv + h) * d.dv + col0, ldV, L, cvalid, kC, kVB, true);
+    stage_gamma(gm0 + b * (kVecBytes / 4), gam + (static_cast<int64_t>(c) * d.Hv + h) * kC);
+    cp_async_commit();
+  };
+  // dV'_loc^T of chunk c at this lane's C positions (v = vw + g8 (+8), tokens 8 nt + 2 t4 (+1)).
+  float dl[8][4];
+  auto load_dl = [&](int c) {
+    const float* src = dvlocT + (static_cast<int64_t>(c) * d.Hv + h) * d.dv * kC;  // [dv, 64]
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int vv = vw + g8 + 8 * hf;
+        float2 x = make_float2(0.f, 0.f);
+        if (vv < d.dv) x = *reinterpret_cast<const float2*>(src + vv * kC + 8 * nt + 2 * t4);
+        dl[nt][2 * hf] = x.x;
+        dl[nt][2 * hf + 1] = x.y;
+      }
+    }
+  };
+
+  // dS^T rows vw + (g8, g8 + 8), columns 8 nt + 2 t4 (+1).
+  float S[16][4];
+  const int64_t sd = static_cast<int64_t>(d.dk) * d.dv;
+  const int64_t state_off = (static_cast<int64_t>(n) * d.Hv + h) * sd;
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int vv = vw + c_row(e), k = 8 * nt + c_col(e);
+      S[nt][e] = dhT != nullptr && vv < d.dv && k < d.dk
+                     ? dhT[state_off + static_cast<int64_t>(k) * d.dv + vv]
+                     : 0.f;
+    }
+  }
+
+  if (c0 < c1) {
+    stage(c1 - 1, 0);
+    load_dl(c1 - 1);
+  }
+  for (int c = c1 - 1; c >= c0; --c) {
+    const int b = (c1 - 1 - c) & 1;
+    cp_async_wait<0>();
+    __syncthreads();
+    if (c - 1 >= c0) stage(c - 1, b ^ 1);
+    const bf16_t* Qs = Qs0 + b * nk;
+    const bf16_t* Ks = Ks0 + b * nk;
+    const bf16_t* Ws = Ws0 + b * nk;
+    const bf16_t* dOs = dOs0 + b * nu;
+    const float* gm = gm0 + b * (kVecBytes / 4);
+    const float glast = gm[kC - 1];
+    const int64_t slot = static_cast<int64_t>(c) * d.Hv + h;
+
+    // bf16(dS^T): the snapshot dH_c and the A operand of dS^T K^T.
+    uint32_t sa[8][4];
+    bf16_t* dHc = dHt + slot * sd;  // [dv, dk]
+#pragma unroll
+    for (int kb = 0; kb < 8; ++kb) {
+      if (kb >= nkb) break;
+      c_to_a(sa[kb], S[2 * kb], S[2 * kb + 1]);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int vv = vw + g8 + 8 * (q & 1), k = 16 * kb + 2 * t4 + 8 * (q >> 1);
+        if (vv < d.dv && k < d.dk)
+          *reinterpret_cast<uint32_t*>(dHc + static_cast<int64_t>(vv) * d.dk + k) = sa[kb][q];
+      }
+    }
+    // dV'^T = dV'_loc^T + (dS^T K^T) diag(dec).
+    float y[8][4] = {};
+#pragma unroll
+    for (int kb = 0; kb < 8; ++kb) {
+      if (kb >= nkb) break;
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        uint32_t bb[4];
+        load_b_nk(bb, Ks, ldk, 16 * np, 16 * kb);
+        mma(y[2 * np], sa[kb], bb[0], bb[1]);
+        mma(y[2 * np + 1], sa[kb], bb[2], bb[3]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const int ta = 8 * nt + 2 * t4;
+      const float d0 = expf(glast - gm[ta]), d1 = expf(glast - gm[ta + 1]);
+      y[nt][0] = dl[nt][0] + d0 * y[nt][0];
+      y[nt][1] = dl[nt][1] + d1 * y[nt][1];
+      y[nt][2] = dl[nt][2] + d0 * y[nt][2];
+      y[nt][3] = dl[nt][3] + d1 * y[nt][3];
+    }
+    if (c - 1 >= c0) load_dl(c - 1);      // in flight during the rest of this chunk
+    bf16_t* Vc = dVt + slot * d.dv * kC;  // [dv, 64]
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int vv = vw + g8 + 8 * hf;
+        if (vv < d.dv)
+          *reinterpret_cast<uint32_t*>(Vc + vv * kC + 8 * nt + 2 * t4) =
+              pack(y[nt][2 * hf], y[nt][2 * hf + 1]);
+      }
+    }
+    // A operands: -dV'^T (registers) and s dO^T diag(G) (ldmatrix.trans of the dO columns).
+    uint32_t na[4][4], oa[4][4];
+#pragma unroll
+    for (int kb = 0; kb < 4; ++kb) {
+      na[kb][0] = pack(-y[2 * kb][0], -y[2 * kb][1]);
+      na[kb][1] = pack(-y[2 * kb][2], -y[2 * kb][3]);
+      na[kb][2] = pack(-y[2 * kb + 1][0], -y[2 * kb + 1][1]);
+      na[kb][3] = pack(-y[2 * kb + 1][2], -y[2 * kb + 1][3]);
+      load_a_km(oa[kb], dOs, ldo, 16 * warp, 16 * kb);
+      const int ta = 16 * kb + 2 * t4, tb = ta + 8;
+      const float f0 = d.scale * expf(gm[ta]), f1 = d.scale * expf(gm[ta + 1]);
+      const float f2 = d.scale * expf(gm[tb]), f3 = d.scale * expf(gm[tb + 1]);
+      oa[kb][0] = scale2(oa[kb][0], f0, f1);
+      oa[kb][1] = scale2(oa[kb][1], f0, f1);
+      oa[kb][2] = scale2(oa[kb][2], f2, f3);
+      oa[kb][3] = scale2(oa[kb][3], f2, f3);
+    }
+    // dS^T <- G_L dS^T + (s dO^T diag(G)) Q - dV'^T W.
+    const float GL = expf(glast);
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) S[nt][e] *= GL;
+    }
+#pragma unroll
+    for (int kb = 0; kb < 4; ++kb) {
+#pragma unroll
+      for (int np = 0; np < 8; ++np) {
+        if (np >= nkb) break;
+        uint32_t bq[4], bw[4];
+        load_b_kn(bq, Qs, ldk, 16 * np, 16 * kb);
+        load_b_kn(bw, Ws, ldk, 16 * np, 16 * kb);
+        mma(S[2 * np], oa[kb], bq[0], bq[1]);
+        mma(S[2 * np + 1], oa[kb], bq[2], bq[3]);
+        mma(S[2 * np], na[kb], bw[0], bw[1]);
+        mma(S[2 * np + 1], na[kb], bw[2], bw[3]);
+      }
+    }
+  }
+  if (dh0 != nullptr) {
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int vv = vw + c_row(e), k = 8 * nt + c_col(e);
+        if (vv < d.dv && k < d.dk) dh0[state_off + static_cast<int64_t>(k) * d.dv + vv] = S[nt][e];
+      }
+    }
+  }
+}
+
+// --- dqkw
+// ------------------------------------------------------------------------------------------
+size_t dqkw_smem(const Dims& d) {
+  return 2 * tile_bytes_bf16(kC, d.KP) + tile_bytes_bf16(kC, d.VP) + 2 * tile_bytes_bf16(d.VP, kC) +
+         2 * tile_bytes_bf16(d.VP, d.KP) + tile_bytes_bf16(kC, kC) + kF32Tile + 2 * kVec256 +
+         8 * kVecBytes;
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    gdr_fast_dqkw_kernel(Dims d, IndexView ix,
+                         const bf16_t* __restrict__ qn,    // [T, Hk, dk]
+                         const bf16_t* __restrict__ kn,    // [T, Hk, dk]
+                         const bf16_t* __restrict__ dout,  // [T, Hv, dv]
+                         const bf16_t* __restrict__ Vt,    // [nt_max, Hv, dv, 64] V'^T
+                         const bf16_t* __restrict__ dVt,   // [nt_max, Hv, dv, 64] dV'^T
+                         const bf16_t* __restrict__ Ht,    // [nt_max, Hv, dv, dk] chunk-start S^T
+                         const bf16_t* __restrict__ dHt,   // [nt_max, Hv, dv, dk] chunk-end dS^T
+                         const float* __restrict__ gam,    // [nt_max, Hv, 64]
+                         float* __restrict__ dqh,          // [T, Hv, dk]
+                         float* __restrict__ dkh,          // [T, Hv, dk]
+                         bf16_t* __restrict__ dW,          // [T, Hv, dk]
+                         float* __restrict__ dgp) {        // [T, Hv]
+  const int c = static_cast<int>(blockIdx.x);
+  const ChunkInfo ci = ix.table[c];
+  if (ci.len <= 0) return;
+  const int h = static_cast<int>(blockIdx.y), kh = h / d.r, L = ci.len;
+  const int64_t t0 = ci.t0;
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int g8 = lane >> 2, t4 = lane & 3;
+  const int ldk = ld_of(d.KP), ldv = ld_of(d.VP), nkb = d.KP / 16, nvk = d.VP / 16;
+  extern __shared__ __align__(128) char smem[];
+  SmemCarver sc(smem);
+  bf16_t* Qs = sc.take<bf16_t>(tile_bytes_bf16(kC, d.KP));      // [64, KP] Q
+  bf16_t* Ks = sc.take<bf16_t>(tile_bytes_bf16(kC, d.KP));      // [64, KP] K
+  bf16_t* dOs = sc.take<bf16_t>(tile_bytes_bf16(kC, d.VP));     // [64, VP] dO
+  bf16_t* Vts = sc.take<bf16_t>(tile_bytes_bf16(d.VP, kC));     // [VP, 64] V'^T
+  bf16_t* dVts = sc.take<bf16_t>(tile_bytes_bf16(d.VP, kC));    // [VP, 64] dV'^T
+  bf16_t* Hts = sc.take<bf16_t>(tile_bytes_bf16(d.VP, d.KP));   // [VP, KP] H_c^T
+  bf16_t* dHts = sc.take<bf16_t>(tile_bytes_bf16(d.VP, d.KP));  // [VP, KP] dH_c^T
+  bf16_t* dPs = sc.take<bf16_t>(tile_bytes_bf16(kC, kC));       // [64, 64] dP = E .* D, j <= i
+  float* Ff = sc.take<float>(kF32Tile);                         // [64, 64] pair terms, j < i
+  float* qtot = sc.take<float>(kVec256);                        // [256]
+  float* ppart = sc.take<float>(kVec256);                       // [256]
+  float* gm = sc.vec();                                         // [64] gamma
+  float* rq0 = sc.vec();                                        // [64] q . (dO H^T), columns 0..63
+  float* rq1 = sc.vec();                                        // [64] same, columns 64..
+  float* rk0 = sc.vec();                                        // [64] k . (V' dH^T), columns 0..63
+  float* rk1 = sc.vec();                                        // [64] same, columns 64..
+  float* dgam = sc.vec();                                       // [64]
+  float* phi = sc.vec();                                        // [64]
+  float* pair = sc.vec();                                       // [64] pair sums
+  sc.done();
+
+  const int64_t ldq = static_cast<int64_t>(d.Hk) * d.dk, ldV = static_cast<int64_t>(d.Hv) * d.dv;
+  const int64_t ldh = static_cast<int64_t>(d.Hv) * d.dk;
+  const int64_t slot = static_cast<int64_t>(c) * d.Hv + h;
+  const int64_t sd = static_cast<int64_t>(d.dk) * d.dv;
+  // Two groups: what the score phase needs, then the states (in flight during that phase).
+  stage_tile(Qs, ldk, qn + (t0 * d.Hk + kh) * d.dk, ldq, L, d.dk, kC, d.KP, true);
+  stage_tile(Ks, ldk, kn + (t0 * d.Hk + kh) * d.dk, ldq, L, d.dk, kC, d.KP, true);
+  stage_tile(dOs, ldv, dout + (t0 * d.Hv + h) * d.dv, ldV, L, d.dv, kC, d.VP, true);
+  stage_tile(Vts, kLdP, Vt + slot * d.dv * kC, static_cast<int64_t>(kC), d.dv, kC, d.VP, kC, true);
+  stage_gamma(gm, gam + slot * kC);
+  cp_async_commit();
+  stage_tile(dVts, kLdP, dVt + slot * d.dv * kC, static_cast<int64_t>(kC), d.dv, kC, d.VP, kC,
+             true);
+  stage_tile(Hts, ldk, Ht + slot * sd, static_cast<int64_t>(d.dk), d.dv, d.dk, d.VP, d.KP, true);
+  stage_tile(dHts, ldk, dHt + slot * sd, static_cast<int64_t>(d.dk), d.dv, d.dk, d.VP, d.KP, true);
+  cp_async_commit();
+  cp_async_wait<1>();
+  __syncthreads();
+
+  const int mt = warp & 3, nh = warp >> 2;
+  {
+    // E = s dO V'^T and Q K^T for rows 16 mt.., columns 32 nh..; dP and the pair terms
+    // h_ij = E_ij (q_i . k_j) D_ij (j < i).
+    float e[4][4] = {}, qk[4][4] = {};
+    if (32 * nh <= 16 * mt + 15) {
+      for (int kb = 0; kb < nvk; ++kb) {
+        uint32_t a[4], bb[4];
+        load_a_mk(a, dOs, ldv, 16 * mt, 16 * kb);
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+          load_b_kn(bb, Vts, kLdP, 32 * nh + 16 * np, 16 * kb);
+          mma(e[2 * np], a, bb[0], bb[1]);
+          mma(e[2 * np + 1], a, bb[2], bb[3]);
+        }
+      }
+      for (int kb = 0; kb < nkb; ++kb) {
+        uint32_t a[4], bb[4];
+        load_a_mk(a, Qs, ldk, 16 * mt, 16 * kb);
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+          load_b_nk(bb, Ks, ldk, 32 * nh + 16 * np, 16 * kb);
+          mma(qk[2 * np], a, bb[0], bb[1]);
+          mma(qk[2 * np + 1], a, bb[2], bb[3]);
+        }
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = 16 * mt + g8 + 8 * hf, j = 32 * nh + 8 * nt + 2 * t4;
+        float dp[2], f[2];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const float dd = j + u <= i ? expf(gm[i] - gm[j + u]) : 0.f;
+          const float ev = d.scale * e[nt][2 * hf + u];
+          dp[u] = ev * dd;
+          f[u] = j + u < i ? dp[u] * qk[nt][2 * hf + u] : 0.f;
+        }
+        *reinterpret_cast<uint32_t*>(dPs + i * kLdP + j) = pack(dp[0], dp[1]);
+        *reinterpret_cast<float2*>(Ff + i * kLdF + j) = make_float2(f[0], f[1]);
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // dP, the pair terms and the second group
+  // Warp (mt, nh): rows 16 mt.., key columns 64 nh...
+  const int col0 = 64 * nh;
+  {
+    // Y = dO H_c^T and dW = -dV' H_c^T share their B fragments.
+    float y[8][4] = {}, w[8][4] = {};
+    for (int kb = 0; kb < nvk; ++kb) {
+      uint32_t ao[4], av[4];
+      load_a_mk(ao, dOs, ldv, 16 * mt, 16 * kb);
+      load_a_km(av, dVts, kLdP, 16 * mt, 16 * kb);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        if (col0 + 16 * np >= d.KP) break;
+        uint32_t bb[4];
+        load_b_kn(bb, Hts, ldk, col0 + 16 * np, 16 * kb);
+        mma(y[2 * np], ao, bb[0], bb[1]);
+        mma(y[2 * np + 1], ao, bb[2], bb[3]);
+        mma(w[2 * np], av, bb[0], bb[1]);
+        mma(w[2 * np + 1], av, bb[2], bb[3]);
+      }
+    }
+    fast::store_acc_bf16(w, dW + (t0 * d.Hv + h) * d.dk, ldh, 16 * mt, col0, L, d.dk, -1.f);
+    float rd[2];
+    row_dot_bf16(y, Qs, ldk, 16 * mt, col0, d.dk, rd);
+    if (t4 == 0) {
+      float* rq = nh == 0 ? rq0 : rq1;
+      rq[16 * mt + g8] = rd[0];
+      rq[16 * mt + g8 + 8] = rd[1];
+    }
+    // dQ = s diag(G) Y + dP K (dP is lower: k-blocks <= mt).
+    const float s0 = d.scale * expf(gm[16 * mt + g8]), s1 = d.scale * expf(gm[16 * mt + g8 + 8]);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      y[nt][0] *= s0;
+      y[nt][1] *= s0;
+      y[nt][2] *= s1;
+      y[nt][3] *= s1;
+    }
+    for (int kb = 0; kb <= mt; ++kb) {
+      uint32_t a[4];
+      load_a_mk(a, dPs, kLdP, 16 * mt, 16 * kb);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        if (col0 + 16 * np >= d.KP) break;
+        uint32_t bb[4];
+        load_b_kn(bb, Ks, ldk, col0 + 16 * np, 16 * kb);
+        mma(y[2 * np], a, bb[0], bb[1]);
+        mma(y[2 * np + 1], a, bb[2], bb[3]);
+      }
+    }
+    fast::store_acc_f32(y, dqh + (t0 * d.Hv + h) * d.dk, ldh, 16 * mt, col0, L, d.dk, 1.f);
+  }
+  {
+    // Z = V' dH_c^T; dK_a = diag(dec) Z + dP^T Q (dP^T is upper: k-blocks >= mt).
+    float z[8][4] = {};
+    for (int kb = 0; kb < nvk; ++kb) {
+      uint32_t av[4];
+      load_a_km(av, Vts, kLdP, 16 * mt, 16 * kb);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        if (col0 + 16 * np >= d.KP) break;
+        uint32_t bb[4];
+        load_b_kn(bb, dHts, ldk, col0 + 16 * np, 16 * kb);
+        mma(z[2 * np], av, bb[0], bb[1]);
+        mma(z[2 * np + 1], av, bb[2], bb[3]);
+      }
+    }
+    float rd[2];
+    row_dot_bf16(z, Ks, ldk, 16 * mt, col0, d.dk, rd);
+    if (t4 == 0) {
+      float* rk = nh == 0 ? rk0 : rk1;
+      rk[16 * mt + g8] = rd[0];
+      rk[16 * mt + g8 + 8] = rd[1];
+    }
+    const float glast = gm[kC - 1];
+    const float e0 = expf(glast - gm[16 * mt + g8]), e1 = expf(glast - gm[16 * mt + g8 + 8]);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      z[nt][0] *= e0;
+      z[nt][1] *= e0;
+      z[nt][2] *= e1;
+      z[nt][3] *= e1;
+    }
+    for (int kb = mt; kb < 4; ++kb) {
+      uint32_t a[4];
+      load_a_km(a, dPs, kLdP, 16 * mt, 16 * kb);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        if (col0 + 16 * np >= d.KP) break;
+        uint32_t bb[4];
+        load_b_kn(bb, Qs, ldk, col0 + 16 * np, 16 * kb);
+        mma(z[2 * np], a, bb[0], bb[1]);
+        mma(z[2 * np + 1], a, bb[2], bb[3]);
+      }
+    }
+    fast::store_acc_f32(z, dkh + (t0 * d.Hv + h) * d.dk, ldh, 16 * mt, col0, L, d.dk, 1.f);
+  }
+  // <H_c, dH_c> (zero padding included), per warp, then in warp order below.
+  {
+    float part = 0.f;
+    const int half = d.KP / 2;
+    for (int p = tid; p < d.VP * half; p += kThreads) {
+      const int vv = p / half, k = 2 * (p % half);
+      const uint32_t a = *reinterpret_cast<const uint32_t*>(Hts + vv * ldk + k);
+      const uint32_t bq = *reinterpret_cast<const uint32_t*>(dHts + vv * ldk + k);
+      part += lo_f(a) * lo_f(bq) + hi_f(a) * hi_f(bq);
+    }
+    part = warp_sum(part);
+    if (lane == 0) qtot[warp] = part;  // qtot is free until pair_sums
+  }
+  __syncthreads();
+  float dg_all = 0.f;
+  for (int w8 = 0; w8 < kThreads / 32; ++w8) dg_all += qtot[w8];
+  dg_all *= expf(gm[kC - 1]);
+  if (tid < kC) {
+    const float gi = gm[tid];
+    dgam[tid] = d.scale * expf(gi) * (rq0[tid] + rq1[tid]);
+    phi[tid] = tid < L - 1 ? expf(gm[kC - 1] - gi) * (rk0[tid] + rk1[tid]) : 0.f;
+  }
+  __syncthreads();  // every thread has read qtot
+  pair_sums(Ff, qtot, ppart, pair);
+  if (tid < L)
+    dgp[(t0 + tid) * d.Hv + h] = suffix_plus_prefix(dgam, phi, tid, L) + pair[tid] + dg_all;
+}
+
+// --- wy
+// ----------------------------------------------------------------------------------------------
+size_t wy_smem(const Dims& d) {
+  return 2 * tile_bytes_bf16(kC, d.KP) + tile_bytes_bf16(kC, d.VP) + tile_bytes_bf16(d.VP, kC) +
+         3 * kF32Tile + 4 * tile_bytes_bf16(kC, kC) + 2 * kVec256 + 10 * kVecBytes;
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    gdr_fast_wy_kernel(Dims d, IndexView ix,
+                       const bf16_t* __restrict__ kn,   // [T, Hk, dk]
+                       const bf16_t* __restrict__ v,    // [T, Hv, dv]
+                       const bf16_t* __restrict__ dVt,  // [nt_max, Hv, dv, 64] dV'^T
+                       const bf16_t* __restrict__ dW,   // [T, Hv, dk]
+                       const float* __restrict__ Tinv,  // [nt_max, Hv, 64, 64]
+                       const float* __restrict__ gam,   // [nt_max, Hv, 64]
+                       const float* __restrict__ beta,  // [T, Hv]
+                       const float* __restrict__ dgp,   // [T, Hv]
+                       float* __restrict__ dkh,         // [T, Hv, dk] (+=)
+                       bf16_t* __restrict__ dv,         // [T, Hv, dv]
+                       float* __restrict__ dg,          // [T, Hv]
+                       float* __restrict__ dbeta) {     // [T, Hv]
+  const int c = static_cast<int>(blockIdx.x);
+  const ChunkInfo ci = ix.table[c];
+  if (ci.len <= 0) return;
+  const int h = static_cast<int>(blockIdx.y), kh = h / d.r, L = ci.len;
+  const int64_t t0 = ci.t0;
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int g8 = lane >> 2, t4 = lane & 3;
+  const int ldk = ld_of(d.KP), ldv = ld_of(d.VP), nkb = d.KP / 16, nvk = d.VP / 16;
+  extern __shared__ __align__(128) char smem[];
+  SmemCarver sc(smem);
+  bf16_t* Ks = sc.take<bf16_t>(tile_bytes_bf16(kC, d.KP));    // [64, KP] K
+  bf16_t* dWs = sc.take<bf16_t>(tile_bytes_bf16(kC, d.KP));   // [64, KP] dW
+  bf16_t* Vs = sc.take<bf16_t>(tile_bytes_bf16(kC, d.VP));    // [64, VP] V
+  bf16_t* dVts = sc.take<bf16_t>(tile_bytes_bf16(d.VP, kC));  // [VP, 64] dV'^T
+  float* Tf = sc.take<float>(kF32Tile);                       // [64, 64] T (fp32)
+  float* KKf = sc.take<float>(kF32Tile);                      // [64, 64] K K^T
+  float* Ff = sc.take<float>(kF32Tile);                       // [64, 64] pair terms dM .* M
+  bf16_t* Tb = sc.take<bf16_t>(tile_bytes_bf16(kC, kC));      // [64, 64] bf16(T)
+  bf16_t* dTs = sc.take<bf16_t>(tile_bytes_bf16(kC, kC));     // [64, 64] dT, strictly lower
+  bf16_t* Xs = sc.take<bf16_t>(tile_bytes_bf16(kC, kC));      // [64, 64] dT T^T
+  bf16_t* dKKs = sc.take<bf16_t>(tile_bytes_bf16(kC, kC));    // [64, 64] d(K K^T), strictly lower
+  float* qtot = sc.take<float>(kVec256);
+  float* ppart = sc.take<float>(kVec256);
+  float* gm = sc.vec();    // [64] gamma
+  float* bs = sc.vec();    // [64] beta (0 past L)
+  float* rb0 = sc.vec();   // [64] v . (T^T dV'), value columns 0..63
+  float* rb1 = sc.vec();   // [64] same, columns 64..
+  float* rt0 = sc.vec();   // [64] k . (T^T dW), key columns 0..63
+  float* rt1 = sc.vec();   // [64] same, columns 64..
+  float* rm0 = sc.vec();   // [64] sum_j gd_ij KK_ij, columns 0..31
+  float* rm1 = sc.vec();   // [64] same, columns 32..63
+  float* dgB = sc.vec();   // [64] beta_i G_i kt_i
+  float* pair = sc.vec();  // [64]
+  sc.done();
+
+  const int64_t ldq = static_cast<int64_t>(d.Hk) * d.dk, ldV = static_cast<int64_t>(d.Hv) * d.dv;
+  const int64_t ldh = static_cast<int64_t>(d.Hv) * d.dk;
+  const int64_t slot = static_cast<int64_t>(c) * d.Hv + h;
+  stage_tile(Ks, ldk, kn + (t0 * d.Hk + kh) * d.dk, ldq, L, d.dk, kC, d.KP, true);
+  stage_tile(dWs, ldk, dW + (t0 * d.Hv + h) * d.dk, ldh, L, d.dk, kC, d.KP, true);
+  stage_tile(Vs, ldv, v + (t0 * d.Hv + h) * d.dv, ldV, L, d.dv, kC, d.VP, true);
+  stage_tile(dVts, kLdP, dVt + slot * d.dv * kC, static_cast<int64_t>(kC), d.dv, kC, d.VP, kC,
+             true);
+  stage_tile(Tf, kLdF, Tinv + slot * kC * kC, static_cast<int64_t>(kC), kC, kC, kC, kC, true);
+  stage_gamma(gm, gam + slot * kC);
+  if (tid < kC) bs[tid] = tid < L ? beta[(t0 + tid) * d.Hv + h] : 0.f;
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+  for (int p = tid; p < kC * kC; p += kThreads) {
+    const int i = p >> 6, j = p & 63;
+    Tb[i * kLdP + j] = tobf(Tf[i * kLdF + j]);
+  }
+
+  const int mt = warp & 3, nh = warp >> 2;
+  {
+    // dT = (dV' V^T) diag(beta) + (dW K^T) diag(beta G) on j < i, and K K^T: rows 16 mt..,
+    // columns 32 nh...
+    float a1[4][4] = {}, a2[4][4] = {}, kk[4][4] = {};
+    if (32 * nh <= 16 * mt + 15) {
+      for (int kb = 0; kb < nvk; ++kb) {
+        uint32_t a[4], bb[4];
+        load_a_km(a, dVts, kLdP, 16 * mt, 16 * kb);
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+          load_b_nk(bb, Vs, ldv, 32 * nh + 16 * np, 16 * kb);
+          mma(a1[2 * np], a, bb[0], bb[1]);
+          mma(a1[2 * np + 1], a, bb[2], bb[3]);
+        }
+      }
+      for (int kb = 0; kb < nkb; ++kb) {
+        uint32_t aw[4], ak[4], bb[4];
+        load_a_mk(aw, dWs, ldk, 16 * mt, 16 * kb);
+        load_a_mk(ak, Ks, ldk, 16 * mt, 16 * kb);
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+          load_b_nk(bb, Ks, ldk, 32 * nh + 16 * np, 16 * kb);
+          mma(a2[2 * np], aw, bb[0], bb[1]);
+          mma(a2[2 * np + 1], aw, bb[2], bb[3]);
+          mma(kk[2 * np], ak, bb[0], bb[1]);
+          mma(kk[2 * np + 1], ak, bb[2], bb[3]);
+        }
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = 16 * mt + g8 + 8 * hf, j = 32 * nh + 8 * nt + 2 * t4;
+        float x[2];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const float bj = bs[j + u];
+          x[u] =
+              j + u < i ? bj * a1[nt][2 * hf + u] + bj * expf(gm[j + u]) * a2[nt][2 * hf + u] : 0.f;
+        }
+        *reinterpret_cast<uint32_t*>(dTs + i * kLdP + j) = pack(x[0], x[1]);
+        *reinterpret_cast<float2*>(KKf + i * kLdF + j) =
+            make_float2(kk[nt][2 * hf], kk[nt][2 * hf + 1]);
+      }
+    }
+  }
+  __syncthreads();
+  {
+    // X = dT T^T: B[m][j] = T[j][m] (NK on bf16(T)); dT is strictly lower, so k-blocks <= mt.
+    float xm[4][4] = {};
+    for (int kb = 0; kb <= mt; ++kb) {
+      uint32_t a[4], bb[4];
+      load_a_mk(a, dTs, kLdP, 16 * mt, 16 * kb);
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        load_b_nk(bb, Tb, kLdP, 32 * nh + 16 * np, 16 * kb);
+        mma(xm[2 * np], a, bb[0], bb[1]);
+        mma(xm[2 * np + 1], a, bb[2], bb[3]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = 16 * mt + g8 + 8 * hf, j = 32 * nh + 8 * nt + 2 * t4;
+        *reinterpret_cast<uint32_t*>(Xs + i * kLdP + j) = pack(xm[nt][2 * hf], xm[nt][2 * hf + 1]);
+      }
+    }
+  }
+  const int col0 = 64 * nh;
+  {
+    // tv = T^T dV' (T^T is upper: k-blocks >= mt); dv = diag(beta) tv; dbeta gets v . tv.
+    float tv[8][4] = {};
+    for (int kb = mt; kb < 4; ++kb) {
+      uint32_t a[4];
+      load_a_km(a, Tb, kLdP, 16 * mt, 16 * kb);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        if (col0 + 16 * np >= d.VP) break;
+        uint32_t bb[4];
+        load_b_nk(bb, dVts, kLdP, col0 + 16 * np, 16 * kb);
+        mma(tv[2 * np], a, bb[0], bb[1]);
+        mma(tv[2 * np + 1], a, bb[2], bb[3]);
+      }
+    }
+    float rd[2];
+    row_dot_bf16(tv, Vs, ldv, 16 * mt, col0, d.dv, rd);
+    if (t4 == 0) {
+      float* rb = nh == 0 ? rb0 : rb1;
+      rb[16 * mt + g8] = rd[0];
+      rb[16 * mt + g8 + 8] = rd[1];
+    }
+    const float b0 = bs[16 * mt + g8], b1 = bs[16 * mt + g8 + 8];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      tv[nt][0] *= b0;
+      tv[nt][1] *= b0;
+      tv[nt][2] *= b1;
+      tv[nt][3] *= b1;
+    }
+    fast::store_acc_bf16(tv, dv + (t0 * d.Hv + h) * d.dv, ldV, 16 * mt, col0, L, d.dv, 1.f);
+  }
+  // dK accumulator of this warp (rows 16 mt.., key columns 64 nh..): beta G T^T dW, then the
+  // d(K K^T) terms after the next barrier.
+  float dk[8][4] = {};
+  for (int kb = mt; kb < 4; ++kb) {
+    uint32_t a[4];
+    load_a_km(a, Tb, kLdP, 16 * mt, 16 * kb);
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      if (col0 + 16 * np >= d.KP) break;
+      uint32_t bb[4];
+      load_b_kn(bb, dWs, ldk, col0 + 16 * np, 16 * kb);
+      mma(dk[2 * np], a, bb[0], bb[1]);
+      mma(dk[2 * np + 1], a, bb[2], bb[3]);
+    }
+  }
+  {
+    float rd[2];
+    row_dot_bf16(dk, Ks, ldk, 16 * mt, col0, d.dk, rd);
+    if (t4 == 0) {
+      float* rt = nh == 0 ? rt0 : rt1;
+      rt[16 * mt + g8] = rd[0];
+      rt[16 * mt + g8 + 8] = rd[1];
+    }
+    const int i0 = 16 * mt + g8, i1 = i0 + 8;
+    const float s0 = bs[i0] * expf(gm[i0]), s1 = bs[i1] * expf(gm[i1]);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      dk[nt][0] *= s0;
+      dk[nt][1] *= s0;
+      dk[nt][2] *= s1;
+      dk[nt][3] *= s1;
+    }
+  }
+  __syncthreads();  // Xs complete
+  {
+    // dM' = T^T X (dM = -dM'); for j < i: gd = dM_ij D_ij, dKK_ij = beta_i gd, pair term
+    // dKK_ij KK_ij, dbeta part gd KK_ij.
+    float dm[4][4] = {};
+    for (int kb = mt; kb < 4; ++kb) {
+      uint32_t a[4], bb[4];
+      load_a_km(a, Tb, kLdP, 16 * mt, 16 * kb);
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        load_b_kn(bb, Xs, kLdP, 32 * nh + 16 * np, 16 * kb);
+        mma(dm[2 * np], a, bb[0], bb[1]);
+        mma(dm[2 * np + 1], a, bb[2], bb[3]);
+      }
+    }
+    float rsum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = 16 * mt + g8 + 8 * hf, j = 32 * nh + 8 * nt + 2 * t4;
+        float x[2], f[2];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          x[u] = 0.f;
+          f[u] = 0.f;
+          if (j + u < i) {
+            const float gd = -dm[nt][2 * hf + u] * expf(gm[i] - gm[j + u]);
+            const float kk = KKf[i * kLdF + j + u];
+            rsum[hf] += gd * kk;
+            x[u] = bs[i] * gd;
+            f[u] = x[u] * kk;
+          }
+        }
+        *reinterpret_cast<uint32_t*>(dKKs + i * kLdP + j) = pack(x[0], x[1]);
+        *reinterpret_cast<float2*>(Ff + i * kLdF + j) = make_float2(f[0], f[1]);
+      }
+    }
+    rsum[0] = fast::quad_sum4(rsum[0]);
+    rsum[1] = fast::quad_sum4(rsum[1]);
+    if (t4 == 0) {
+      float* rm = nh == 0 ? rm0 : rm1;
+      rm[16 * mt + g8] = rsum[0];
+      rm[16 * mt + g8 + 8] = rsum[1];
+    }
+  }
+  __syncthreads();  // dKKs complete
+  // dK += dKK K (dKK lower: k-blocks <= mt) + dKK^T K (upper: k-blocks >= mt).
+  for (int kb = 0; kb < 4; ++kb) {
+    uint32_t a1[4], a2[4];
+    const bool lo = kb <= mt, up = kb >= mt;
+    if (lo) load_a_mk(a1, dKKs, kLdP, 16 * mt, 16 * kb);
+    if (up) load_a_km(a2, dKKs, kLdP, 16 * mt, 16 * kb);
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      if (col0 + 16 * np >= d.KP) break;
+      uint32_t bb[4];
+      load_b_kn(bb, Ks, ldk, col0 + 16 * np, 16 * kb);
+      if (lo) {
+        mma(dk[2 * np], a1, bb[0], bb[1]);
+        mma(dk[2 * np + 1], a1, bb[2], bb[3]);
+      }
+      if (up) {
+        mma(dk[2 * np], a2, bb[0], bb[1]);
+        mma(dk[2 * np + 1], a2, bb[2], bb[3]);
+      }
+    }
+  }
+  fast::add_acc_f32(dk, dkh + (t0 * d.Hv + h) * d.dk, ldh, 16 * mt, col0, L, d.dk);
+  if (tid < kC) dgB[tid] = bs[tid] * expf(gm[tid]) * (rt0[tid] + rt1[tid]);
+  pair_sums(Ff, qtot, ppart, pair);  // its barriers also publish dgB
+  if (tid < L) {
+    const int64_t o = (t0 + tid) * d.Hv + h;
+    const float kt = rt0[tid] + rt1[tid];
+    dbeta[o] = (rb0[tid] + rb1[tid]) + expf(gm[tid]) * kt + (rm0[tid] + rm1[tid]);
+    dg[o] = dgp[o] + suffix_plus_prefix(dgB, nullptr, tid, L) + pair[tid];
+  }
+}
+
+// --- reduce over the value heads of each key head, then the l2norm backward
+// --------------------------- One warp per row of dq (rows [0, R)) or dk (rows [R, 2R)); lane l
+// owns columns 4 l .. 4 l + 3 (dk <= 128, a multiple of 8).
+__global__ void __launch_bounds__(kThreads)
+    gdr_fast_reduce_qk_kernel(Dims d,
+                              const bf16_t* __restrict__ q,   // [T, Hk, dk]
+                              const bf16_t* __restrict__ k,   // [T, Hk, dk]
+                              const float* __restrict__ dqh,  // [T, Hv, dk]
+                              const float* __restrict__ dkh,  // [T, Hv, dk]
+                              bf16_t* __restrict__ dq,        // [T, Hk, dk]
+                              bf16_t* __restrict__ dk) {      // [T, Hk, dk]
+  const int64_t rows = static_cast<int64_t>(d.T) * d.Hk;
+  const int64_t w = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  if (w >= 2 * rows) return;  // whole warps
+  const bool is_k = w >= rows;
+  const int64_t row = is_k ? w - rows : w;  // (t, kh) = (row / Hk, row % Hk)
+  const int64_t t = row / d.Hk, kh = row % d.Hk;
+  const int col = 4 * lane;
+  const bool on = col < d.dk;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f}, x[4] = {0.f, 0.f, 0.f, 0.f};
+  if (on) {
+    const float* src = (is_k ? dkh : dqh) + (t * d.Hv + kh * d.r) * d.dk + col;  // [r, dk]
+    for (int j = 0; j < d.r; ++j) {
+      const float4 p = *reinterpret_cast<const float4*>(src + static_cast<int64_t>(j) * d.dk);
+      acc[0] += p.x;
+      acc[1] += p.y;
+      acc[2] += p.z;
+      acc[3] += p.w;
+    }
+    const uint2 xv = *reinterpret_cast<const uint2*>((is_k ? k : q) + row * d.dk + col);
+    x[0] = lo_f(xv.x);
+    x[1] = hi_f(xv.x);
+    x[2] = lo_f(xv.y);
+    x[3] = hi_f(xv.y);
+  }
+  if (d.l2norm) {
+    // dx = rstd (dy - <dy, y> y), y = x rstd recomputed in fp32.
+    float ss = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) ss += x[e] * x[e];
+    const float rs = 1.f / sqrtf(warp_sum(ss) + static_cast<float>(kGdrL2NormEps));
+    float dot = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dot += acc[e] * x[e] * rs;
+    dot = warp_sum(dot);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[e] = rs * (acc[e] - dot * x[e] * rs);
+  }
+  if (on) {
+    uint2 out;
+    out.x = pack(acc[0], acc[1]);
+    out.y = pack(acc[2], acc[3]);
+    *reinterpret_cast<uint2*>((is_k ? dk : dq) + row * d.dk + col) = out;
+  }
+}
+
+}  // namespace
+
+// --- launchers ----------------------------------------------------------------------------------
+void fast_dvloc(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
+                const bf16_t* dout, const float* gam, float* dvlocT, cudaStream_t s) {
+  if (d.nt_max == 0) return;
+  const size_t smem = dvloc_smem(d);
+  allow_smem(reinterpret_cast<const void*>(&gdr_fast_dvloc_kernel), smem, "gdr_fast_dvloc_kernel",
+             d.dk, d.dv);
+  const dim3 grid(grid_x(d.nt_max, "gdr_fast_dvloc_kernel"), static_cast<unsigned>(d.Hv));
+  gdr_fast_dvloc_kernel<<<grid, kThreads, smem, s>>>(d, ix, qn, kn, dout, gam, dvlocT);
+  GDN_CUDA_LAUNCH_CHECK("gdr_fast_dvloc_kernel");
+}
+
+void fast_state_bwd(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
+                    const bf16_t* W, const bf16_t* dout, const float* dvlocT, const float* gam,
+                    const float* dhT, bf16_t* dHt, bf16_t* dVt, float* dh0, cudaStream_t s) {
+  const size_t smem = state_bwd_smem(d);
+  const auto* kernel = reinterpret_cast<const void*>(&gdr_fast_state_bwd_kernel);
+  allow_smem(kernel, smem, "gdr_fast_state_bwd_kernel", d.dk, d.dv);  // 2 x 113 KB per SM at 128
+  const int nvb = (d.VP + kVB - 1) / kVB;
+  const dim3 grid(grid_x(static_cast<int64_t>(d.N) * nvb, "gdr_fast_state_bwd_kernel"),
+                  static_cast<unsigned>(d.Hv));
+  gdr_fast_state_bwd_kernel<<<grid, kStateThreads, smem, s>>>(d, ix, qn, kn, W, dout, dvlocT, gam,
+                                                              dhT, dHt, dVt, dh0);
+  GDN_CUDA_LAUNCH_CHECK("gdr_fast_state_bwd_kernel");
+}
+
+void fast_dqkw(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
+               const bf16_t* dout, const bf16_t* Vt, const bf16_t* dVt, const bf16_t* Ht,
+               const bf16_t* dHt, const float* gam, float* dqh, float* dkh, bf16_t* dW, float* dgp,
+               cudaStream_t s) {
+  if (d.nt_max == 0) return;
+  const size_t smem = dqkw_smem(d);
+  allow_smem(reinterpret_cast<const void*>(&gdr_fast_dqkw_kernel), smem, "gdr_fast_dqkw_kernel",
+             d.dk, d.dv);
+  const dim3 grid(grid_x(d.nt_max, "gdr_fast_dqkw_kernel"), static_cast<unsigned>(d.Hv));
+  gdr_fast_dqkw_kernel<<<grid, kThreads, smem, s>>>(d, ix, qn, kn, dout, Vt, dVt, Ht, dHt, gam, dqh,
+                                                    dkh, dW, dgp);
+  GDN_CUDA_LAUNCH_CHECK("gdr_fast_dqkw_kernel");
+}
+
+void fast_wy(const Dims& d, const IndexView& ix, const bf16_t* kn, const bf16_t* v,
+             const bf16_t* dVt, const bf16_t* dW, const float* Tinv, const float* gam,
+             const float* beta, const float* dgp, float* dkh, bf16_t* dv, float* dg, float* dbeta,
+             cudaStream_t s) {
+  if (d.nt_max == 0) return;
+  const size_t smem = wy_smem(d);
+  allow_smem(reinterpret_cast<const void*>(&gdr_fast_wy_kernel), smem, "gdr_fast_wy_kernel", d.dk,
+             d.dv);
+  const dim3 grid(grid_x(d.nt_max, "gdr_fast_wy_kernel"), static_cast<unsigned>(d.Hv));
+  gdr_fast_wy_kernel<<<grid, kThreads, smem, s>>>(d, ix, kn, v, dVt, dW, Tinv, gam, beta, dgp, dkh,
+                                                  dv, dg, dbeta);
+  GDN_CUDA_LAUNCH_CHECK("gdr_fast_wy_kernel");
+}
+
+void fast_reduce_qk(const Dims& d, const bf16_t* q, const bf16_t* k, const float* dqh,
+                    const float* dkh, bf16_t* dq, bf16_t* dk, cudaStream_t s) {
+  const int64_t rows = static_cast<int64_t>(d.T) * d.Hk;
+  if (rows == 0) return;
+  const int64_t blocks = (2 * rows * 32 + kThreads - 1) / kThreads;
+  gdr_fast_reduce_qk_kernel<<<grid_x(blocks, "gdr_fast_reduce_qk_kernel"), kThreads, 0, s>>>(
+      d, q, k, dqh, dkh, dq, dk);
+  GDN_CUDA_LAUNCH_CHECK("gdr_fast_reduce_qk_kernel");
+}
+
+}  // namespace gdn::ops::gdr

@@ -1,0 +1,588 @@
+// Gated delta rule, fast CUDA path: the forward kernels (also run by the backward to rebuild what
+// the forward does not save). cuda_fast.h has the chain and the scratch layouts, cuda_mma.cuh the
+// fragment conventions; the maths and notation are cpu.cpp's.
+//
+//   prep       per (chunk, value head), 8 warps: gamma (sequential fp32 cumsum), K K^T, M, the
+//              blocked fp32 inverse T = (I + M)^{-1}, W = T diag(beta G) K, U = T diag(beta) V
+//              (fla chunk_scaled_dot_kkt + solve_tril + recompute_w_u).
+//   state_fwd  per (document, value head, 32 value columns), 2 warps, sequential over the chunks
+//              (fla chunk_gated_delta_rule_fwd_kernel_h): each warp keeps S^T for its 16 columns
+//              in fp32 mma accumulators [16 x dk]; per chunk S^T repacked to bf16 is at once the
+//              snapshot written to Ht and the A operand of V'^T = U^T - S^T W^T, and the V'^T
+//              accumulators scaled by dec and repacked are the A operand of the update
+//              S^T <- G_L S^T + (V' diag(dec))^T K. Only W, K, U and gamma of the next chunk move
+//              through shared memory (cp.async, double-buffered): one barrier per chunk.
+//   output     per (chunk, value head), 8 warps (fla chunk_fwd_kernel_o): the masked gated scores
+//              stay in registers as the A operand of P V'.
+// Gates: gamma is the chunk-local inclusive cumsum of g in fp32, summed in order, so it never
+// increases along the chunk and every exponent used (gamma_i - gamma_j for j <= i, gamma_i,
+// gamma_63 - gamma_i) is <= 0: strong decay underflows to 0, never overflows. At g ~ -20 the
+// difference of two cumsums is off by ~1e-4 relative (cpu.cpp sums each exponent in fp64), far
+// below the bf16 rounding of the operands it scales.
+#include <climits>
+
+#include "gdn/backend/cuda_check.h"
+#include "ops/gated_delta_rule/cuda_fast.h"
+#include "ops/gated_delta_rule/cuda_mma.cuh"
+
+namespace gdn::ops::gdr {
+
+namespace {
+
+using fast::c_col;
+using fast::c_row;
+using fast::c_to_a;
+using fast::hi_f;
+using fast::lo_f;
+using fast::load_a_km;
+using fast::load_a_mk;
+using fast::load_b_kn;
+using fast::load_b_nk;
+using fast::mma;
+using fast::pack;
+
+constexpr int kThreads = 256;      // per-chunk kernels: 8 warps
+constexpr int kStateThreads = 64;  // state pass: 2 warps
+constexpr int kVB = 32;            // value columns per state block (16 per warp)
+constexpr int kLdF = 68;           // fp32 64 x 64 tiles: rows 272 B apart (16 B mod 128)
+constexpr int kLdP = kLd64;        // bf16 64 x 64 tiles: 72
+constexpr size_t kF32Tile = buf_bytes(kC * kLdF * 4);
+constexpr size_t kF32Tile16 = buf_bytes(16 * kLdF * 4);
+
+unsigned grid_x(int64_t n, const char* what) {
+  GDN_CHECK(n >= 1 && n <= INT_MAX, "gated_delta_rule (cuda): {} needs a grid of {} blocks", what,
+            n);
+  return static_cast<unsigned>(n);
+}
+
+// The 16-byte pieces of one chunk's gamma record (64 fp32) staged by threads 0..15.
+__device__ __forceinline__ void stage_gamma(float* dst, const float* src) {
+  const int tid = static_cast<int>(threadIdx.x);
+  if (tid < kC / 4) cp_async16(dst + 4 * tid, src + 4 * tid);
+}
+
+// --- the blocked unit lower triangular inverse
+// ------------------------------------------------------- T = (I + M)^{-1} for the strictly lower M
+// (fp32 [64, 64], ld kLdF) into Tm (same layout; every entry written: zeros above the diagonal), in
+// fp32 by 16 x 16 blocks (fla solve_tril's blocking): the four diagonal blocks by forward
+// substitution, one per warp with its column in registers; then row block a = 1..3: X = M[a, 0:a]
+// T[0:a, 0:a], T[a, 0:a] = -T_aa X. X [16, 48] is scratch. 256 threads; barriers inside, every
+// thread must call it; M and Tm complete on return.
+__device__ void unit_lower_inverse_blocked(const float* M, float* Tm, float* X) {
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  if (warp < 4) {
+    // Column j of the diagonal block a: t[i] = T[16a + i][16a + j], sequential in i.
+    const int a = warp, j = lane & 15;
+    float t[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const float* mrow = M + (16 * a + i) * kLdF + 16 * a;
+      float s = 0.f;
+#pragma unroll
+      for (int m = 0; m < i; ++m) s = fmaf(mrow[m], t[m], s);
+      t[i] = i == j ? 1.f : (i > j ? -s : 0.f);
+    }
+    if (lane < 16) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) Tm[(16 * a + i) * kLdF + 16 * a + j] = t[i];
+    }
+  } else {
+    // The blocks above the diagonal are zero.
+    for (int p = tid - 128; p < kC * kC; p += 128) {
+      const int i = p >> 6, j = p & 63;
+      if ((j >> 4) > (i >> 4)) Tm[i * kLdF + j] = 0.f;
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int a = 1; a < 4; ++a) {
+    const int w = 16 * a;  // columns of the row block's off-diagonal part
+    for (int p = tid; p < 16 * w; p += kThreads) {
+      const int r = p / w, col = p % w;
+      const float* mrow = M + (w + r) * kLdF;
+      float s = 0.f;
+      for (int m = col & ~15; m < w; ++m) s = fmaf(mrow[m], Tm[m * kLdF + col], s);
+      X[r * kLdF + col] = s;
+    }
+    __syncthreads();
+    for (int p = tid; p < 16 * w; p += kThreads) {
+      const int r = p / w, col = p % w;
+      const float* trow = Tm + (w + r) * kLdF + w;  // row r of T_aa (lower, unit diagonal)
+      float s = 0.f;
+      for (int m = 0; m <= r; ++m) s = fmaf(trow[m], X[m * kLdF + col], s);
+      Tm[(w + r) * kLdF + col] = -s;
+    }
+    __syncthreads();
+  }
+}
+
+// --- prep
+// ------------------------------------------------------------------------------------------
+size_t prep_smem(const Dims& d) {
+  return tile_bytes_bf16(kC, d.KP) + tile_bytes_bf16(kC, d.VP) + 2 * kF32Tile + kF32Tile16 +
+         2 * tile_bytes_bf16(kC, kC) + 4 * kVecBytes;
+}
+
+__global__ void __launch_bounds__(kThreads, 2)
+    gdr_fast_prep_kernel(Dims d, IndexView ix,
+                         const bf16_t* __restrict__ kn,   // [T, Hk, dk]
+                         const bf16_t* __restrict__ v,    // [T, Hv, dv]
+                         const float* __restrict__ g,     // [T, Hv]
+                         const float* __restrict__ beta,  // [T, Hv]
+                         bf16_t* __restrict__ W,          // [T, Hv, dk]
+                         bf16_t* __restrict__ U,          // [T, Hv, dv]
+                         float* __restrict__ gam,         // [nt_max, Hv, 64]
+                         float* __restrict__ Tinv) {      // [nt_max, Hv, 64, 64] or null
+  const int c = static_cast<int>(blockIdx.x);
+  const ChunkInfo ci = ix.table[c];
+  if (ci.len <= 0) return;
+  const int h = static_cast<int>(blockIdx.y), kh = h / d.r, L = ci.len;
+  const int64_t t0 = ci.t0;
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5;
+  const int ldk = ld_of(d.KP), ldv = ld_of(d.VP), nkb = d.KP / 16;
+  extern __shared__ __align__(128) char smem[];
+  SmemCarver sc(smem);
+  bf16_t* Ks = sc.take<bf16_t>(tile_bytes_bf16(kC, d.KP));  // [64, KP] K
+  bf16_t* Vs = sc.take<bf16_t>(tile_bytes_bf16(kC, d.VP));  // [64, VP] V
+  float* Mf = sc.take<float>(kF32Tile);                     // [64, 64] strictly lower M
+  float* Tf = sc.take<float>(kF32Tile);                     // [64, 64] T
+  float* Xf = sc.take<float>(kF32Tile16);                   // [16, 48] inverse scratch
+  bf16_t* Tw = sc.take<bf16_t>(tile_bytes_bf16(kC, kC));    // [64, 64] T diag(beta G)
+  bf16_t* Tu = sc.take<bf16_t>(tile_bytes_bf16(kC, kC));    // [64, 64] T diag(beta)
+  float* gr = sc.vec();                                     // [64] g (0 past L)
+  float* gm = sc.vec();                                     // [64] gamma
+  float* bs = sc.vec();                                     // [64] beta (0 past L)
+  float* bG = sc.vec();                                     // [64] beta G
+  sc.done();
+
+  stage_tile(Ks, ldk, kn + (t0 * d.Hk + kh) * d.dk, static_cast<int64_t>(d.Hk) * d.dk, L, d.dk, kC,
+             d.KP, true);
+  stage_tile(Vs, ldv, v + (t0 * d.Hv + h) * d.dv, static_cast<int64_t>(d.Hv) * d.dv, L, d.dv, kC,
+             d.VP, true);
+  if (tid < kC) {
+    gr[tid] = tid < L ? g[(t0 + tid) * d.Hv + h] : 0.f;
+    bs[tid] = tid < L ? beta[(t0 + tid) * d.Hv + h] : 0.f;
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+
+  if (tid < kC) {
+    // gamma_i = ((g_0 + g_1) + ...) + g_i: every thread runs the same sequence, so gamma never
+    // increases with i; past L the zero g's repeat gamma_{L-1} (the padded record).
+    float s = 0.f, mine = 0.f;
+#pragma unroll
+    for (int u = 0; u < kC; ++u) {
+      s += gr[u];
+      if (u == tid) mine = s;
+    }
+    gm[tid] = mine;
+    bG[tid] = bs[tid] * expf(mine);
+    gam[(static_cast<int64_t>(c) * d.Hv + h) * kC + tid] = mine;
+  }
+  // K K^T: warp (mt, nh) computes rows 16 mt.., columns 32 nh.. (4 tiles).
+  const int mt = warp & 3, nh = warp >> 2;
+  float kk[4][4] = {};
+  for (int kb = 0; kb < nkb; ++kb) {
+    uint32_t a[4], b[4];
+    load_a_mk(a, Ks, ldk, 16 * mt, 16 * kb);
+#pragma unroll
+    for (int np = 0; np < 2; ++np) {
+      load_b_nk(b, Ks, ldk, 32 * nh + 16 * np, 16 * kb);
+      mma(kk[2 * np], a, b[0], b[1]);
+      mma(kk[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+  __syncthreads();  // gamma, beta G
+  // M_ij = beta_i e^{gamma_i - gamma_j} (k_i . k_j) for j < i (0 past L: beta_i = 0, K rows 0).
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int i = 16 * mt + c_row(2 * hf), j = 32 * nh + 8 * nt + c_col(0);
+      const float bi = bs[i], gi = gm[i];
+      const float m0 = j < i ? bi * expf(gi - gm[j]) * kk[nt][2 * hf] : 0.f;
+      const float m1 = j + 1 < i ? bi * expf(gi - gm[j + 1]) * kk[nt][2 * hf + 1] : 0.f;
+      *reinterpret_cast<float2*>(Mf + i * kLdF + j) = make_float2(m0, m1);
+    }
+  }
+  __syncthreads();
+  unit_lower_inverse_blocked(Mf, Tf, Xf);
+  for (int p = tid; p < kC * kC; p += kThreads) {
+    const int i = p >> 6, j = p & 63;
+    const float t = Tf[i * kLdF + j];
+    Tw[i * kLdP + j] = tobf(t * bG[j]);
+    Tu[i * kLdP + j] = tobf(t * bs[j]);
+  }
+  if (Tinv != nullptr) {
+    float* Tc = Tinv + (static_cast<int64_t>(c) * d.Hv + h) * kC * kC;  // [64, 64]
+    for (int p = tid; p < kC * kC / 4; p += kThreads) {
+      const int i = p >> 4, j = (p & 15) * 4;
+      *reinterpret_cast<float4*>(Tc + i * kC + j) =
+          *reinterpret_cast<const float4*>(Tf + i * kLdF + j);
+    }
+  }
+  __syncthreads();
+  // W = (T diag(beta G)) K and U = (T diag(beta)) V: warp (mt, nh) owns rows 16 mt.. and the 64
+  // columns from 64 nh; T is lower, so only k-blocks <= mt contribute.
+  {
+    float acc[8][4] = {};
+    for (int kb = 0; kb <= mt; ++kb) {
+      uint32_t a[4], b[4];
+      load_a_mk(a, Tw, kLdP, 16 * mt, 16 * kb);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        if (64 * nh + 16 * np >= d.KP) break;
+        load_b_kn(b, Ks, ldk, 64 * nh + 16 * np, 16 * kb);
+        mma(acc[2 * np], a, b[0], b[1]);
+        mma(acc[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+    fast::store_acc_bf16(acc, W + (t0 * d.Hv + h) * d.dk, static_cast<int64_t>(d.Hv) * d.dk,
+                         16 * mt, 64 * nh, L, d.dk, 1.f);
+  }
+  {
+    float acc[8][4] = {};
+    for (int kb = 0; kb <= mt; ++kb) {
+      uint32_t a[4], b[4];
+      load_a_mk(a, Tu, kLdP, 16 * mt, 16 * kb);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        if (64 * nh + 16 * np >= d.VP) break;
+        load_b_kn(b, Vs, ldv, 64 * nh + 16 * np, 16 * kb);
+        mma(acc[2 * np], a, b[0], b[1]);
+        mma(acc[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+    fast::store_acc_bf16(acc, U + (t0 * d.Hv + h) * d.dv, static_cast<int64_t>(d.Hv) * d.dv,
+                         16 * mt, 64 * nh, L, d.dv, 1.f);
+  }
+}
+
+// --- the state pass
+// ----------------------------------------------------------------------------------
+size_t state_fwd_smem(const Dims& d) {
+  return 2 * (2 * tile_bytes_bf16(kC, d.KP) + tile_bytes_bf16(kC, kVB) + kVecBytes);
+}
+
+__global__ void __launch_bounds__(kStateThreads)
+    gdr_fast_state_fwd_kernel(Dims d, IndexView ix,
+                              const bf16_t* __restrict__ W,   // [T, Hv, dk]
+                              const bf16_t* __restrict__ kn,  // [T, Hk, dk]
+                              const bf16_t* __restrict__ U,   // [T, Hv, dv]
+                              const float* __restrict__ gam,  // [nt_max, Hv, 64]
+                              const float* __restrict__ h0,   // [N, Hv, dk, dv] or null
+                              bf16_t* __restrict__ Ht,        // [nt_max, Hv, dv, dk]
+                              bf16_t* __restrict__ Vt,        // [nt_max, Hv, dv, 64]
+                              float* __restrict__ hT) {       // [N, Hv, dk, dv] or null
+  const int nvb = (d.VP + kVB - 1) / kVB;
+  const int n = static_cast<int>(blockIdx.x) / nvb, vb = static_cast<int>(blockIdx.x) % nvb;
+  const int h = static_cast<int>(blockIdx.y), kh = h / d.r;
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int g8 = lane >> 2, t4 = lane & 3;
+  const int col0 = vb * kVB, cvalid = min(kVB, d.dv - col0);
+  const int vw = col0 + 16 * warp;  // the warp's first value column (row of S^T)
+  const int ldk = ld_of(d.KP), ldu = ld_of(kVB), nkb = d.KP / 16;
+  extern __shared__ __align__(128) char smem[];
+  SmemCarver sc(smem);
+  const int64_t nk = tile_bytes_bf16(kC, d.KP) / 2, nu = tile_bytes_bf16(kC, kVB) / 2;
+  bf16_t* Ws0 = sc.take<bf16_t>(2 * tile_bytes_bf16(kC, d.KP));  // 2 x [64, KP] W
+  bf16_t* Ks0 = sc.take<bf16_t>(2 * tile_bytes_bf16(kC, d.KP));  // 2 x [64, KP] K
+  bf16_t* Us0 = sc.take<bf16_t>(2 * tile_bytes_bf16(kC, kVB));   // 2 x [64, 32] U columns
+  float* gm0 = sc.take<float>(2 * kVecBytes);                    // 2 x [64] gamma
+  sc.done();
+
+  const int bos = ix.bos[n], eos = ix.bos[n + 1], c0 = ix.chunk0[n], c1 = ix.chunk0[n + 1];
+  const int64_t ldW = static_cast<int64_t>(d.Hv) * d.dk, ldK = static_cast<int64_t>(d.Hk) * d.dk;
+  const int64_t ldU = static_cast<int64_t>(d.Hv) * d.dv;
+  auto stage = [&](int c, int b) {
+    const int t0 = bos + (c - c0) * kC, L = min(kC, eos - t0);
+    stage_tile(Ws0 + b * nk, ldk, W + (static_cast<int64_t>(t0) * d.Hv + h) * d.dk, ldW, L, d.dk,
+               kC, d.KP, true);
+    stage_tile(Ks0 + b * nk, ldk, kn + (static_cast<int64_t>(t0) * d.Hk + kh) * d.dk, ldK, L, d.dk,
+               kC, d.KP, true);
+    stage_tile(Us0 + b * nu, ldu, U + (static_cast<int64_t>(t0) * d.Hv + h) * d.dv + col0, ldU, L,
+               cvalid, kC, kVB, true);
+    stage_gamma(gm0 + b * (kVecBytes / 4), gam + (static_cast<int64_t>(c) * d.Hv + h) * kC);
+    cp_async_commit();
+  };
+
+  // S^T rows vw + (g8, g8 + 8), columns 8 nt + 2 t4 (+1): S[nt][e] (cuda_mma.cuh's C layout).
+  float S[16][4];
+  const int64_t sd = static_cast<int64_t>(d.dk) * d.dv;
+  const int64_t state_off = (static_cast<int64_t>(n) * d.Hv + h) * sd;
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int vv = vw + c_row(e), k = 8 * nt + c_col(e);
+      S[nt][e] = h0 != nullptr && vv < d.dv && k < d.dk
+                     ? h0[state_off + static_cast<int64_t>(k) * d.dv + vv]
+                     : 0.f;
+    }
+  }
+
+  if (c0 < c1) stage(c0, 0);
+  for (int c = c0; c < c1; ++c) {
+    const int b = (c - c0) & 1;
+    cp_async_wait<0>();
+    __syncthreads();  // chunk c staged and visible; every warp is done with buffer b ^ 1
+    if (c + 1 < c1) stage(c + 1, b ^ 1);
+    const bf16_t* Ws = Ws0 + b * nk;
+    const bf16_t* Ks = Ks0 + b * nk;
+    const bf16_t* Us = Us0 + b * nu;
+    const float* gm = gm0 + b * (kVecBytes / 4);
+    const float glast = gm[kC - 1];
+
+    // bf16(S^T): the snapshot H_c and the A operand of S^T W^T.
+    uint32_t sa[8][4];
+    bf16_t* Hc = Ht + (static_cast<int64_t>(c) * d.Hv + h) * sd;  // [dv, dk]
+#pragma unroll
+    for (int kb = 0; kb < 8; ++kb) {
+      if (kb >= nkb) break;
+      c_to_a(sa[kb], S[2 * kb], S[2 * kb + 1]);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int vv = vw + g8 + 8 * (q & 1), k = 16 * kb + 2 * t4 + 8 * (q >> 1);
+        if (vv < d.dv && k < d.dk)
+          *reinterpret_cast<uint32_t*>(Hc + static_cast<int64_t>(vv) * d.dk + k) = sa[kb][q];
+      }
+    }
+    // X = S^T W^T [16, 64 tokens].
+    float x[8][4] = {};
+#pragma unroll
+    for (int kb = 0; kb < 8; ++kb) {
+      if (kb >= nkb) break;
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        uint32_t bb[4];
+        load_b_nk(bb, Ws, ldk, 16 * np, 16 * kb);
+        mma(x[2 * np], sa[kb], bb[0], bb[1]);
+        mma(x[2 * np + 1], sa[kb], bb[2], bb[3]);
+      }
+    }
+    // V'^T = U^T - X (U^T's A fragments are exactly the positions of x's C fragments).
+#pragma unroll
+    for (int kb = 0; kb < 4; ++kb) {
+      uint32_t u[4];
+      load_a_km(u, Us, ldu, 16 * warp, 16 * kb);
+      x[2 * kb][0] = lo_f(u[0]) - x[2 * kb][0];
+      x[2 * kb][1] = hi_f(u[0]) - x[2 * kb][1];
+      x[2 * kb][2] = lo_f(u[1]) - x[2 * kb][2];
+      x[2 * kb][3] = hi_f(u[1]) - x[2 * kb][3];
+      x[2 * kb + 1][0] = lo_f(u[2]) - x[2 * kb + 1][0];
+      x[2 * kb + 1][1] = hi_f(u[2]) - x[2 * kb + 1][1];
+      x[2 * kb + 1][2] = lo_f(u[3]) - x[2 * kb + 1][2];
+      x[2 * kb + 1][3] = hi_f(u[3]) - x[2 * kb + 1][3];
+    }
+    // V' to Vt[c] (all 64 tokens: exact zeros past the chunk's end).
+    bf16_t* Vc = Vt + (static_cast<int64_t>(c) * d.Hv + h) * d.dv * kC;  // [dv, 64]
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int vv = vw + g8 + 8 * hf;
+        if (vv < d.dv)
+          *reinterpret_cast<uint32_t*>(Vc + vv * kC + 8 * nt + 2 * t4) =
+              pack(x[nt][2 * hf], x[nt][2 * hf + 1]);
+      }
+    }
+    // A operand of the update: (V' diag(dec))^T, dec_i = e^{gamma_63 - gamma_i}.
+    uint32_t va[4][4];
+#pragma unroll
+    for (int kb = 0; kb < 4; ++kb) {
+      const int ta = 16 * kb + 2 * t4, tb = ta + 8;
+      const float d0 = expf(glast - gm[ta]), d1 = expf(glast - gm[ta + 1]);
+      const float d2 = expf(glast - gm[tb]), d3 = expf(glast - gm[tb + 1]);
+      va[kb][0] = pack(x[2 * kb][0] * d0, x[2 * kb][1] * d1);
+      va[kb][1] = pack(x[2 * kb][2] * d0, x[2 * kb][3] * d1);
+      va[kb][2] = pack(x[2 * kb + 1][0] * d2, x[2 * kb + 1][1] * d3);
+      va[kb][3] = pack(x[2 * kb + 1][2] * d2, x[2 * kb + 1][3] * d3);
+    }
+    // S^T <- G_L S^T + (V' diag(dec))^T K.
+    const float GL = expf(glast);
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) S[nt][e] *= GL;
+    }
+#pragma unroll
+    for (int kb = 0; kb < 4; ++kb) {
+#pragma unroll
+      for (int np = 0; np < 8; ++np) {
+        if (np >= nkb) break;
+        uint32_t bb[4];
+        load_b_kn(bb, Ks, ldk, 16 * np, 16 * kb);
+        mma(S[2 * np], va[kb], bb[0], bb[1]);
+        mma(S[2 * np + 1], va[kb], bb[2], bb[3]);
+      }
+    }
+  }
+  if (hT != nullptr) {
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int vv = vw + c_row(e), k = 8 * nt + c_col(e);
+        if (vv < d.dv && k < d.dk) hT[state_off + static_cast<int64_t>(k) * d.dv + vv] = S[nt][e];
+      }
+    }
+  }
+}
+
+// --- output
+// ------------------------------------------------------------------------------------------
+size_t output_smem(const Dims& d) {
+  return 2 * tile_bytes_bf16(kC, d.KP) + tile_bytes_bf16(d.VP, d.KP) + tile_bytes_bf16(d.VP, kC) +
+         kVecBytes;
+}
+
+__global__ void __launch_bounds__(kThreads, 2)
+    gdr_fast_output_kernel(Dims d, IndexView ix,
+                           const bf16_t* __restrict__ qn,  // [T, Hk, dk]
+                           const bf16_t* __restrict__ kn,  // [T, Hk, dk]
+                           const bf16_t* __restrict__ Ht,  // [nt_max, Hv, dv, dk]
+                           const bf16_t* __restrict__ Vt,  // [nt_max, Hv, dv, 64]
+                           const float* __restrict__ gam,  // [nt_max, Hv, 64]
+                           bf16_t* __restrict__ o) {       // [T, Hv, dv]
+  const int c = static_cast<int>(blockIdx.x);
+  const ChunkInfo ci = ix.table[c];
+  if (ci.len <= 0) return;
+  const int h = static_cast<int>(blockIdx.y), kh = h / d.r, L = ci.len;
+  const int64_t t0 = ci.t0;
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int g8 = lane >> 2;
+  const int ldk = ld_of(d.KP), nkb = d.KP / 16;
+  extern __shared__ __align__(128) char smem[];
+  SmemCarver sc(smem);
+  bf16_t* Qs = sc.take<bf16_t>(tile_bytes_bf16(kC, d.KP));    // [64, KP] Q
+  bf16_t* Ks = sc.take<bf16_t>(tile_bytes_bf16(kC, d.KP));    // [64, KP] K
+  bf16_t* Hs = sc.take<bf16_t>(tile_bytes_bf16(d.VP, d.KP));  // [VP, KP] H_c^T
+  bf16_t* Vs = sc.take<bf16_t>(tile_bytes_bf16(d.VP, kC));    // [VP, 64] V'^T
+  float* gm = sc.vec();                                       // [64] gamma
+  sc.done();
+
+  const int64_t ldq = static_cast<int64_t>(d.Hk) * d.dk;
+  const int64_t slot = static_cast<int64_t>(c) * d.Hv + h;
+  stage_tile(Qs, ldk, qn + (t0 * d.Hk + kh) * d.dk, ldq, L, d.dk, kC, d.KP, true);
+  stage_tile(Ks, ldk, kn + (t0 * d.Hk + kh) * d.dk, ldq, L, d.dk, kC, d.KP, true);
+  stage_tile(Hs, ldk, Ht + slot * d.dv * d.dk, static_cast<int64_t>(d.dk), d.dv, d.dk, d.VP, d.KP,
+             true);
+  stage_tile(Vs, kLdP, Vt + slot * d.dv * kC, static_cast<int64_t>(kC), d.dv, kC, d.VP, kC, true);
+  stage_gamma(gm, gam + slot * kC);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Warp (mt, nh): rows 16 mt.., value columns 64 nh.. (no barrier below: idle warps may leave).
+  const int mt = warp & 3, nh = warp >> 2;
+  if (64 * nh >= d.VP) return;
+  uint32_t qa[8][4];
+#pragma unroll
+  for (int kb = 0; kb < 8; ++kb)
+    if (kb < nkb) load_a_mk(qa[kb], Qs, ldk, 16 * mt, 16 * kb);
+  // P = Q K^T .* D on j <= i: column blocks past mt are masked out entirely.
+  uint32_t pa[4][4];
+  {
+    float p[8][4] = {};
+#pragma unroll
+    for (int kb = 0; kb < 8; ++kb) {
+      if (kb >= nkb) break;
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        if (np > mt) break;
+        uint32_t bb[4];
+        load_b_nk(bb, Ks, ldk, 16 * np, 16 * kb);
+        mma(p[2 * np], qa[kb], bb[0], bb[1]);
+        mma(p[2 * np + 1], qa[kb], bb[2], bb[3]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = 16 * mt + c_row(e), j = 8 * nt + c_col(e);
+        p[nt][e] = j <= i ? p[nt][e] * expf(gm[i] - gm[j]) : 0.f;
+      }
+    }
+#pragma unroll
+    for (int kb = 0; kb < 4; ++kb) c_to_a(pa[kb], p[2 * kb], p[2 * kb + 1]);
+  }
+  // O = diag(G) Q H_c + P V'.
+  float acc[8][4] = {};
+#pragma unroll
+  for (int kb = 0; kb < 8; ++kb) {
+    if (kb >= nkb) break;
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      if (64 * nh + 16 * np >= d.VP) break;
+      uint32_t bb[4];
+      load_b_nk(bb, Hs, ldk, 64 * nh + 16 * np, 16 * kb);
+      mma(acc[2 * np], qa[kb], bb[0], bb[1]);
+      mma(acc[2 * np + 1], qa[kb], bb[2], bb[3]);
+    }
+  }
+  const float G0 = expf(gm[16 * mt + g8]), G1 = expf(gm[16 * mt + g8 + 8]);
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    acc[nt][0] *= G0;
+    acc[nt][1] *= G0;
+    acc[nt][2] *= G1;
+    acc[nt][3] *= G1;
+  }
+#pragma unroll
+  for (int kb = 0; kb < 4; ++kb) {
+    if (kb > mt) break;
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      if (64 * nh + 16 * np >= d.VP) break;
+      uint32_t bb[4];
+      load_b_nk(bb, Vs, kLdP, 64 * nh + 16 * np, 16 * kb);
+      mma(acc[2 * np], pa[kb], bb[0], bb[1]);
+      mma(acc[2 * np + 1], pa[kb], bb[2], bb[3]);
+    }
+  }
+  fast::store_acc_bf16(acc, o + (t0 * d.Hv + h) * d.dv, static_cast<int64_t>(d.Hv) * d.dv, 16 * mt,
+                       64 * nh, L, d.dv, d.scale);
+}
+
+}  // namespace
+
+// --- launchers ----------------------------------------------------------------------------------
+void fast_prep(const Dims& d, const IndexView& ix, const bf16_t* kn, const bf16_t* v,
+               const float* g, const float* beta, bf16_t* W, bf16_t* U, float* gam, float* Tinv,
+               cudaStream_t s) {
+  if (d.nt_max == 0) return;
+  const size_t smem = prep_smem(d);
+  allow_smem(reinterpret_cast<const void*>(&gdr_fast_prep_kernel), smem, "gdr_fast_prep_kernel",
+             d.dk, d.dv);
+  const dim3 grid(grid_x(d.nt_max, "gdr_fast_prep_kernel"), static_cast<unsigned>(d.Hv));
+  gdr_fast_prep_kernel<<<grid, kThreads, smem, s>>>(d, ix, kn, v, g, beta, W, U, gam, Tinv);
+  GDN_CUDA_LAUNCH_CHECK("gdr_fast_prep_kernel");
+}
+
+void fast_state_fwd(const Dims& d, const IndexView& ix, const bf16_t* W, const bf16_t* kn,
+                    const bf16_t* U, const float* gam, const float* h0, bf16_t* Ht, bf16_t* Vt,
+                    float* hT, cudaStream_t s) {
+  const size_t smem = state_fwd_smem(d);
+  allow_smem(reinterpret_cast<const void*>(&gdr_fast_state_fwd_kernel), smem,
+             "gdr_fast_state_fwd_kernel", d.dk, d.dv);
+  const int nvb = (d.VP + kVB - 1) / kVB;
+  const dim3 grid(grid_x(static_cast<int64_t>(d.N) * nvb, "gdr_fast_state_fwd_kernel"),
+                  static_cast<unsigned>(d.Hv));
+  gdr_fast_state_fwd_kernel<<<grid, kStateThreads, smem, s>>>(d, ix, W, kn, U, gam, h0, Ht, Vt, hT);
+  GDN_CUDA_LAUNCH_CHECK("gdr_fast_state_fwd_kernel");
+}
+
+void fast_output(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
+                 const bf16_t* Ht, const bf16_t* Vt, const float* gam, bf16_t* o, cudaStream_t s) {
+  if (d.nt_max == 0) return;
+  const size_t smem = output_smem(d);
+  allow_smem(reinterpret_cast<const void*>(&gdr_fast_output_kernel), smem, "gdr_fast_output_kernel",
+             d.dk, d.dv);
+  const dim3 grid(grid_x(d.nt_max, "gdr_fast_output_kernel"), static_cast<unsigned>(d.Hv));
+  gdr_fast_output_kernel<<<grid, kThreads, smem, s>>>(d, ix, qn, kn, Ht, Vt, gam, o);
+  GDN_CUDA_LAUNCH_CHECK("gdr_fast_output_kernel");
+}
+
+}  // namespace gdn::ops::gdr
