@@ -36,50 +36,6 @@ size_t bytes_of(const ParamSpec& s, DType dt) {
 }
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
-// Parameter indices by HF name, from the specs alone (no parameter memory needed).
-ModelParamIds param_ids_from_specs(const std::vector<ParamSpec>& specs, const Qwen35Config& c) {
-  std::map<std::string, int64_t, std::less<>> index;
-  for (size_t i = 0; i < specs.size(); ++i) index[specs[i].name] = static_cast<int64_t>(i);
-  auto id = [&](const std::string& name, bool required = true) -> int64_t {
-    auto it = index.find(name);
-    GDN_CHECK(it != index.end() || !required, "model: parameter '{}' missing from the specs", name);
-    return it == index.end() ? -1 : it->second;
-  };
-  ModelParamIds m;
-  m.embed = id("model.embed_tokens.weight");
-  m.final_norm = id("model.norm.weight");
-  m.lm_head = c.tie_word_embeddings ? -1 : id("lm_head.weight");
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    const std::string p = fmt::format("model.layers.{}.", l);
-    LayerParamIds w;
-    w.type = c.layer_types[static_cast<size_t>(l)];
-    w.input_norm = id(p + "input_layernorm.weight");
-    w.post_norm = id(p + "post_attention_layernorm.weight");
-    w.mlp_gate = id(p + "mlp.gate_proj.weight");
-    w.mlp_up = id(p + "mlp.up_proj.weight");
-    w.mlp_down = id(p + "mlp.down_proj.weight");
-    if (w.type == LayerType::Linear) {
-      w.in_proj_qkv = id(p + "linear_attn.in_proj_qkv.weight");
-      w.in_proj_z = id(p + "linear_attn.in_proj_z.weight");
-      w.in_proj_b = id(p + "linear_attn.in_proj_b.weight");
-      w.in_proj_a = id(p + "linear_attn.in_proj_a.weight");
-      w.conv1d = id(p + "linear_attn.conv1d.weight");
-      w.dt_bias = id(p + "linear_attn.dt_bias");
-      w.a_log = id(p + "linear_attn.A_log");
-      w.gated_norm = id(p + "linear_attn.norm.weight");
-      w.out_proj = id(p + "linear_attn.out_proj.weight");
-    } else {
-      w.q_proj = id(p + "self_attn.q_proj.weight");
-      w.k_proj = id(p + "self_attn.k_proj.weight");
-      w.v_proj = id(p + "self_attn.v_proj.weight");
-      w.o_proj = id(p + "self_attn.o_proj.weight");
-      w.q_norm = id(p + "self_attn.q_norm.weight");
-      w.k_norm = id(p + "self_attn.k_norm.weight");
-    }
-    m.layers.push_back(w);
-  }
-  return m;
-}
 }  // namespace
 
 Qwen35Model::Qwen35Model(Qwen35Config cfg, Backend backend, int64_t max_tokens, int64_t max_docs)
@@ -89,7 +45,7 @@ Qwen35Model::Qwen35Model(Qwen35Config cfg, Backend backend, int64_t max_tokens, 
             "model: max_tokens {} and max_docs {} must satisfy 1 <= max_docs <= max_tokens",
             max_tokens_, max_docs_);
   specs_ = param_specs(cfg_);
-  ids_ = param_ids_from_specs(specs_, cfg_);
+  ids_ = param_ids(specs_, cfg_);
   const Device dev = backend_device(backend_);
   const DType gdt = backend_ == Backend::Ref ? DType::F64 : DType::F32;
   size_t pbytes = 0, gbytes = 0;

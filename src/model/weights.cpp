@@ -5,6 +5,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -129,8 +131,10 @@ size_t ParamStore::index(std::string_view name) const {
   return *i;
 }
 
-ModelParamIds param_ids(const ParamStore& store, const Qwen35Config& c) {
-  auto id = [&](const std::string& name) { return static_cast<int64_t>(store.index(name)); };
+namespace {
+// The layer walk of the parameter names, with `id` mapping a name to its index.
+ModelParamIds param_ids_by(const std::function<int64_t(const std::string&)>& id,
+                           const Qwen35Config& c) {
   ModelParamIds m;
   m.embed = id("model.embed_tokens.weight");
   m.final_norm = id("model.norm.weight");
@@ -165,6 +169,24 @@ ModelParamIds param_ids(const ParamStore& store, const Qwen35Config& c) {
     m.layers.push_back(l);
   }
   return m;
+}
+}  // namespace
+
+ModelParamIds param_ids(const ParamStore& store, const Qwen35Config& c) {
+  return param_ids_by([&](const std::string& n) { return static_cast<int64_t>(store.index(n)); },
+                      c);
+}
+
+ModelParamIds param_ids(std::span<const ParamSpec> specs, const Qwen35Config& c) {
+  std::map<std::string, int64_t, std::less<>> index;
+  for (size_t i = 0; i < specs.size(); ++i) index[specs[i].name] = static_cast<int64_t>(i);
+  return param_ids_by(
+      [&](const std::string& n) {
+        auto it = index.find(n);
+        GDN_CHECK(it != index.end(), "parameter '{}' is missing from the specs", n);
+        return it->second;
+      },
+      c);
 }
 
 // --- initialisation ----------------------------------------------------------------------------

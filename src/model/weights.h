@@ -119,6 +119,8 @@ struct ModelParamIds {
   std::vector<LayerParamIds> layers;
 };
 ModelParamIds param_ids(const ParamStore& store, const Qwen35Config& c);
+// The same from the specs alone (no parameter memory needed).
+ModelParamIds param_ids(std::span<const ParamSpec> specs, const Qwen35Config& c);
 
 // Initialises every parameter by HF's rules from `seed` (see the header comment).
 void init_params(ParamStore& store, const Qwen35Config& c, uint64_t seed);
