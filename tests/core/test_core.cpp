@@ -52,9 +52,9 @@ TEST(F16, KnownBitPatterns) {
   EXPECT_EQ(float_to_f16_bits(1.0f), 0x3c00);
   EXPECT_EQ(float_to_f16_bits(-2.0f), 0xc000);
   EXPECT_EQ(float_to_f16_bits(65504.0f), 0x7bff);
-  EXPECT_EQ(float_to_f16_bits(65536.0f), 0x7c00);             // overflow -> inf
-  EXPECT_EQ(float_to_f16_bits(std::ldexp(1.0f, -24)), 0x0001);  // smallest subnormal
-  EXPECT_EQ(float_to_f16_bits(std::ldexp(1.0f, -26)), 0x0000);  // underflow
+  EXPECT_EQ(float_to_f16_bits(65536.0f), 0x7c00);                      // overflow -> inf
+  EXPECT_EQ(float_to_f16_bits(std::ldexp(1.0f, -24)), 0x0001);         // smallest subnormal
+  EXPECT_EQ(float_to_f16_bits(std::ldexp(1.0f, -26)), 0x0000);         // underflow
   EXPECT_EQ(float_to_f16_bits(1.0f + std::ldexp(1.0f, -11)), 0x3c00);  // tie -> even
   for (uint32_t h = 0; h < 0x7c00; ++h)  // every finite positive half round-trips exactly
     ASSERT_EQ(float_to_f16_bits(f16_bits_to_float(static_cast<uint16_t>(h))), h) << h;
@@ -249,10 +249,17 @@ TEST(EnvTable, EveryKnobHasHelpAndAValidDefault) {
     if (std::string_view(k.name).ends_with('*')) continue;
     env::reset_cache_for_testing();
     switch (k.type) {
-      case env::KnobType::Bool: EXPECT_NO_THROW(env::get_bool(k.name)) << k.name; break;
-      case env::KnobType::Int: EXPECT_NO_THROW(env::get_int(k.name)) << k.name; break;
-      case env::KnobType::Float: EXPECT_NO_THROW(env::get_float(k.name)) << k.name; break;
-      default: EXPECT_NO_THROW(env::get_string(k.name)) << k.name;
+      case env::KnobType::Bool:
+        EXPECT_NO_THROW(env::get_bool(k.name)) << k.name;
+        break;
+      case env::KnobType::Int:
+        EXPECT_NO_THROW(env::get_int(k.name)) << k.name;
+        break;
+      case env::KnobType::Float:
+        EXPECT_NO_THROW(env::get_float(k.name)) << k.name;
+        break;
+      default:
+        EXPECT_NO_THROW(env::get_string(k.name)) << k.name;
     }
   }
   EXPECT_EQ(env::edit_distance("kitten", "sitting"), 3u);

@@ -67,8 +67,8 @@ const CumsumTable* make_table() {
       [](const CumsumArgs& a) { cumsum_docs<true>(a, kDefect); }};
   return &t;
 }
-constexpr char kNone[] = "", kZeros[] = "zeros", kScaled[] = "scaled",
-               kPartial[] = "partial_chunk", kOneToken[] = "one_token";
+constexpr char kNone[] = "", kZeros[] = "zeros", kScaled[] = "scaled", kPartial[] = "partial_chunk",
+               kOneToken[] = "one_token";
 
 // Registers the op (with a probe covering a 1-token document and a partial chunk) and a good
 // cpu implementation at priority 0 in a private registry.
@@ -159,8 +159,8 @@ TEST_F(Resolver, RejectsEveryFiniteButWrongImplementationAndChoosesTheGoodOne) {
 TEST_F(Resolver, StrictModeTurnsTheRejectionIntoAnError) {
   setenv("GDN_STRICT_KERNELS", "1", 1);
   Fixture f;
-  f.reg.add_impl({"doc_cumsum", "cpu.partial_chunk", Backend::Cpu, 100, nullptr,
-                  make_table<kPartial>()});
+  f.reg.add_impl(
+      {"doc_cumsum", "cpu.partial_chunk", Backend::Cpu, 100, nullptr, make_table<kPartial>()});
   try {
     f.reg.resolve("doc_cumsum", OpQuery{Backend::Cpu, "", {}});
     FAIL() << "strict mode accepted a wrong kernel";

@@ -35,8 +35,10 @@ TEST(SafeTensors, RoundTripEveryDtypeWithMetadataAndRawTensors) {
     OwnedTensor t = dtype_is_float(dt) ? convert(src, dt) : OwnedTensor::empty(dt, {3, 5});
     if (!dtype_is_float(dt))
       for (int j = 0; j < 15; ++j) {
-        if (dt == DType::I32) t.ptr<int32_t>()[j] = j * 1000 - 7;
-        else t.ptr<int64_t>()[j] = (int64_t{1} << 40) + j;
+        if (dt == DType::I32)
+          t.ptr<int32_t>()[j] = j * 1000 - 7;
+        else
+          t.ptr<int64_t>()[j] = (int64_t{1} << 40) + j;
       }
     ts.push_back({fmt::format("t.{}", dtype_name(dt)), t, {}, {}, nullptr, 0});
     keep.push_back(std::move(t));
