@@ -195,7 +195,6 @@ void Qwen35Model::run(Arena& arena, const MicroBatch* mb, const StepOptions& opt
   Tensor ids = p.alloc(DType::I32, {T});     // [T]
   Tensor labels = p.alloc(DType::I32, {T});  // [T]
   Tensor cu = p.alloc(DType::I32, {N + 1});  // [N+1]
-  Tensor cu_host;                            // host copy for ops that validate on the host
   if (live) {
     copy_bytes(ids.data(), p.dev, mb->input_ids.data(), Device::CPU, static_cast<size_t>(T) * 4);
     copy_bytes(labels.data(), p.dev, mb->labels.data(), Device::CPU, static_cast<size_t>(T) * 4);

@@ -441,6 +441,7 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
   CheckpointDir cd(run_dir + "/checkpoints", static_cast<int>(cfg.get_int("checkpoint.keep")));
   cd.clean_temporaries();
   int64_t start_step = 0, skipped = 0;
+  double resumed_tokens = 0;  // tokens trained on before the resumed checkpoint
   if (topt.resume) {
     auto latest = cd.latest();
     GDN_CHECK_HINT(latest.has_value(), "run without --resume to start a new run",
@@ -455,6 +456,7 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
     GDN_CHECK(!st.is_discarded() && st.contains("step"), "{}/trainer.json is unreadable", *latest);
     start_step = st["step"].get<int64_t>();
     skipped = st.value("skipped_steps", int64_t{0});
+    resumed_tokens = st.value("tokens_seen", 0.0);
     truncate_metrics(run_dir + "/metrics.jsonl", start_step);
     log::info("resuming from {} (step {})", *latest, start_step);
   } else {
@@ -502,14 +504,14 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
 
   TrainResult res;
   res.skipped_steps = skipped;
-  double tokens_total = 0;
+  double tokens_total = resumed_tokens;
   auto t0 = std::chrono::steady_clock::now();
   double window_tokens = 0, window_flops = 0;
   auto window_t0 = t0;
-  nlohmann::json last_eval;
   auto trainer_state = [&](int64_t step) {
     return nlohmann::json{{"step", step},
                           {"skipped_steps", res.skipped_steps},
+                          {"tokens_seen", tokens_total},
                           {"data", {{"kind", kind}, {"seed", data_seed}, {"next_step", step}}}};
   };
   for (int64_t step = start_step; step < steps; ++step) {
@@ -587,9 +589,15 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
     res.losses.push_back(loss);
     res.final_loss = loss;
     res.steps_done = step + 1;
-    nlohmann::json rec = {
-        {"step", step + 1}, {"loss", loss},     {"z_loss", zl},       {"grad_norm", gnorm},
-        {"lr", lr},         {"tokens", tokens}, {"skipped", !finite}, {"elapsed_s", elapsed}};
+    nlohmann::json rec = {{"step", step + 1},
+                          {"loss", loss},
+                          {"z_loss", zl},
+                          {"grad_norm", gnorm},
+                          {"lr", lr},
+                          {"tokens", tokens},
+                          {"tokens_seen", tokens_total},
+                          {"skipped", !finite},
+                          {"elapsed_s", elapsed}};
     const bool do_eval = eval_every > 0 && ((step + 1) % eval_every == 0 || step + 1 == steps);
     if (do_eval) {
       Evaluation e = evaluate(m, *data, eval_batches);
