@@ -1,5 +1,7 @@
 // libFuzzer target for the safetensors reader (built by the debug preset with GDN_FUZZ=ON):
-//   build/debug/tests/fuzz_safetensors tests/data/safetensors_bad -max_total_time=60
+//   mkdir -p /tmp/corpus && build/debug/tests/fuzz_safetensors /tmp/corpus
+//   tests/data/safetensors_bad -max_total_time=60   (new inputs go to the first directory; keep the
+//   committed corpus last)
 // Any input must either parse or throw gdn::Error; a crash, leak or sanitizer report is a bug.
 #include <cstddef>
 #include <cstdint>
