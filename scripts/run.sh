@@ -13,5 +13,5 @@ fi
 scripts/build.sh "$preset"
 # Passive OpenMP waiting: spinning threads cost more than they save on small machines.
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
-exec "build/$preset/apps/gdntrain/gdntrain" train --device cpu \
+exec "build/$preset/apps/gdntrain/gdntrain" train --device auto \
   --run-dir "runs/quickstart-$(date +%Y%m%d-%H%M%S)" "$@"
