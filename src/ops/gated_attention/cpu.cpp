@@ -19,6 +19,7 @@
 #include <cmath>
 #include <vector>
 
+#include "backend/cpu/blas_threads.h"
 #include "gdn/backend/registry.h"
 #include "ops/gated_attention/op.h"
 
@@ -42,32 +43,7 @@ Geo geo_of(const Tensor& qg, const Tensor& k, const Tensor& cu, int64_t rot) {
   return g;
 }
 
-// The pthreads build of OpenBLAS (the one CMake finds here) splits any GEMM with
-// m·n·k >= 4·65536 over its own thread pool, even when called from an OpenMP worker; a 64x64x256
-// tile crosses that line and the nested pools made the hd = 256 forward 15x slower
-// (bench_attention). For the duration of an op the pool is set to one thread and then restored.
-// The OpenMP build of OpenBLAS already runs single-threaded inside a parallel region.
-class BlasOnCallingThread {
- public:
-  BlasOnCallingThread() {
-#if defined(OPENBLAS_VERSION)
-    if (openblas_get_parallel() == 1) {
-      saved_ = openblas_get_num_threads();
-      if (saved_ > 1) openblas_set_num_threads(1);
-    }
-#endif
-  }
-  ~BlasOnCallingThread() {
-#if defined(OPENBLAS_VERSION)
-    if (saved_ > 1) openblas_set_num_threads(saved_);
-#endif
-  }
-  BlasOnCallingThread(const BlasOnCallingThread&) = delete;
-  BlasOnCallingThread& operator=(const BlasOnCallingThread&) = delete;
-
- private:
-  [[maybe_unused]] int saved_ = 0;
-};
+using cpu::BlasOnCallingThread;  // see src/backend/cpu/blas_threads.h
 
 inline float sigmoidf(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 inline size_t sz(int64_t n) { return static_cast<size_t>(n); }

@@ -29,6 +29,7 @@
 #include <cmath>
 #include <vector>
 
+#include "backend/cpu/blas_threads.h"
 #include "gdn/backend/registry.h"
 #include "ops/gated_delta_rule/op.h"
 
@@ -51,20 +52,6 @@ float dot(const float* a, const float* b, int64_t n) {
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
 }
-
-// OpenBLAS (pthread build) would spread every small chunk GEMM over its own thread pool from
-// inside our OpenMP region and serialise concurrent callers on its server lock. The pairs are the
-// parallelism here: one BLAS thread per OpenMP thread, restored on exit.
-class BlasSingleThread {
- public:
-  BlasSingleThread() : prev_(openblas_get_num_threads()) { openblas_set_num_threads(1); }
-  ~BlasSingleThread() { openblas_set_num_threads(prev_); }
-  BlasSingleThread(const BlasSingleThread&) = delete;
-  BlasSingleThread& operator=(const BlasSingleThread&) = delete;
-
- private:
-  int prev_;
-};
 
 // Read-only view of the inputs of one call, with q and k already normalised.
 struct Ctx {
@@ -270,7 +257,7 @@ void load_state(const Ctx& c, int64_t pair, std::vector<float>& S) {
 }
 
 void forward(const GatedDeltaRuleFwd& a) {
-  BlasSingleThread one_blas_thread;
+  const cpu::BlasOnCallingThread one_blas_thread;  // backend/cpu/blas_threads.h
   Prepared p;
   prepare(a, p);
   const Ctx& c = p.c;
@@ -300,7 +287,7 @@ void forward(const GatedDeltaRuleFwd& a) {
 }
 
 void backward(const GatedDeltaRuleBwd& a) {
-  BlasSingleThread one_blas_thread;
+  const cpu::BlasOnCallingThread one_blas_thread;  // backend/cpu/blas_threads.h
   Prepared p;
   prepare(a, p);
   const Ctx& c = p.c;
