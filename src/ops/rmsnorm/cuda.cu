@@ -10,14 +10,20 @@
 // D > 4096 with packs of 1) still work: the packs past the first P are read again (from L2) in the
 // second pass.
 //
+// Every thread issues all the loads of its row before it uses any of them (a load under the same
+// `if` as its use would make the warp wait for each one before issuing the next: the compiler
+// does not move loads across such branches), so each thread keeps P (forward) or 2P (backward)
+// 16-byte loads in flight.
+//
 // Forward: one row per row group, one launch; rstd written by lane 0.
 // Backward: a persistent grid (as many blocks as fit on the device at once, at most one per
-// row-group batch), each row group walking rows with a grid stride. The dw contribution of every
-// row stays in the owning thread's fp32 registers (a thread owns the same columns in every row),
-// row groups of a block are summed through shared memory in a fixed order, each block writes one
-// fp32 partial row to scratch, and a second kernel sums the partial rows column by column in a
-// fixed order and adds them to dw. No float atomics: the result depends only on the shapes and the
-// device's multiprocessor count.
+// row-group batch), each row group walking rows with a grid stride and loading its next row's x
+// and dy while it works on the current one. The dw contribution of every row goes to the owning
+// thread's fp32 sums in shared memory (a thread owns the same columns in every row; the sums are
+// private to it until the end), row groups of a block are summed in a fixed order, each block
+// writes one fp32 partial row to scratch, and a second kernel sums the partial rows column by
+// column in a fixed order and adds them to dw. No float atomics: the result depends only on the
+// shapes and the device's multiprocessor count.
 //
 // Bytes moved (the floor): forward reads x, w and writes y, rstd; backward reads x, w, rstd, dy,
 // reads and writes dw, writes dx; plus the partial rows (grid x D fp32, written and read once,
@@ -44,6 +50,17 @@ constexpr int kBlock = 256;
 template <int V>
 constexpr int packs_per_thread() {
   return V == 8 ? 4 : 16;
+}
+
+template <int V>
+__device__ __forceinline__ Pack<V> zero_pack() {
+  Pack<V> r;
+  if constexpr (V == 8) {
+    r.u = make_uint4(0u, 0u, 0u, 0u);
+  } else {
+    r.u = 0;
+  }
+  return r;
 }
 
 // Sum of v over the tpr threads of the caller's row group, in every thread of the group. tpr is a
@@ -79,18 +96,23 @@ __global__ void __launch_bounds__(kBlock)
   const bool active = row < R;
   const int64_t off = active ? row * D : 0;  // element offset of the row
 
+  // Every load of the row first, then the first use: P independent 16-byte loads in flight per
+  // thread (a load under the same `if` as its use would wait for each before issuing the next).
+  // Packs outside the row read as zeros and add nothing to the sum.
   Pack<V> xc[P];
-  float ss = 0.f;
 #pragma unroll
   for (int k = 0; k < P; ++k) {
     const int c = lane + k * tpr;
-    if (active && c < npacks) {
-      xc[k] = cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V);
-      float f[V];
-      cuda::unpack(xc[k], f);
+    xc[k] = active && c < npacks ? cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V)
+                                 : zero_pack<V>();
+  }
+  float ss = 0.f;
 #pragma unroll
-      for (int v = 0; v < V; ++v) ss += f[v] * f[v];
-    }
+  for (int k = 0; k < P; ++k) {
+    float f[V];
+    cuda::unpack(xc[k], f);
+#pragma unroll
+    for (int v = 0; v < V; ++v) ss += f[v] * f[v];
   }
   for (int c = lane + P * tpr; active && c < npacks; c += tpr) {
     float f[V];
@@ -103,10 +125,18 @@ __global__ void __launch_bounds__(kBlock)
   const float r = rsqrtf(ss / static_cast<float>(D) + eps);
   if (lane == 0) rstd[row] = r;
 
-  auto emit = [&](int c, const Pack<V>& xp) {
+  // The w packs (L1 / L2 hits) likewise all in flight before the first use (issued after the
+  // reduction: live across it they would cost a block per multiprocessor).
+  Pack<V> wc[P];
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    const int c = lane + k * tpr;
+    wc[k] = c < npacks ? cuda::load_pack<V>(w, static_cast<int64_t>(c) * V) : zero_pack<V>();
+  }
+  auto emit = [&](int c, const Pack<V>& xp, const Pack<V>& wp) {
     float xf[V], wf[V], out[V];
     cuda::unpack(xp, xf);
-    cuda::unpack(cuda::load_pack<V>(w, static_cast<int64_t>(c) * V), wf);
+    cuda::unpack(wp, wf);
 #pragma unroll
     for (int v = 0; v < V; ++v) out[v] = xf[v] * r * (shift + wf[v]);  // (1 + w) in fp32
     cuda::store_pack<V>(y, off + static_cast<int64_t>(c) * V, cuda::pack(out));
@@ -114,13 +144,51 @@ __global__ void __launch_bounds__(kBlock)
 #pragma unroll
   for (int k = 0; k < P; ++k) {
     const int c = lane + k * tpr;
-    if (c < npacks) emit(c, xc[k]);
+    if (c < npacks) emit(c, xc[k], wc[k]);
   }
   for (int c = lane + P * tpr; c < npacks; c += tpr)
-    emit(c, cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V));
+    emit(c, cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V),
+         cuda::load_pack<V>(w, static_cast<int64_t>(c) * V));
 }
 
-// Two blocks per multiprocessor at least (<= 128 registers): 16 warps keep enough rows in flight.
+// The dw accumulators of the register-held packs live in shared memory, thread-private: thread
+// `tid` keeps the P * V fp32 sums of its columns at acc[(k * (V / 4) + h) * kBlock + tid] (float4,
+// V = 8) or acc[k * kBlock + tid] (V = 1), so each access of a warp is one contiguous,
+// conflict-free line. In registers they would cost 32 registers a thread, and the registers are
+// better spent on the next row's loads.
+template <int V>
+__device__ __forceinline__ void acc_add(float* acc, int k, const float (&d)[V]) {
+  if constexpr (V == 8) {
+    float4* a = reinterpret_cast<float4*>(acc) + (2 * k) * kBlock + threadIdx.x;  // [2] x kBlock
+    float4 lo = a[0], hi = a[kBlock];
+    lo.x += d[0], lo.y += d[1], lo.z += d[2], lo.w += d[3];
+    hi.x += d[4], hi.y += d[5], hi.z += d[6], hi.w += d[7];
+    a[0] = lo, a[kBlock] = hi;
+  } else {
+    acc[k * kBlock + threadIdx.x] += d[0];
+  }
+}
+
+// Thread `t`'s sum for element v of its k-th register-held pack.
+template <int V>
+__device__ __forceinline__ float acc_at(const float* acc, int t, int k, int v) {
+  if constexpr (V == 8) {
+    return acc[((2 * k + v / 4) * kBlock + t) * 4 + v % 4];
+  } else {
+    return acc[k * kBlock + t];
+  }
+}
+
+// Floats of shared memory for the accumulators: P * V per thread.
+template <int V>
+constexpr int acc_floats() {
+  return packs_per_thread<V>() * V * kBlock;
+}
+
+// Backward. Persistent: each row group walks rows with a grid stride and loads the x and dy packs
+// (and rstd) of its next row before it works on the current one, so a row's loads are in flight
+// while the previous row is reduced and written (16-byte loads, 8 per thread at D = 4096). Two
+// blocks per multiprocessor at least (<= 128 registers).
 template <int V>
 __global__ void __launch_bounds__(kBlock, 2)
     rmsnorm_bwd_kernel(const bf16_t* __restrict__ x,    // [R, D]
@@ -132,21 +200,16 @@ __global__ void __launch_bounds__(kBlock, 2)
                        int64_t R, int D, int tpr, float shift) {
   constexpr int P = packs_per_thread<V>();
   __shared__ float red[kBlock / 32];
-  extern __shared__ float comb[];  // [rpb, D] when rpb > 1
+  extern __shared__ float4 acc_smem[];  // [acc_floats<V>() / 4]
+  float* acc = reinterpret_cast<float*>(acc_smem);
   const int npacks = D / V;
   const int rpb = kBlock / tpr;
   const int g = static_cast<int>(threadIdx.x) / tpr;
   const int lane = static_cast<int>(threadIdx.x) % tpr;
   float* mine = partial + static_cast<int64_t>(blockIdx.x) * D;  // [D] this block's partial row
 
-  // This thread owns the same columns in every row: its dw contributions stay in fp32 registers
-  // for the whole walk. w is re-read per row (an L1 hit after the first row) rather than held:
-  // holding it as fp32 would cost 32 registers and halve the blocks per multiprocessor.
-  float acc[P][V];
-#pragma unroll
-  for (int k = 0; k < P; ++k)
-#pragma unroll
-    for (int v = 0; v < V; ++v) acc[k][v] = 0.f;
+  // This thread owns the same columns in every row.
+  for (int i = static_cast<int>(threadIdx.x); i < acc_floats<V>(); i += kBlock) acc[i] = 0.f;
   // Columns past the register-held ones exist only when rpb == 1 (tpr == kBlock): their dw goes
   // straight to this block's partial row, which only this thread touches.
   for (int c = lane + P * tpr; c < npacks; c += tpr) {
@@ -154,23 +217,47 @@ __global__ void __launch_bounds__(kBlock, 2)
     for (int v = 0; v < V; ++v) mine[c * V + v] = 0.f;
   }
 
+  // The next row's packs: all loads issued back to back; packs outside the row read as zeros.
+  Pack<V> xn[P], dn[P];
+  float rn = 0.f;
+  auto fetch = [&](int64_t row) {
+    const bool act = row < R;
+    const int64_t off = act ? row * D : 0;
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const int c = lane + k * tpr;
+      const bool ok = act && c < npacks;
+      xn[k] = ok ? cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V) : zero_pack<V>();
+      dn[k] = ok ? cuda::load_pack<V>(dy, off + static_cast<int64_t>(c) * V) : zero_pack<V>();
+    }
+    rn = act ? rstd[row] : 0.f;
+  };
+
   const int64_t stride = static_cast<int64_t>(gridDim.x) * rpb;
+  fetch(static_cast<int64_t>(blockIdx.x) * rpb + g);
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * rpb; base < R; base += stride) {
     // `base` is uniform over the block, so every thread runs the same number of iterations and
     // meets the barriers in group_sum.
     const int64_t row = base + g;
     const bool active = row < R;
     const int64_t off = active ? row * D : 0;
-    const float r = active ? rstd[row] : 0.f;
-    Pack<V> xc[P], dyc[P], wc[P];
+    Pack<V> xc[P], dyc[P];
+#pragma unroll
+    for (int k = 0; k < P; ++k) xc[k] = xn[k], dyc[k] = dn[k];
+    const float r = rn;
+    fetch(row + stride);
+    // w: L1 / L2 hits, all in flight before the first use.
+    Pack<V> wc[P];
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const int c = lane + k * tpr;
+      wc[k] = c < npacks ? cuda::load_pack<V>(w, static_cast<int64_t>(c) * V) : zero_pack<V>();
+    }
     float dot = 0.f;  // sum(dy * gw * x) over the row, gw = w or 1 + w (formed in fp32)
 #pragma unroll
     for (int k = 0; k < P; ++k) {
       const int c = lane + k * tpr;
-      if (active && c < npacks) {
-        xc[k] = cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V);
-        dyc[k] = cuda::load_pack<V>(dy, off + static_cast<int64_t>(c) * V);
-        wc[k] = cuda::load_pack<V>(w, static_cast<int64_t>(c) * V);
+      if (c < npacks) {
         float xf[V], df[V], wf[V];
         cuda::unpack(xc[k], xf);
         cuda::unpack(dyc[k], df);
@@ -194,7 +281,7 @@ __global__ void __launch_bounds__(kBlock, 2)
     for (int k = 0; k < P; ++k) {
       const int c = lane + k * tpr;
       if (c < npacks) {
-        float xf[V], df[V], wf[V], out[V];
+        float xf[V], df[V], wf[V], out[V], dwv[V];
         cuda::unpack(xc[k], xf);
         cuda::unpack(dyc[k], df);
         cuda::unpack(wc[k], wf);
@@ -202,9 +289,10 @@ __global__ void __launch_bounds__(kBlock, 2)
         for (int v = 0; v < V; ++v) {
           const float xhat = xf[v] * r;
           out[v] = r * (df[v] * (shift + wf[v]) - xhat * m);
-          acc[k][v] += df[v] * xhat;
+          dwv[v] = df[v] * xhat;
         }
         cuda::store_pack<V>(dx, off + static_cast<int64_t>(c) * V, cuda::pack(out));
+        acc_add<V>(acc, k, dwv);
       }
     }
     for (int c = lane + P * tpr; c < npacks; c += tpr) {
@@ -222,32 +310,16 @@ __global__ void __launch_bounds__(kBlock, 2)
     }
   }
 
-  if (rpb == 1) {
-#pragma unroll
-    for (int k = 0; k < P; ++k) {
-      const int c = lane + k * tpr;
-      if (c < npacks) {
-#pragma unroll
-        for (int v = 0; v < V; ++v) mine[c * V + v] = acc[k][v];
-      }
-    }
-    return;
-  }
-  // Several row groups: sum them in group order through shared memory (no overflow columns here:
-  // tpr < kBlock means P packs per thread cover the row).
-#pragma unroll
-  for (int k = 0; k < P; ++k) {
-    const int c = lane + k * tpr;
-    if (c < npacks) {
-#pragma unroll
-      for (int v = 0; v < V; ++v) comb[g * D + c * V + v] = acc[k][v];
-    }
-  }
+  // The block's partial row: the row groups' sums added in group order (j = 0, 1, ...), column by
+  // column, over the register-held columns (all of them unless rpb == 1 and D > P * tpr * V, whose
+  // further columns are already in `mine`).
   __syncthreads();
-  for (int col = static_cast<int>(threadIdx.x); col < D; col += kBlock) {
-    float s = 0.f;
-    for (int j = 0; j < rpb; ++j) s += comb[j * D + col];
-    mine[col] = s;
+  const int held = min(D, P * tpr * V);
+  for (int col = static_cast<int>(threadIdx.x); col < held; col += kBlock) {
+    const int c = col / V, v = col % V, k = c / tpr, ln = c % tpr;
+    float sum = 0.f;
+    for (int j = 0; j < rpb; ++j) sum += acc_at<V>(acc, j * tpr + ln, k, v);
+    mine[col] = sum;
   }
 }
 
@@ -337,9 +409,9 @@ void backward(const RmsNormBwd& a) {
   float* dw = a.dw.ptr<float>();                      // [D]
   const Layout l = layout_for(static_cast<int>(D),
                               aligned16(x) && aligned16(w) && aligned16(dy) && aligned16(dx));
-  const size_t smem = l.rpb > 1 ? static_cast<size_t>(l.rpb) * static_cast<size_t>(D) * 4 : 0;
-  GDN_CHECK(smem <= 48 * 1024, "rmsnorm (cuda): internal: {} bytes of shared memory for D = {}",
-            smem, D);
+  // The dw accumulators: P * V fp32 per thread (32 KB at most, within the default 48 KB).
+  const size_t smem =
+      static_cast<size_t>(l.vec == 8 ? acc_floats<8>() : acc_floats<1>()) * sizeof(float);
   const void* kernel = l.vec == 8 ? reinterpret_cast<const void*>(&rmsnorm_bwd_kernel<8>)
                                   : reinterpret_cast<const void*>(&rmsnorm_bwd_kernel<1>);
   cuda::Context& ctx = cuda::Context::get();
