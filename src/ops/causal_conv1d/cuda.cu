@@ -181,7 +181,15 @@ __device__ __forceinline__ void state_cols(const bf16_t* __restrict__ st, int n,
                : 0.f;
 }
 
-__device__ __forceinline__ float sigmoid(float z) { return __fdividef(1.f, 1.f + __expf(-z)); }
+// 1 / (1 + exp(-z)) with the fast exp2 and reciprocal (the same values as
+// __fdividef(1.f, 1.f + __expf(-z))): ex2.approx.ftz flushes results below 2^-126 to zero where
+// __expf's non-ftz form keeps them denormal at three more instructions, and 1 + e rounds to 1 for
+// both.
+__device__ __forceinline__ float sigmoid(float z) {
+  float e;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(z * -1.4426950408889634f));
+  return __fdividef(1.f, 1.f + e);
+}
 
 // The extended-input values of the W taps of a token at document position q (document n):
 // taps j with q + j < S read the state column q + j, the others the window rows.
@@ -228,6 +236,36 @@ __device__ __forceinline__ void load_weights(const bf16_t* __restrict__ w,
 
 // --- forward -----------------------------------------------------------------------------------
 
+// The forward of a warp whose kTT tokens and the S rows before them all lie in one document and
+// before T, with 8-byte stores (vec_store): every tap reads a tile row, so no document or state
+// test is needed per token (the general loop below spends most of its instructions on them). Same
+// arithmetic, in the same order, as the general loop.
+template <int W, bool kSilu>
+__device__ __forceinline__ void fwd_warp_inside(const bf16_t* tile, int row0, int lane,
+                                                const float (&wr)[W][kCV], const float (&br)[kCV],
+                                                bf16_t* __restrict__ y, int64_t tg, int64_t c,
+                                                int64_t C) {
+  constexpr int S = W - 1;
+  float win[W][kCV];  // win[j] = row of token t - S + j, for the current token t
+#pragma unroll
+  for (int j = 0; j < S; ++j) read_row(tile, row0 + j, lane, win[j]);
+#pragma unroll
+  for (int i = 0; i < kTT; ++i) {
+    read_row(tile, row0 + i + S, lane, win[S]);
+    float z[kCV];
+    preact<W>(wr, br, win, z);
+    if constexpr (kSilu) {
+#pragma unroll
+      for (int v = 0; v < kCV; ++v) z[v] *= sigmoid(z[v]);
+    }
+    store4(y, (tg + i) * C + c, c, C, z, true);
+#pragma unroll
+    for (int j = 0; j < S; ++j)
+#pragma unroll
+      for (int v = 0; v < kCV; ++v) win[j][v] = win[j + 1][v];
+  }
+}
+
 template <int W>
 __global__ void __launch_bounds__(kThreads)
     conv_fwd_kernel(const bf16_t* __restrict__ x,     // [T, C]
@@ -254,6 +292,17 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
 
   const int64_t tg = t0 + g * kTT;
+  // Warp-uniform: the document of the warp's first token holds its S rows before and all kTT
+  // tokens (then every token has that document; the test reads only shared memory).
+  const DocSlot d0 = docs[g * kTT];
+  if (vec_store && tg - S >= d0.s && tg + kTT <= d0.e && tg + kTT <= T) {
+    if (silu) {
+      fwd_warp_inside<W, true>(tile, g * kTT, lane, wr, br, y, tg, c, C);
+    } else {
+      fwd_warp_inside<W, false>(tile, g * kTT, lane, wr, br, y, tg, c, C);
+    }
+    return;
+  }
   float win[W][kCV];  // win[j] = row of token t - S + j, for the current token t
 #pragma unroll
   for (int j = 0; j < S; ++j) read_row(tile, g * kTT + j, lane, win[j]);
@@ -313,6 +362,68 @@ __global__ void __launch_bounds__(256)
 
 // --- backward ----------------------------------------------------------------------------------
 
+// The backward of a warp whose S rows before, kTT tokens and S tokens after all lie in one
+// document and before T, with 8-byte stores (vec_store): u of every token reads tile rows only,
+// every dx gets all W taps and no dfinal_state term, so no document or state test is needed per
+// token. Same arithmetic, in the same order, as the general loop.
+template <int W, bool kSilu>
+__device__ __forceinline__ void bwd_warp_inside(const bf16_t* tile_x, const bf16_t* tile_dy,
+                                                int row0, int lane, const float (&wr)[W][kCV],
+                                                const float (&br)[kCV], float (&acc)[W + 1][kCV],
+                                                bf16_t* __restrict__ dx, int64_t tg, int64_t c,
+                                                int64_t C) {
+  constexpr int S = W - 1;
+  float win[W][kCV];  // x rows t' - S .. t' for the current u token t'
+  float uw[W][kCV];   // uw[m] = u(t' - S + m)
+#pragma unroll
+  for (int j = 0; j < S; ++j) {
+    read_row(tile_x, row0 + j, lane, win[j]);
+#pragma unroll
+    for (int v = 0; v < kCV; ++v) uw[j][v] = 0.f;
+  }
+#pragma unroll
+  for (int i = 0; i < kTT + S; ++i) {
+    read_row(tile_x, row0 + i + S, lane, win[S]);
+    float z[kCV], dyv[kCV];
+    preact<W>(wr, br, win, z);
+    read_row(tile_dy, row0 + i, lane, dyv);
+#pragma unroll
+    for (int v = 0; v < kCV; ++v) {
+      float u = dyv[v];
+      if constexpr (kSilu) {
+        const float sg = sigmoid(z[v]);
+        u *= sg * (1.f + z[v] * (1.f - sg));
+      }
+      uw[S][v] = u;
+    }
+    if (i < kTT) {  // the warp's own token: its dweight / dbias terms
+#pragma unroll
+      for (int v = 0; v < kCV; ++v) {
+#pragma unroll
+        for (int j = 0; j < W; ++j) acc[j][v] = fmaf(uw[S][v], win[j][v], acc[j][v]);
+        acc[W][v] += uw[S][v];
+      }
+    }
+    if (i >= S) {
+      float o[kCV];
+#pragma unroll
+      for (int v = 0; v < kCV; ++v) o[v] = 0.f;
+#pragma unroll
+      for (int j = 0; j < W; ++j)
+#pragma unroll
+        for (int v = 0; v < kCV; ++v) o[v] = fmaf(wr[j][v], uw[S - j][v], o[v]);
+      store4(dx, (tg + i - S) * C + c, c, C, o, true);
+    }
+#pragma unroll
+    for (int j = 0; j < S; ++j)
+#pragma unroll
+      for (int v = 0; v < kCV; ++v) {
+        win[j][v] = win[j + 1][v];
+        uw[j][v] = uw[j + 1][v];
+      }
+  }
+}
+
 template <int W>
 __global__ void __launch_bounds__(kThreads, bwd_min_blocks<W>())
     conv_bwd_kernel(const bf16_t* __restrict__ x,     // [T, C]
@@ -351,6 +462,16 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<W>())
     __syncthreads();
 
     const int64_t tg = t0 + g * kTT;
+    // Warp-uniform: the document of the warp's first token holds every row the warp reads.
+    const DocSlot d0 = docs[g * kTT];
+    if (vec_store && tg - S >= d0.s && tg + kTT + S <= d0.e && tg + kTT + S <= T) {
+      if (silu) {
+        bwd_warp_inside<W, true>(tile_x, tile_dy, g * kTT, lane, wr, br, acc, dx, tg, c, C);
+      } else {
+        bwd_warp_inside<W, false>(tile_x, tile_dy, g * kTT, lane, wr, br, acc, dx, tg, c, C);
+      }
+      continue;
+    }
     float win[W][kCV];  // x rows t' - S .. t' for the current u token t'
     float uw[W][kCV];   // uw[m] = u(t' - S + m)
 #pragma unroll
