@@ -19,8 +19,15 @@
 // cu[0..N] whatever the values, and every index derived from a (possibly garbage, device-side)
 // cu_seqlens is range-checked before it addresses memory.
 //
-// Forward: one launch over (token tiles, channel blocks); z recomputed nowhere else; y written
-// once. final_state: a small kernel over (document, channel), bits copied exactly.
+// Fast path: a warp whose rows all lie inside one document (and before T) runs a loop with no
+// per-token document or state test; the general loop (document starts and ends, states, the last
+// tile) spends most of its instructions on those tests, and both kernels are otherwise limited by
+// instruction issue rather than memory.
+//
+// Forward: a persistent grid (as many blocks as fit at once, split over the channel blocks), each
+// block walking token tiles of its channel block with two tile buffers: the next tile's copies are
+// in flight while the current one is computed. y written once. final_state: a small kernel over
+// (document, channel), bits copied exactly.
 // Backward: a persistent grid (as many blocks as fit at once, split over the channel blocks),
 // each block walking token tiles of its channel block. Per token t' it recomputes z and
 // u = dy * silu'(z) (Dao's causal-conv1d recomputes z the same way; FLA stores z instead), for the
@@ -70,10 +77,18 @@ constexpr int bwd_min_blocks() {
   return W <= 4 ? 4 : 2;
 }
 
-// Shared-memory bytes of the tiles: forward x rows [t0 - S, t0 + kBT); backward x rows
+// Forward: six blocks per multiprocessor (<= 80 registers) for W <= 4, as the shared memory allows.
+template <int W>
+constexpr int fwd_min_blocks() {
+  return W <= 4 ? 6 : 4;
+}
+
+// Shared-memory bytes of the tiles: forward two tiles of x rows [t0 - S, t0 + kBT); backward x rows
 // [t0 - S, t0 + kBT + S) and dy rows [t0, t0 + kBT + S).
-constexpr size_t fwd_smem(int W) { return static_cast<size_t>(kBT + W - 1) * kBC * 2; }
+constexpr size_t fwd_smem(int W) { return static_cast<size_t>(kBT + W - 1) * kBC * 2 * 2; }
 constexpr size_t bwd_smem(int W) { return static_cast<size_t>(2 * kBT + 3 * (W - 1)) * kBC * 2; }
+static_assert(fwd_smem(kConvMaxWidth) <= 48 * 1024,
+              "the forward tiles must fit the default 48 KiB");
 static_assert(bwd_smem(kConvMaxWidth) <= 48 * 1024, "tiles must fit the default 48 KiB");
 static_assert(kWarps * (kConvMaxWidth + 1) * kBC * 4 <= bwd_smem(1),
               "the dweight reduction reuses the tile memory");
@@ -96,6 +111,15 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src
 
 __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// Waits for every committed group but the most recent one.
+__device__ __forceinline__ void cp_async_wait_prior() {
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
 }
 
 // Rows [r0, r0 + rows) x channels [c0, c0 + kBC) of a [T, C] tensor into tile [rows, kBC]; rows
@@ -266,65 +290,83 @@ __device__ __forceinline__ void fwd_warp_inside(const bf16_t* tile, int row0, in
   }
 }
 
+// Persistent: grid (G, channel blocks); block (b, cb) walks the token tiles b, b + G, ... of
+// channel block cb with two tile buffers, the next tile's copies in flight while it computes the
+// current one.
 template <int W>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, fwd_min_blocks<W>())
     conv_fwd_kernel(const bf16_t* __restrict__ x,     // [T, C]
                     const bf16_t* __restrict__ w,     // [C, W]
                     const bf16_t* __restrict__ bias,  // [C] or null
                     const int32_t* __restrict__ cu,   // [N+1] or null
                     const bf16_t* __restrict__ init,  // [N, C, W-1] or null
                     bf16_t* __restrict__ y,           // [T, C]
-                    int64_t T, int64_t C, int N, unsigned ncb, bool silu, bool vec_load,
+                    int64_t T, int64_t C, int N, int64_t ntiles, bool silu, bool vec_load,
                     bool vec_store) {
   constexpr int S = W - 1;
-  bf16_t* tile = reinterpret_cast<bf16_t*>(conv_smem);  // [kBT + S, kBC], row r = token t0-S+r
-  __shared__ DocSlot docs[kDocSlots];
-  // Channel blocks vary fastest, so that the blocks resident at once read whole rows.
-  const int64_t t0 = static_cast<int64_t>(blockIdx.x / ncb) * kBT;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.x % ncb) * kBC;
-  load_tile(tile, x, t0 - S, kBT + S, c0, T, C, vec_load);
-  find_docs(docs, cu, N, T, t0, kBT);
+  constexpr int kRows = kBT + S;
+  // Two tiles [kRows, kBC]: row r of a tile = token t0 - S + r.
+  bf16_t* tiles = reinterpret_cast<bf16_t*>(conv_smem);
+  __shared__ DocSlot docs[2][kBT];
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kBC;
   const int g = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int64_t c = c0 + lane * kCV;
+  // Starts the copies of token tile `tile` into buffer `b` and looks up its documents.
+  auto issue = [&](int64_t tile, int b) {
+    const int64_t t0 = tile * kBT;
+    load_tile(tiles + b * kRows * kBC, x, t0 - S, kRows, c0, T, C, vec_load);
+    find_docs(docs[b], cu, N, T, t0, kBT);
+  };
+  issue(blockIdx.x, 0);  // gridDim.x <= ntiles
+  cp_async_commit();
   float wr[W][kCV], br[kCV];
   load_weights<W>(w, bias, c, C, wr, br);
-  cp_async_wait_all();
-  __syncthreads();
 
-  const int64_t tg = t0 + g * kTT;
-  // Warp-uniform: the document of the warp's first token holds its S rows before and all kTT
-  // tokens (then every token has that document; the test reads only shared memory).
-  const DocSlot d0 = docs[g * kTT];
-  if (vec_store && tg - S >= d0.s && tg + kTT <= d0.e && tg + kTT <= T) {
-    if (silu) {
-      fwd_warp_inside<W, true>(tile, g * kTT, lane, wr, br, y, tg, c, C);
-    } else {
-      fwd_warp_inside<W, false>(tile, g * kTT, lane, wr, br, y, tg, c, C);
-    }
-    return;
-  }
-  float win[W][kCV];  // win[j] = row of token t - S + j, for the current token t
-#pragma unroll
-  for (int j = 0; j < S; ++j) read_row(tile, g * kTT + j, lane, win[j]);
-#pragma unroll
-  for (int i = 0; i < kTT; ++i) {
-    read_row(tile, g * kTT + i + S, lane, win[S]);
-    const int64_t t = tg + i;
-    if (t < T) {
-      const DocSlot d = docs[g * kTT + i];
-      float e[W][kCV], z[kCV];
-      taps<W>(win, t - d.s, d.n, init, c, C, e);
-      preact<W>(wr, br, e, z);
+  int b = 0;
+  for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x, b ^= 1) {
+    if (tile + gridDim.x < ntiles) issue(tile + gridDim.x, b ^ 1);
+    cp_async_commit();  // possibly empty: one group per iteration either way
+    cp_async_wait_prior();
+    __syncthreads();  // tile `tile` and its documents are visible to every warp
+
+    const bf16_t* cur = tiles + b * kRows * kBC;
+    const DocSlot* dcur = docs[b];
+    const int64_t tg = tile * kBT + g * kTT;
+    // Warp-uniform: the document of the warp's first token holds its S rows before and all kTT
+    // tokens (then every token has that document; the test reads only shared memory).
+    const DocSlot d0 = dcur[g * kTT];
+    if (vec_store && tg - S >= d0.s && tg + kTT <= d0.e && tg + kTT <= T) {
       if (silu) {
-#pragma unroll
-        for (int v = 0; v < kCV; ++v) z[v] *= sigmoid(z[v]);
+        fwd_warp_inside<W, true>(cur, g * kTT, lane, wr, br, y, tg, c, C);
+      } else {
+        fwd_warp_inside<W, false>(cur, g * kTT, lane, wr, br, y, tg, c, C);
       }
-      store4(y, t * C + c, c, C, z, vec_store);
+    } else {
+      float win[W][kCV];  // win[j] = row of token t - S + j, for the current token t
+#pragma unroll
+      for (int j = 0; j < S; ++j) read_row(cur, g * kTT + j, lane, win[j]);
+#pragma unroll
+      for (int i = 0; i < kTT; ++i) {
+        read_row(cur, g * kTT + i + S, lane, win[S]);
+        const int64_t t = tg + i;
+        if (t < T) {
+          const DocSlot d = dcur[g * kTT + i];
+          float e[W][kCV], z[kCV];
+          taps<W>(win, t - d.s, d.n, init, c, C, e);
+          preact<W>(wr, br, e, z);
+          if (silu) {
+#pragma unroll
+            for (int v = 0; v < kCV; ++v) z[v] *= sigmoid(z[v]);
+          }
+          store4(y, t * C + c, c, C, z, vec_store);
+        }
+#pragma unroll
+        for (int j = 0; j < S; ++j)
+#pragma unroll
+          for (int v = 0; v < kCV; ++v) win[j][v] = win[j + 1][v];
+      }
     }
-#pragma unroll
-    for (int j = 0; j < S; ++j)
-#pragma unroll
-      for (int v = 0; v < kCV; ++v) win[j][v] = win[j + 1][v];
+    __syncthreads();  // every warp is done with buffer b before the next iteration refills it
   }
 }
 
@@ -737,10 +779,16 @@ void forward(const CausalConv1dFwd& a) {
   with_width(k.W, [&](auto wc) {
     constexpr int W = decltype(wc)::value;
     if (k.T > 0) {
-      const auto grid = static_cast<unsigned>(k.ntiles * k.ncb);
+      // Persistent grid: the blocks that fit at once, split over the channel blocks.
+      int per_sm = 0;
+      GDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, conv_fwd_kernel<W>,
+                                                                   kThreads, fwd_smem(W)));
+      const int64_t fit =
+          static_cast<int64_t>(cuda::Context::get().sm_count()) * std::max(per_sm, 1);
+      const int64_t G = std::clamp<int64_t>(fit / k.ncb, 1, k.ntiles);
+      const dim3 grid(static_cast<unsigned>(G), static_cast<unsigned>(k.ncb));
       conv_fwd_kernel<W><<<grid, kThreads, fwd_smem(W), s>>>(x, w, bias, k.cu, init, y, k.T, k.C, N,
-                                                             static_cast<unsigned>(k.ncb), a.silu,
-                                                             vec_load, vec_store);
+                                                             k.ntiles, a.silu, vec_load, vec_store);
       GDN_CUDA_LAUNCH_CHECK("conv_fwd_kernel");
     }
     if (fin != nullptr && S > 0 && N > 0) {
