@@ -29,7 +29,8 @@
 // in flight while the current one is computed. y written once. final_state: a small kernel over
 // (document, channel), bits copied exactly.
 // Backward: a persistent grid (as many blocks as fit at once, split over the channel blocks),
-// each block walking token tiles of its channel block. Per token t' it recomputes z and
+// each block walking token tiles of its channel block with two stages of (x, dy) tiles, the next
+// tile's copies in flight while the current one is computed. Per token t' it recomputes z and
 // u = dy * silu'(z) (Dao's causal-conv1d recomputes z the same way; FLA stores z instead), for the
 // warp's 16 tokens and the W-1 after them (whose u dx needs), then dx[t] = sum_j w[j] u[t+W-1-j]
 // over u of t's own document, plus dfinal_state for the last W-1 tokens of a document.
@@ -70,11 +71,11 @@ constexpr int kBT = kWarps * kTT;      // tokens per tile
 constexpr int kMaxS = static_cast<int>(kConvMaxWidth) - 1;
 constexpr int kDocSlots = kBT + kMaxS;  // tile tokens + the backward's u look-ahead
 
-// Backward: <= 128 registers per thread (4 blocks per multiprocessor) for W <= 4; the W > 4
-// kernels hold twice the taps and get 255.
+// Backward: three blocks per multiprocessor (two stages of ~35 KB each) for W <= 4, so <= 168
+// registers; the W > 4 kernels hold twice the taps and get 255 (two blocks).
 template <int W>
 constexpr int bwd_min_blocks() {
-  return W <= 4 ? 4 : 2;
+  return W <= 4 ? 3 : 2;
 }
 
 // Forward: six blocks per multiprocessor (<= 80 registers) for W <= 4, as the shared memory allows.
@@ -86,10 +87,11 @@ constexpr int fwd_min_blocks() {
 // Shared-memory bytes of the tiles: forward two tiles of x rows [t0 - S, t0 + kBT); backward x rows
 // [t0 - S, t0 + kBT + S) and dy rows [t0, t0 + kBT + S).
 constexpr size_t fwd_smem(int W) { return static_cast<size_t>(kBT + W - 1) * kBC * 2 * 2; }
-constexpr size_t bwd_smem(int W) { return static_cast<size_t>(2 * kBT + 3 * (W - 1)) * kBC * 2; }
+constexpr size_t bwd_smem(int W) {
+  return static_cast<size_t>(2 * kBT + 3 * (W - 1)) * kBC * 2 * 2;
+}
 static_assert(fwd_smem(kConvMaxWidth) <= 48 * 1024,
               "the forward tiles must fit the default 48 KiB");
-static_assert(bwd_smem(kConvMaxWidth) <= 48 * 1024, "tiles must fit the default 48 KiB");
 static_assert(kWarps * (kConvMaxWidth + 1) * kBC * 4 <= bwd_smem(1),
               "the dweight reduction reuses the tile memory");
 static_assert(kThreads == kBC, "the dweight reduction gives each thread one channel of the tile");
@@ -100,6 +102,9 @@ struct DocSlot {
   int n;
 };
 
+static_assert(bwd_smem(kConvMaxWidth) + 2 * kDocSlots * sizeof(DocSlot) <= 200 * 1024,
+              "the backward stages must fit one multiprocessor's shared memory");
+
 // --- device helpers ----------------------------------------------------------------------------
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
@@ -107,10 +112,6 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
                "r"(src_bytes)
                : "memory");
-}
-
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
 }
 
 __device__ __forceinline__ void cp_async_commit() {
@@ -466,6 +467,88 @@ __device__ __forceinline__ void bwd_warp_inside(const bf16_t* tile_x, const bf16
   }
 }
 
+// The backward of any warp (documents, states, the last tile): per token t' the document test
+// and the state taps, dx with the taps of t's own document and the dfinal_state term.
+template <int W>
+__device__ __forceinline__ void bwd_warp_general(
+    const bf16_t* tile_x, const bf16_t* tile_dy, const DocSlot* docs, int g, int lane,
+    const float (&wr)[W][kCV], const float (&br)[kCV], float (&acc)[W + 1][kCV],
+    const bf16_t* __restrict__ init, const bf16_t* __restrict__ dfin, bf16_t* __restrict__ dx,
+    int64_t tg, int64_t c, int64_t C, int64_t T, bool silu, bool vec_store) {
+  constexpr int S = W - 1;
+  float win[W][kCV];  // x rows t' - S .. t' for the current u token t'
+  float uw[W][kCV];   // uw[m] = u(t' - S + m)
+#pragma unroll
+  for (int j = 0; j < S; ++j) {
+    read_row(tile_x, g * kTT + j, lane, win[j]);
+#pragma unroll
+    for (int v = 0; v < kCV; ++v) uw[j][v] = 0.f;
+  }
+  // u for t' = tg + i, i < kTT + S; dx for t = t' - S once u(t .. t + S) are known.
+#pragma unroll
+  for (int i = 0; i < kTT + S; ++i) {
+    read_row(tile_x, g * kTT + i + S, lane, win[S]);
+    const int64_t tp = tg + i;
+#pragma unroll
+    for (int v = 0; v < kCV; ++v) uw[S][v] = 0.f;
+    if (tp < T) {
+      const DocSlot d = docs[g * kTT + i];
+      float e[W][kCV], z[kCV], dyv[kCV];
+      taps<W>(win, tp - d.s, d.n, init, c, C, e);
+      preact<W>(wr, br, e, z);
+      read_row(tile_dy, g * kTT + i, lane, dyv);
+#pragma unroll
+      for (int v = 0; v < kCV; ++v) {
+        float u = dyv[v];
+        if (silu) {
+          const float sg = sigmoid(z[v]);
+          u *= sg * (1.f + z[v] * (1.f - sg));
+        }
+        uw[S][v] = u;
+      }
+      if (i < kTT) {  // the warp's own token: its dweight / dbias terms
+#pragma unroll
+        for (int v = 0; v < kCV; ++v) {
+#pragma unroll
+          for (int j = 0; j < W; ++j) acc[j][v] = fmaf(uw[S][v], e[j][v], acc[j][v]);
+          acc[W][v] += uw[S][v];
+        }
+      }
+    }
+    if (i >= S) {
+      const int64_t t = tg + i - S;
+      if (t < T) {
+        const DocSlot d = docs[g * kTT + i - S];
+        const int64_t lim = d.e - t;  // u(t + m) belongs to t's document for m < lim
+        float o[kCV];
+#pragma unroll
+        for (int v = 0; v < kCV; ++v) o[v] = 0.f;
+#pragma unroll
+        for (int j = 0; j < W; ++j) {
+          if (S - j < lim) {
+#pragma unroll
+            for (int v = 0; v < kCV; ++v) o[v] = fmaf(wr[j][v], uw[S - j][v], o[v]);
+          }
+        }
+        if (dfin != nullptr && S - lim >= 0 && lim > 0) {  // t in the last S of its document
+          float f[kCV];
+          state_cols<S>(dfin, d.n, S - lim, c, C, f);
+#pragma unroll
+          for (int v = 0; v < kCV; ++v) o[v] += f[v];
+        }
+        store4(dx, t * C + c, c, C, o, vec_store);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < S; ++j)
+#pragma unroll
+      for (int v = 0; v < kCV; ++v) {
+        win[j][v] = win[j + 1][v];
+        uw[j][v] = uw[j + 1][v];
+      }
+  }
+}
+
 template <int W>
 __global__ void __launch_bounds__(kThreads, bwd_min_blocks<W>())
     conv_bwd_kernel(const bf16_t* __restrict__ x,     // [T, C]
@@ -480,12 +563,24 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<W>())
                     int64_t T, int64_t C, int N, int64_t ntiles, bool silu, bool vec_load,
                     bool vec_store) {
   constexpr int S = W - 1;
-  bf16_t* tile_x = reinterpret_cast<bf16_t*>(conv_smem);  // [kBT + 2S, kBC] from t0 - S
-  bf16_t* tile_dy = tile_x + (kBT + 2 * S) * kBC;         // [kBT + S, kBC] from t0
-  __shared__ DocSlot docs[kDocSlots];
+  constexpr int kXRows = kBT + 2 * S, kDyRows = kBT + S;
+  constexpr int kStage = (kXRows + kDyRows) * kBC;
+  // Two stages, each x rows [t0 - S, t0 + kBT + S) then dy rows [t0, t0 + kBT + S), [rows, kBC].
+  bf16_t* stages = reinterpret_cast<bf16_t*>(conv_smem);
+  __shared__ DocSlot doc_stages[2][kDocSlots];
   const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kBC;
   const int g = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int64_t c = c0 + lane * kCV;
+  // Starts the copies of token tile `tile` into stage `b` and looks up its documents.
+  auto issue = [&](int64_t tile, int b) {
+    const int64_t t0 = tile * kBT;
+    bf16_t* tx = stages + b * kStage;
+    load_tile(tx, x, t0 - S, kXRows, c0, T, C, vec_load);
+    load_tile(tx + kXRows * kBC, dy, t0, kDyRows, c0, T, C, vec_load);
+    find_docs(doc_stages[b], cu, N, T, t0, kBT + S);
+  };
+  issue(blockIdx.x, 0);  // gridDim.x <= ntiles
+  cp_async_commit();
   float wr[W][kCV], br[kCV];
   load_weights<W>(w, bias, c, C, wr, br);
   float acc[W + 1][kCV];  // dweight taps, then dbias: this thread's tokens, all its tiles
@@ -494,14 +589,16 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<W>())
 #pragma unroll
     for (int v = 0; v < kCV; ++v) acc[j][v] = 0.f;
 
-  for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+  int b = 0;
+  for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x, b ^= 1) {
     const int64_t t0 = tile * kBT;
-    __syncthreads();  // the previous tile's readers are done with the shared memory
-    load_tile(tile_x, x, t0 - S, kBT + 2 * S, c0, T, C, vec_load);
-    load_tile(tile_dy, dy, t0, kBT + S, c0, T, C, vec_load);
-    find_docs(docs, cu, N, T, t0, kBT + S);
-    cp_async_wait_all();
-    __syncthreads();
+    if (tile + gridDim.x < ntiles) issue(tile + gridDim.x, b ^ 1);
+    cp_async_commit();  // possibly empty: one group per iteration either way
+    cp_async_wait_prior();
+    __syncthreads();  // tile `tile` and its documents are visible to every warp
+    const bf16_t* tile_x = stages + b * kStage;
+    const bf16_t* tile_dy = tile_x + kXRows * kBC;
+    const DocSlot* docs = doc_stages[b];
 
     const int64_t tg = t0 + g * kTT;
     // Warp-uniform: the document of the warp's first token holds every row the warp reads.
@@ -512,79 +609,11 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<W>())
       } else {
         bwd_warp_inside<W, false>(tile_x, tile_dy, g * kTT, lane, wr, br, acc, dx, tg, c, C);
       }
-      continue;
+    } else {
+      bwd_warp_general<W>(tile_x, tile_dy, docs, g, lane, wr, br, acc, init, dfin, dx, tg, c, C, T,
+                          silu, vec_store);
     }
-    float win[W][kCV];  // x rows t' - S .. t' for the current u token t'
-    float uw[W][kCV];   // uw[m] = u(t' - S + m)
-#pragma unroll
-    for (int j = 0; j < S; ++j) {
-      read_row(tile_x, g * kTT + j, lane, win[j]);
-#pragma unroll
-      for (int v = 0; v < kCV; ++v) uw[j][v] = 0.f;
-    }
-    // u for t' = tg + i, i < kTT + S; dx for t = t' - S once u(t .. t + S) are known.
-#pragma unroll
-    for (int i = 0; i < kTT + S; ++i) {
-      read_row(tile_x, g * kTT + i + S, lane, win[S]);
-      const int64_t tp = tg + i;
-#pragma unroll
-      for (int v = 0; v < kCV; ++v) uw[S][v] = 0.f;
-      if (tp < T) {
-        const DocSlot d = docs[g * kTT + i];
-        float e[W][kCV], z[kCV], dyv[kCV];
-        taps<W>(win, tp - d.s, d.n, init, c, C, e);
-        preact<W>(wr, br, e, z);
-        read_row(tile_dy, g * kTT + i, lane, dyv);
-#pragma unroll
-        for (int v = 0; v < kCV; ++v) {
-          float u = dyv[v];
-          if (silu) {
-            const float sg = sigmoid(z[v]);
-            u *= sg * (1.f + z[v] * (1.f - sg));
-          }
-          uw[S][v] = u;
-        }
-        if (i < kTT) {  // the warp's own token: its dweight / dbias terms
-#pragma unroll
-          for (int v = 0; v < kCV; ++v) {
-#pragma unroll
-            for (int j = 0; j < W; ++j) acc[j][v] = fmaf(uw[S][v], e[j][v], acc[j][v]);
-            acc[W][v] += uw[S][v];
-          }
-        }
-      }
-      if (i >= S) {
-        const int64_t t = tg + i - S;
-        if (t < T) {
-          const DocSlot d = docs[g * kTT + i - S];
-          const int64_t lim = d.e - t;  // u(t + m) belongs to t's document for m < lim
-          float o[kCV];
-#pragma unroll
-          for (int v = 0; v < kCV; ++v) o[v] = 0.f;
-#pragma unroll
-          for (int j = 0; j < W; ++j) {
-            if (S - j < lim) {
-#pragma unroll
-              for (int v = 0; v < kCV; ++v) o[v] = fmaf(wr[j][v], uw[S - j][v], o[v]);
-            }
-          }
-          if (dfin != nullptr && S - lim >= 0 && lim > 0) {  // t in the last S of its document
-            float f[kCV];
-            state_cols<S>(dfin, d.n, S - lim, c, C, f);
-#pragma unroll
-            for (int v = 0; v < kCV; ++v) o[v] += f[v];
-          }
-          store4(dx, t * C + c, c, C, o, vec_store);
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < S; ++j)
-#pragma unroll
-        for (int v = 0; v < kCV; ++v) {
-          win[j][v] = win[j + 1][v];
-          uw[j][v] = uw[j + 1][v];
-        }
-    }
+    __syncthreads();  // every warp is done with stage b before the next iteration refills it
   }
 
   // Sum the warps' partials in warp order (shared memory reused: tiles are done).
@@ -821,6 +850,15 @@ void backward(const CausalConv1dBwd& a) {
     constexpr int W = decltype(wc)::value;
     if (k.T > 0) {
       // Persistent grid: the blocks that fit at once, split over the channel blocks.
+      // Two stages exceed the default 48 KB of dynamic shared memory: raise the kernel's limit
+      // once per width (a host-side attribute; no synchronisation).
+      static const bool raised = [] {
+        GDN_CUDA_CHECK(cudaFuncSetAttribute(conv_bwd_kernel<W>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(bwd_smem(W))));
+        return true;
+      }();
+      (void)raised;
       int per_sm = 0;
       GDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, conv_bwd_kernel<W>,
                                                                    kThreads, bwd_smem(W)));
