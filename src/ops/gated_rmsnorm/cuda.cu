@@ -6,11 +6,16 @@
 // and z (and dy) in registers, so every input is read from device memory once. At the GDN shape
 // (D = dv = 128) tpr = 8 and a block covers 32 rows.
 //
-// Forward: one row per row group, one launch; rstd written by lane 0.
-// Backward: a persistent grid (as many blocks as are resident at once), each row group walking
-// rows with a grid stride. A thread owns the same columns in every row, so its dw contributions
-// stay in fp32 registers for the whole walk; the row groups of a block are summed through shared
-// memory in group order, each block writes one fp32 partial row to scratch, and
+// Both kernels are persistent (as many blocks as are resident at once, each row group walking
+// rows with a grid stride) and load the next row's packs before they work on the current row, so
+// that loads stay in flight while a row is reduced and written. The sigmoid uses the fast exp2 and
+// reciprocal (sigmoid_fast): the IEEE forms made the elementwise work as long as the memory
+// traffic.
+//
+// Forward: rstd written by lane 0.
+// Backward: a thread owns the same columns in every row, so its w packs are loaded once and its dw
+// contributions go to fp32 sums in shared memory private to it; the row groups of a block are
+// summed in group order, each block writes one fp32 partial row to scratch, and
 // column_sum_add_kernel adds the partial rows to dw in a fixed order. No float atomics: dw depends
 // only on the shapes and the device's multiprocessor count (the grid size).
 //
@@ -35,6 +40,33 @@ using cuda::Pack;
 constexpr int kBlock = 256;
 
 template <int V>
+__device__ __forceinline__ Pack<V> zero_pack() {
+  Pack<V> r;
+  if constexpr (V == 8) {
+    r.u = make_uint4(0u, 0u, 0u, 0u);
+  } else {
+    r.u = 0;
+  }
+  return r;
+}
+
+// sigmoid(z) = 1 / (1 + exp(-z)) with the fast exp2 (ex2.approx.ftz, relative error ~2^-22) and
+// reciprocal (rcp.approx, ~1 ulp): within a few fp32 ulps of the IEEE form, far below the one bf16
+// rounding of every output, and a quarter of its instructions (this kernel's elementwise work
+// would otherwise be as long as its memory traffic). Safe at both tails: exp overflows to +inf for
+// z < -88.7 and 1 / inf = 0; it underflows to 0 for z > 87.3 and gives exactly 1; never NaN for
+// finite z.
+__device__ __forceinline__ float sigmoid_fast(float z) {
+  float e;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(z * -1.4426950408889634f));
+  return __fdividef(1.f, 1.f + e);
+}
+
+// Both kernels are persistent (as many blocks as are resident at once): each row group walks rows
+// with a grid stride and loads its next row's packs (x, z; dy in backward) before it works on the
+// current one, so that row's loads are in flight while the current row is reduced, computed and
+// written. A thread owns the same columns in every row, so its w packs are loaded once.
+template <int V>
 __global__ void __launch_bounds__(kBlock)
     gated_rmsnorm_fwd_kernel(const bf16_t* __restrict__ x,  // [R, D]
                              const bf16_t* __restrict__ z,  // [R, D]
@@ -45,58 +77,81 @@ __global__ void __launch_bounds__(kBlock)
   constexpr int P = cuda::row_packs_per_thread<V>();
   __shared__ float red[kBlock / 32];
   const int npacks = D / V;
+  const int rpb = kBlock / tpr;
   const int lane = static_cast<int>(threadIdx.x) & (tpr - 1);
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kBlock / tpr) + threadIdx.x / tpr;
-  const bool active = row < R;
-  const int64_t off = active ? row * D : 0;
+  const int g = static_cast<int>(threadIdx.x) / tpr;
 
-  Pack<V> xc[P], zc[P];
-#pragma unroll
-  for (int k = 0; k < P; ++k) {  // all loads in flight before the first use
-    const int c = lane + k * tpr;
-    if (active && c < npacks) {
-      xc[k] = cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V);
-      zc[k] = cuda::load_pack<V>(z, off + static_cast<int64_t>(c) * V);
-    }
-  }
-  float ss = 0.f;
+  Pack<V> wc[P];
 #pragma unroll
   for (int k = 0; k < P; ++k) {
-    if (active && lane + k * tpr < npacks) {
+    const int c = lane + k * tpr;
+    wc[k] = c < npacks ? cuda::load_pack<V>(w, static_cast<int64_t>(c) * V) : zero_pack<V>();
+  }
+  // The next row's packs, all loads issued back to back; packs outside the row read as zeros
+  // (they add +0 to the sum of squares).
+  Pack<V> xn[P], zn[P];
+  auto fetch = [&](int64_t row) {
+    const bool act = row < R;
+    const int64_t off = act ? row * D : 0;
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const int c = lane + k * tpr;
+      const bool ok = act && c < npacks;
+      xn[k] = ok ? cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V) : zero_pack<V>();
+      zn[k] = ok ? cuda::load_pack<V>(z, off + static_cast<int64_t>(c) * V) : zero_pack<V>();
+    }
+  };
+
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * rpb;
+  fetch(static_cast<int64_t>(blockIdx.x) * rpb + g);
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * rpb; base < R; base += stride) {
+    // `base` is uniform over the block: every thread meets the barriers of group_allreduce_sum.
+    const int64_t row = base + g;
+    const bool active = row < R;
+    const int64_t off = active ? row * D : 0;
+    Pack<V> xc[P], zc[P];
+#pragma unroll
+    for (int k = 0; k < P; ++k) xc[k] = xn[k], zc[k] = zn[k];
+    fetch(row + stride);
+
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
       float f[V];
       cuda::unpack(xc[k], f);
 #pragma unroll
       for (int v = 0; v < V; ++v) ss += f[v] * f[v];
     }
-  }
-  for (int c = lane + P * tpr; active && c < npacks; c += tpr) {
-    float f[V];
-    cuda::unpack(cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V), f);
+    for (int c = lane + P * tpr; active && c < npacks; c += tpr) {
+      float f[V];
+      cuda::unpack(cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V), f);
 #pragma unroll
-    for (int v = 0; v < V; ++v) ss += f[v] * f[v];
-  }
-  ss = cuda::group_allreduce_sum(ss, tpr, red);
-  if (!active) return;  // past the last barrier
-  const float r = 1.f / sqrtf(ss / static_cast<float>(D) + eps);
-  if (lane == 0) rstd[row] = r;
+      for (int v = 0; v < V; ++v) ss += f[v] * f[v];
+    }
+    ss = cuda::group_allreduce_sum(ss, tpr, red);
+    if (!active) continue;
+    const float r = 1.f / sqrtf(ss / static_cast<float>(D) + eps);
+    if (lane == 0) rstd[row] = r;
 
-  auto emit = [&](int c, const Pack<V>& xp, const Pack<V>& zp) {
-    float xf[V], zf[V], wf[V], out[V];
-    cuda::unpack(xp, xf);
-    cuda::unpack(zp, zf);
-    cuda::unpack(cuda::load_pack<V>(w, static_cast<int64_t>(c) * V), wf);
+    auto emit = [&](int c, const Pack<V>& xp, const Pack<V>& zp, const Pack<V>& wp) {
+      float xf[V], zf[V], wf[V], out[V];
+      cuda::unpack(xp, xf);
+      cuda::unpack(zp, zf);
+      cuda::unpack(wp, wf);
 #pragma unroll
-    for (int v = 0; v < V; ++v) out[v] = xf[v] * r * wf[v] * (zf[v] * cuda::sigmoidf_safe(zf[v]));
-    cuda::store_pack<V>(y, off + static_cast<int64_t>(c) * V, cuda::pack(out));
-  };
+      for (int v = 0; v < V; ++v) out[v] = xf[v] * r * wf[v] * (zf[v] * sigmoid_fast(zf[v]));
+      cuda::store_pack<V>(y, off + static_cast<int64_t>(c) * V, cuda::pack(out));
+    };
 #pragma unroll
-  for (int k = 0; k < P; ++k) {
-    const int c = lane + k * tpr;
-    if (c < npacks) emit(c, xc[k], zc[k]);
+    for (int k = 0; k < P; ++k) {
+      const int c = lane + k * tpr;
+      if (c < npacks) emit(c, xc[k], zc[k], wc[k]);
+    }
+    for (int c = lane + P * tpr; c < npacks; c += tpr)
+      emit(c, cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V),
+           cuda::load_pack<V>(z, off + static_cast<int64_t>(c) * V),
+           cuda::load_pack<V>(w, static_cast<int64_t>(c) * V));
   }
-  for (int c = lane + P * tpr; c < npacks; c += tpr)
-    emit(c, cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V),
-         cuda::load_pack<V>(z, off + static_cast<int64_t>(c) * V));
 }
 
 // One element of the backward: given x, z, w, dy of a column and the row's r and
@@ -106,7 +161,7 @@ struct GradOut {
 };
 __device__ __forceinline__ GradOut grad_elem(float x, float z, float w, float dy, float r,
                                              float m) {
-  const float s = cuda::sigmoidf_safe(z);
+  const float s = sigmoid_fast(z);
   const float xhat = x * r;
   const float dyp = dy * z * s;  // dy * silu(z)
   GradOut o;
@@ -116,8 +171,15 @@ __device__ __forceinline__ GradOut grad_elem(float x, float z, float w, float dy
   return o;
 }
 
-// <= 128 registers (two blocks per multiprocessor at least): x, z, dy packs and the dw
-// accumulators stay in registers.
+// The dw sums of the register-held packs live in shared memory, private to their thread:
+// thread `tid` keeps element v of its k-th pack at acc[(k * V + v) * kBlock + tid] (consecutive
+// threads, consecutive words: conflict-free). In registers they would cost P * V registers.
+template <int V>
+constexpr int acc_floats() {
+  return cuda::row_packs_per_thread<V>() * V * kBlock;
+}
+
+// Two blocks per multiprocessor at least (<= 128 registers).
 template <int V>
 __global__ void __launch_bounds__(kBlock, 2)
     gated_rmsnorm_bwd_kernel(const bf16_t* __restrict__ x,    // [R, D]
@@ -131,18 +193,16 @@ __global__ void __launch_bounds__(kBlock, 2)
                              int64_t R, int D, int tpr) {
   constexpr int P = cuda::row_packs_per_thread<V>();
   __shared__ float red[kBlock / 32];
-  extern __shared__ float comb[];  // [rpb, D] when rpb > 1
+  extern __shared__ float acc[];  // [acc_floats<V>()]
   const int npacks = D / V;
   const int rpb = kBlock / tpr;
   const int g = static_cast<int>(threadIdx.x) / tpr;
   const int lane = static_cast<int>(threadIdx.x) & (tpr - 1);
+  const int tid = static_cast<int>(threadIdx.x);
   float* mine = partial + static_cast<int64_t>(blockIdx.x) * D;  // [D] this block's partial row
 
-  float acc[P][V];
 #pragma unroll
-  for (int k = 0; k < P; ++k)
-#pragma unroll
-    for (int v = 0; v < V; ++v) acc[k][v] = 0.f;
+  for (int i = 0; i < P * V; ++i) acc[i * kBlock + tid] = 0.f;
   // Columns past the register-held ones exist only when rpb == 1 (tpr == kBlock): their dw goes
   // straight to this block's partial row, which only this thread touches.
   for (int c = lane + P * tpr; c < npacks; c += tpr) {
@@ -150,54 +210,78 @@ __global__ void __launch_bounds__(kBlock, 2)
     for (int v = 0; v < V; ++v) mine[c * V + v] = 0.f;
   }
 
+  Pack<V> wc[P];
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    const int c = lane + k * tpr;
+    wc[k] = c < npacks ? cuda::load_pack<V>(w, static_cast<int64_t>(c) * V) : zero_pack<V>();
+  }
+  // The next row's packs, all loads issued back to back; packs outside the row read as zeros.
+  Pack<V> xn[P], zn[P], dn[P];
+  float rn = 0.f;
+  auto fetch = [&](int64_t row) {
+    const bool act = row < R;
+    const int64_t off = act ? row * D : 0;
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const int c = lane + k * tpr;
+      const bool ok = act && c < npacks;
+      xn[k] = ok ? cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V) : zero_pack<V>();
+      zn[k] = ok ? cuda::load_pack<V>(z, off + static_cast<int64_t>(c) * V) : zero_pack<V>();
+      dn[k] = ok ? cuda::load_pack<V>(dy, off + static_cast<int64_t>(c) * V) : zero_pack<V>();
+    }
+    rn = act ? rstd[row] : 0.f;
+  };
+
   const int64_t stride = static_cast<int64_t>(gridDim.x) * rpb;
+  fetch(static_cast<int64_t>(blockIdx.x) * rpb + g);
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * rpb; base < R; base += stride) {
     // `base` is uniform over the block: every thread meets the barriers of group_allreduce_sum.
     const int64_t row = base + g;
     const bool active = row < R;
     const int64_t off = active ? row * D : 0;
-    const float r = active ? rstd[row] : 0.f;
     Pack<V> xc[P], zc[P], dyc[P];
 #pragma unroll
-    for (int k = 0; k < P; ++k) {
-      const int c = lane + k * tpr;
-      if (active && c < npacks) {
-        xc[k] = cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V);
-        zc[k] = cuda::load_pack<V>(z, off + static_cast<int64_t>(c) * V);
-        dyc[k] = cuda::load_pack<V>(dy, off + static_cast<int64_t>(c) * V);
-      }
-    }
+    for (int k = 0; k < P; ++k) xc[k] = xn[k], zc[k] = zn[k], dyc[k] = dn[k];
+    const float r = rn;
+    fetch(row + stride);
+
     float dot = 0.f;  // sum(dy' * w * x) over the row
-    auto dot_terms = [&](const Pack<V>& xp, const Pack<V>& zp, const Pack<V>& dp, int c) {
+    auto dot_terms = [&](const Pack<V>& xp, const Pack<V>& zp, const Pack<V>& dp,
+                         const Pack<V>& wp) {
       float xf[V], zf[V], df[V], wf[V];
       cuda::unpack(xp, xf);
       cuda::unpack(zp, zf);
       cuda::unpack(dp, df);
-      cuda::unpack(cuda::load_pack<V>(w, static_cast<int64_t>(c) * V), wf);
+      cuda::unpack(wp, wf);
 #pragma unroll
-      for (int v = 0; v < V; ++v) dot += df[v] * zf[v] * cuda::sigmoidf_safe(zf[v]) * wf[v] * xf[v];
+      for (int v = 0; v < V; ++v) dot += df[v] * zf[v] * sigmoid_fast(zf[v]) * wf[v] * xf[v];
     };
 #pragma unroll
     for (int k = 0; k < P; ++k) {
       const int c = lane + k * tpr;
-      if (active && c < npacks) dot_terms(xc[k], zc[k], dyc[k], c);
+      if (active && c < npacks) dot_terms(xc[k], zc[k], dyc[k], wc[k]);
     }
     for (int c = lane + P * tpr; active && c < npacks; c += tpr)
       dot_terms(cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V),
                 cuda::load_pack<V>(z, off + static_cast<int64_t>(c) * V),
-                cuda::load_pack<V>(dy, off + static_cast<int64_t>(c) * V), c);
+                cuda::load_pack<V>(dy, off + static_cast<int64_t>(c) * V),
+                cuda::load_pack<V>(w, static_cast<int64_t>(c) * V));
     dot = cuda::group_allreduce_sum(dot, tpr, red);
     if (!active) continue;
     const float m = dot * r / static_cast<float>(D);  // mean(xhat * dy' * w)
+    // Unpack and take the sigmoids again below instead of keeping the first pass's 4 * P * V fp32
+    // values alive across the reduction: recomputing costs ~5 instructions an element, keeping
+    // them a block per multiprocessor.
 
     // Writes dx, dz of pack c and returns its dw terms in `dwv`.
     auto emit = [&](int c, const Pack<V>& xp, const Pack<V>& zp, const Pack<V>& dp,
-                    float(&dwv)[V]) {
+                    const Pack<V>& wp, float(&dwv)[V]) {
       float xf[V], zf[V], df[V], wf[V], gx[V], gz[V];
       cuda::unpack(xp, xf);
       cuda::unpack(zp, zf);
       cuda::unpack(dp, df);
-      cuda::unpack(cuda::load_pack<V>(w, static_cast<int64_t>(c) * V), wf);
+      cuda::unpack(wp, wf);
 #pragma unroll
       for (int v = 0; v < V; ++v) {
         const GradOut o = grad_elem(xf[v], zf[v], wf[v], df[v], r, m);
@@ -213,47 +297,32 @@ __global__ void __launch_bounds__(kBlock, 2)
       const int c = lane + k * tpr;
       if (c < npacks) {
         float dwv[V];
-        emit(c, xc[k], zc[k], dyc[k], dwv);
+        emit(c, xc[k], zc[k], dyc[k], wc[k], dwv);
 #pragma unroll
-        for (int v = 0; v < V; ++v) acc[k][v] += dwv[v];
+        for (int v = 0; v < V; ++v) acc[(k * V + v) * kBlock + tid] += dwv[v];
       }
     }
     for (int c = lane + P * tpr; c < npacks; c += tpr) {
       float dwv[V];
       emit(c, cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V),
            cuda::load_pack<V>(z, off + static_cast<int64_t>(c) * V),
-           cuda::load_pack<V>(dy, off + static_cast<int64_t>(c) * V), dwv);
+           cuda::load_pack<V>(dy, off + static_cast<int64_t>(c) * V),
+           cuda::load_pack<V>(w, static_cast<int64_t>(c) * V), dwv);
 #pragma unroll
       for (int v = 0; v < V; ++v) mine[c * V + v] += dwv[v];
     }
   }
 
-  if (rpb == 1) {
-#pragma unroll
-    for (int k = 0; k < P; ++k) {
-      const int c = lane + k * tpr;
-      if (c < npacks) {
-#pragma unroll
-        for (int v = 0; v < V; ++v) mine[c * V + v] = acc[k][v];
-      }
-    }
-    return;
-  }
-  // Several row groups: sum them in group order through shared memory (no overflow columns here:
-  // tpr < kBlock means the register-held packs cover the row).
-#pragma unroll
-  for (int k = 0; k < P; ++k) {
-    const int c = lane + k * tpr;
-    if (c < npacks) {
-#pragma unroll
-      for (int v = 0; v < V; ++v) comb[g * D + c * V + v] = acc[k][v];
-    }
-  }
+  // The block's partial row: the row groups' sums added in group order (j = 0, 1, ...), column by
+  // column, over the register-held columns (all of them unless rpb == 1 and the row is wider,
+  // whose further columns are already in `mine`).
   __syncthreads();
-  for (int col = static_cast<int>(threadIdx.x); col < D; col += kBlock) {
-    float s = 0.f;
-    for (int j = 0; j < rpb; ++j) s += comb[j * D + col];
-    mine[col] = s;
+  const int held = min(D, P * tpr * V);
+  for (int col = tid; col < held; col += kBlock) {
+    const int c = col / V, v = col % V, k = c / tpr, ln = c % tpr;
+    float sum = 0.f;
+    for (int j = 0; j < rpb; ++j) sum += acc[(k * V + v) * kBlock + j * tpr + ln];
+    mine[col] = sum;
   }
 }
 
@@ -272,16 +341,22 @@ void forward(const GatedRmsNormFwd& a) {
   const bool vec_ok =
       cuda::aligned16(x) && cuda::aligned16(z) && cuda::aligned16(w) && cuda::aligned16(y);
   const cuda::RowLayout l = cuda::row_layout(D, vec_ok, kBlock);
-  const int64_t grid = (R + l.rpb - 1) / l.rpb;
-  GDN_CHECK(grid <= INT_MAX, "gated_rmsnorm (cuda): {} rows is too many", R);
+  // Persistent grid: the blocks resident at once, at most one per row-group batch.
+  const void* kernel = l.vec == 8 ? reinterpret_cast<const void*>(&gated_rmsnorm_fwd_kernel<8>)
+                                  : reinterpret_cast<const void*>(&gated_rmsnorm_fwd_kernel<1>);
+  int per_sm = 0;
+  GDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlock, 0));
+  const int64_t batches = (R + l.rpb - 1) / l.rpb;
+  const auto grid = static_cast<unsigned>(std::min<int64_t>(
+      batches, static_cast<int64_t>(cuda::Context::get().sm_count()) * std::max(per_sm, 1)));
   const float eps = static_cast<float>(a.eps);
   cudaStream_t s = cuda::stream();
   if (l.vec == 8) {
-    gated_rmsnorm_fwd_kernel<8><<<static_cast<unsigned>(grid), kBlock, 0, s>>>(
-        x, z, w, y, rstd, R, static_cast<int>(D), l.tpr, eps);
+    gated_rmsnorm_fwd_kernel<8>
+        <<<grid, kBlock, 0, s>>>(x, z, w, y, rstd, R, static_cast<int>(D), l.tpr, eps);
   } else {
-    gated_rmsnorm_fwd_kernel<1><<<static_cast<unsigned>(grid), kBlock, 0, s>>>(
-        x, z, w, y, rstd, R, static_cast<int>(D), l.tpr, eps);
+    gated_rmsnorm_fwd_kernel<1>
+        <<<grid, kBlock, 0, s>>>(x, z, w, y, rstd, R, static_cast<int>(D), l.tpr, eps);
   }
   GDN_CUDA_LAUNCH_CHECK("gated_rmsnorm_fwd_kernel");
 }
@@ -301,10 +376,9 @@ void backward(const GatedRmsNormBwd& a) {
   const bool vec_ok = cuda::aligned16(x) && cuda::aligned16(z) && cuda::aligned16(w) &&
                       cuda::aligned16(dy) && cuda::aligned16(dx) && cuda::aligned16(dz);
   const cuda::RowLayout l = cuda::row_layout(D, vec_ok, kBlock);
-  // rpb * D <= kBlock * (packs per thread) * 8 elements: at most 16 KB.
-  const size_t smem = l.rpb > 1 ? static_cast<size_t>(l.rpb) * static_cast<size_t>(D) * 4 : 0;
-  GDN_CHECK(smem <= 48 * 1024,
-            "gated_rmsnorm (cuda): internal: {} bytes of shared memory for D = {}", smem, D);
+  // The dw sums: P * V fp32 per thread, 16 KB (8 KB with scalar packs).
+  const size_t smem =
+      static_cast<size_t>(l.vec == 8 ? acc_floats<8>() : acc_floats<1>()) * sizeof(float);
   const void* kernel = l.vec == 8 ? reinterpret_cast<const void*>(&gated_rmsnorm_bwd_kernel<8>)
                                   : reinterpret_cast<const void*>(&gated_rmsnorm_bwd_kernel<1>);
   cuda::Context& ctx = cuda::Context::get();
