@@ -150,6 +150,14 @@ TEST_F(EmbeddingCuda, ModelVocabulary) {
   check(8192, 248320, 8, Ids::Runs, DType::I64, 10);
 }
 
+TEST_F(EmbeddingCuda, LongSequencesTakeTheDeviceWideSort) {
+  // Up to 8192 tokens one block sorts the ids; past that the device-wide radix sort does, with
+  // the same order (both stable on the same keys).
+  check(8193, 248320, 8, Ids::Uniform, DType::I32, 11);
+  check(12000, 1000, 8, Ids::Runs, DType::I64, 12);
+  check(9000, 7, 16, Ids::Few, DType::I32, 13);
+}
+
 TEST_F(EmbeddingCuda, BackwardIsBitwiseDeterministic) {
   const int64_t T = 3000, V = 50, D = 520;
   OwnedTensor ids = convert(make_ids(T, V, Ids::Few, DType::I32, 11), DType::I32, Device::CUDA);

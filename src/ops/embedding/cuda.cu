@@ -11,8 +11,9 @@
 //
 // Backward, deterministic without float atomics and balanced whatever the id distribution:
 //  1. keys[t] = ids[t] (or V for an invalid id), vals[t] = t; a stable radix sort of (key, t)
-//     pairs over bit_width(V) bits (cub::DeviceRadixSort, itself deterministic), so equal ids end
-//     up contiguous and in increasing t.
+//     pairs over bit_width(V) bits, so equal ids end up contiguous and in increasing t: one block
+//     (cub::BlockRadixSort, one launch) up to 8192 tokens, cub::DeviceRadixSort (deterministic,
+//     about eight launches) beyond.
 //  2. The sorted positions are cut into windows of kWin; one block per (window, column chunk)
 //     walks its window in order, summing the dy rows of each run of equal ids in fp32 registers.
 //     A run wholly inside the window is its id's whole segment: the block adds it to dW directly
@@ -28,6 +29,7 @@
 // the sorted positions, so segments shorter than a window need no second pass.)
 // Bytes moved (the floor): dy, ids, and the touched dW rows read and written; plus the sort (a
 // few tens of bytes per token) and the partials of spanning segments.
+#include <cub/block/block_radix_sort.cuh>
 #include <cub/device/device_radix_sort.cuh>
 
 #include <algorithm>
@@ -54,6 +56,9 @@ constexpr int kBwdThreads = 128;
 constexpr int kWin = 32;   // sorted positions per backward window
 constexpr int kBatch = 2;  // positions per load batch in step 2 (64 registers, 8 blocks per SM)
 constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();  // "no neighbour" key
+constexpr int kSortThreads = 1024;  // step 1 in one block up to kSortMax tokens
+constexpr int kSortItems = 8;
+constexpr int kSortMax = kSortThreads * kSortItems;
 
 template <int V>
 __device__ __forceinline__ Pack<V> nan_pack() {
@@ -103,6 +108,44 @@ __global__ void __launch_bounds__(256) embedding_keys_kernel(const Id* __restric
   const int64_t id = static_cast<int64_t>(ids[t]);
   keys[t] = id >= 0 && id < vocab ? static_cast<uint32_t>(id) : static_cast<uint32_t>(vocab);
   vals[t] = static_cast<uint32_t>(t);
+}
+
+// Step 1 for T <= kSortMax in one block: keys (invalid ids -> vocab) and token indices formed in
+// registers, a stable block radix sort over end_bit bits, the first T sorted pairs written. The
+// same order as the device-wide sort (stable, same keys), in one launch instead of the eight of
+// cub::DeviceRadixSort's onesweep passes (histogram, scan, then a memset and a kernel per 8 bits)
+// plus the keys kernel. Positions past T get the largest end_bit-bit key: they sort after every
+// real token (after invalid ones too when the two keys are equal, the sort being stable) and are
+// not written.
+template <class Id>
+__global__ void __launch_bounds__(kSortThreads)
+    embedding_sort_block_kernel(const Id* __restrict__ ids,   // [T]
+                                uint32_t* __restrict__ keys,  // [T] sorted ids
+                                uint32_t* __restrict__ toks,  // [T] token of each position
+                                int T, int64_t vocab, int end_bit) {
+  using Sort = cub::BlockRadixSort<uint32_t, kSortThreads, kSortItems, uint32_t>;
+  __shared__ typename Sort::TempStorage tmp;
+  const uint32_t pad = end_bit >= 32 ? 0xffffffffu : (1u << end_bit) - 1u;
+  uint32_t k[kSortItems], v[kSortItems];  // blocked: thread i holds positions i * kSortItems + j
+#pragma unroll
+  for (int j = 0; j < kSortItems; ++j) {
+    const int t = static_cast<int>(threadIdx.x) * kSortItems + j;
+    k[j] = pad;
+    if (t < T) {
+      const int64_t id = static_cast<int64_t>(ids[t]);
+      k[j] = id >= 0 && id < vocab ? static_cast<uint32_t>(id) : static_cast<uint32_t>(vocab);
+    }
+    v[j] = static_cast<uint32_t>(t);
+  }
+  Sort(tmp).Sort(k, v, 0, end_bit);
+#pragma unroll
+  for (int j = 0; j < kSortItems; ++j) {
+    const int t = static_cast<int>(threadIdx.x) * kSortItems + j;
+    if (t < T) {
+      keys[t] = k[j];
+      toks[t] = v[j];
+    }
+  }
 }
 
 // p[0 .. V) = acc; with V = 8 as two 16-byte stores (p is 32-byte aligned: D % 8 == 0, c % 8 == 0
@@ -306,12 +349,16 @@ void backward(const EmbeddingBwd& a) {
   // The sentinel `vocab` must fit in the sorted bits.
   const int end_bit = std::bit_width(static_cast<uint64_t>(vocab));
 
-  // Scratch: keys_in, vals_in, keys_out, vals_out [T] u32, cub's temporaries, partial [nwin, 2, D].
+  // Scratch: keys_in, vals_in, keys_out, vals_out [T] u32, cub's temporaries, partial [nwin, 2, D]
+  // (keys_in, vals_in and cub's temporaries unused when one block sorts).
+  const bool one_block = n <= kSortMax;
   size_t cub_bytes = 0;
-  GDN_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
-      nullptr, cub_bytes, static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
-      static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr), n, 0, end_bit,
-      cuda::stream()));
+  if (!one_block) {
+    GDN_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+        nullptr, cub_bytes, static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
+        static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr), n, 0, end_bit,
+        cuda::stream()));
+  }
   const size_t ids_bytes = align256(static_cast<size_t>(n) * sizeof(uint32_t));
   const size_t part_bytes = static_cast<size_t>(nwin) * 2 * static_cast<size_t>(d) * sizeof(float);
   cuda::Context& ctx = cuda::Context::get();
@@ -325,18 +372,30 @@ void backward(const EmbeddingBwd& a) {
       reinterpret_cast<float*>(base + 4 * ids_bytes + align256(cub_bytes));  // [nwin, 2, D]
 
   cudaStream_t s = ctx.stream();
-  const unsigned kblocks = static_cast<unsigned>((n + 255) / 256);
-  if (a.ids.dtype() == DType::I32) {
-    embedding_keys_kernel<int32_t>
-        <<<kblocks, 256, 0, s>>>(a.ids.ptr<int32_t>(), keys_in, vals_in, n, vocab);
+  const bool i32 = a.ids.dtype() == DType::I32;
+  if (one_block) {
+    if (i32) {
+      embedding_sort_block_kernel<int32_t>
+          <<<1, kSortThreads, 0, s>>>(a.ids.ptr<int32_t>(), keys, toks, n, vocab, end_bit);
+    } else {
+      embedding_sort_block_kernel<int64_t>
+          <<<1, kSortThreads, 0, s>>>(a.ids.ptr<int64_t>(), keys, toks, n, vocab, end_bit);
+    }
+    GDN_CUDA_LAUNCH_CHECK("embedding_sort_block_kernel");
   } else {
-    embedding_keys_kernel<int64_t>
-        <<<kblocks, 256, 0, s>>>(a.ids.ptr<int64_t>(), keys_in, vals_in, n, vocab);
+    const unsigned kblocks = static_cast<unsigned>((n + 255) / 256);
+    if (i32) {
+      embedding_keys_kernel<int32_t>
+          <<<kblocks, 256, 0, s>>>(a.ids.ptr<int32_t>(), keys_in, vals_in, n, vocab);
+    } else {
+      embedding_keys_kernel<int64_t>
+          <<<kblocks, 256, 0, s>>>(a.ids.ptr<int64_t>(), keys_in, vals_in, n, vocab);
+    }
+    GDN_CUDA_LAUNCH_CHECK("embedding_keys_kernel");
+    GDN_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(cub_tmp, cub_bytes, keys_in, keys, vals_in, toks,
+                                                   n, 0, end_bit, s));
+    GDN_CUDA_LAUNCH_CHECK("cub::DeviceRadixSort::SortPairs");
   }
-  GDN_CUDA_LAUNCH_CHECK("embedding_keys_kernel");
-  GDN_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(cub_tmp, cub_bytes, keys_in, keys, vals_in, toks,
-                                                 n, 0, end_bit, s));
-  GDN_CUDA_LAUNCH_CHECK("cub::DeviceRadixSort::SortPairs");
   const dim3 grid(static_cast<unsigned>(nwin), static_cast<unsigned>(chunks));
   const uint32_t invalid = static_cast<uint32_t>(vocab);
   if (V == 8) {
