@@ -851,14 +851,11 @@ void backward(const CausalConv1dBwd& a) {
     if (k.T > 0) {
       // Persistent grid: the blocks that fit at once, split over the channel blocks.
       // Two stages exceed the default 48 KB of dynamic shared memory: raise the kernel's limit
-      // once per width (a host-side attribute; no synchronisation).
-      static const bool raised = [] {
-        GDN_CUDA_CHECK(cudaFuncSetAttribute(conv_bwd_kernel<W>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(bwd_smem(W))));
-        return true;
-      }();
-      (void)raised;
+      // (a host-side attribute of the current device, no synchronisation; set on every call so
+      // that each device a process uses gets it).
+      GDN_CUDA_CHECK(cudaFuncSetAttribute(conv_bwd_kernel<W>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(bwd_smem(W))));
       int per_sm = 0;
       GDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, conv_bwd_kernel<W>,
                                                                    kThreads, bwd_smem(W)));
