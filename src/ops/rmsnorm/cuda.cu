@@ -208,8 +208,17 @@ __global__ void __launch_bounds__(kBlock, 2)
   const int lane = static_cast<int>(threadIdx.x) % tpr;
   float* mine = partial + static_cast<int64_t>(blockIdx.x) * D;  // [D] this block's partial row
 
-  // This thread owns the same columns in every row.
-  for (int i = static_cast<int>(threadIdx.x); i < acc_floats<V>(); i += kBlock) acc[i] = 0.f;
+  // This thread owns the same columns in every row; it zeroes its own sums (no barrier needed:
+  // nobody else touches them before the final sum).
+  constexpr int kSlots = V == 8 ? 2 * P : P;  // float4 (V = 8) or float (V = 1) slots
+#pragma unroll
+  for (int i = 0; i < kSlots; ++i) {
+    if constexpr (V == 8) {
+      reinterpret_cast<float4*>(acc)[i * kBlock + threadIdx.x] = make_float4(0.f, 0.f, 0.f, 0.f);
+    } else {
+      acc[i * kBlock + threadIdx.x] = 0.f;
+    }
+  }
   // Columns past the register-held ones exist only when rpb == 1 (tpr == kBlock): their dw goes
   // straight to this block's partial row, which only this thread touches.
   for (int c = lane + P * tpr; c < npacks; c += tpr) {
