@@ -809,6 +809,11 @@ void forward(const CausalConv1dFwd& a) {
     constexpr int W = decltype(wc)::value;
     if (k.T > 0) {
       // Persistent grid: the blocks that fit at once, split over the channel blocks.
+      // The grid assumes the residency the occupancy query reports, which needs the largest
+      // shared-memory carveout: ask for it (a hint the driver follows when the kernel needs it).
+      GDN_CUDA_CHECK(cudaFuncSetAttribute(conv_fwd_kernel<W>,
+                                          cudaFuncAttributePreferredSharedMemoryCarveout,
+                                          cudaSharedmemCarveoutMaxShared));
       int per_sm = 0;
       GDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, conv_fwd_kernel<W>,
                                                                    kThreads, fwd_smem(W)));
@@ -856,6 +861,9 @@ void backward(const CausalConv1dBwd& a) {
       GDN_CUDA_CHECK(cudaFuncSetAttribute(conv_bwd_kernel<W>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(bwd_smem(W))));
+      GDN_CUDA_CHECK(cudaFuncSetAttribute(conv_bwd_kernel<W>,
+                                          cudaFuncAttributePreferredSharedMemoryCarveout,
+                                          cudaSharedmemCarveoutMaxShared));
       int per_sm = 0;
       GDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, conv_bwd_kernel<W>,
                                                                    kThreads, bwd_smem(W)));
