@@ -306,8 +306,8 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<W>())
                     bool vec_store) {
   constexpr int S = W - 1;
   constexpr int kRows = kBT + S;
-  // Two tiles [kRows, kBC]: row r of a tile = token t0 - S + r.
-  bf16_t* tiles = reinterpret_cast<bf16_t*>(conv_smem);
+  // Two tiles: row r of a tile = token t0 - S + r.
+  bf16_t* tiles = reinterpret_cast<bf16_t*>(conv_smem);  // [2, kRows, kBC]
   __shared__ DocSlot docs[2][kBT];
   const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kBC;
   const int g = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
@@ -330,8 +330,8 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<W>())
     cp_async_wait_prior();
     __syncthreads();  // tile `tile` and its documents are visible to every warp
 
-    const bf16_t* cur = tiles + b * kRows * kBC;
-    const DocSlot* dcur = docs[b];
+    const bf16_t* cur = tiles + b * kRows * kBC;  // [kRows, kBC]
+    const DocSlot* dcur = docs[b];                // [kBT]
     const int64_t tg = tile * kBT + g * kTT;
     // Warp-uniform: the document of the warp's first token holds its S rows before and all kTT
     // tokens (then every token has that document; the test reads only shared memory).
@@ -566,7 +566,7 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<W>())
   constexpr int kXRows = kBT + 2 * S, kDyRows = kBT + S;
   constexpr int kStage = (kXRows + kDyRows) * kBC;
   // Two stages, each x rows [t0 - S, t0 + kBT + S) then dy rows [t0, t0 + kBT + S), [rows, kBC].
-  bf16_t* stages = reinterpret_cast<bf16_t*>(conv_smem);
+  bf16_t* stages = reinterpret_cast<bf16_t*>(conv_smem);  // [2, kXRows + kDyRows, kBC]
   __shared__ DocSlot doc_stages[2][kDocSlots];
   const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kBC;
   const int g = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
@@ -574,7 +574,7 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<W>())
   // Starts the copies of token tile `tile` into stage `b` and looks up its documents.
   auto issue = [&](int64_t tile, int b) {
     const int64_t t0 = tile * kBT;
-    bf16_t* tx = stages + b * kStage;
+    bf16_t* tx = stages + b * kStage;  // [kXRows + kDyRows, kBC]
     load_tile(tx, x, t0 - S, kXRows, c0, T, C, vec_load);
     load_tile(tx + kXRows * kBC, dy, t0, kDyRows, c0, T, C, vec_load);
     find_docs(doc_stages[b], cu, N, T, t0, kBT + S);
@@ -596,9 +596,9 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<W>())
     cp_async_commit();  // possibly empty: one group per iteration either way
     cp_async_wait_prior();
     __syncthreads();  // tile `tile` and its documents are visible to every warp
-    const bf16_t* tile_x = stages + b * kStage;
-    const bf16_t* tile_dy = tile_x + kXRows * kBC;
-    const DocSlot* docs = doc_stages[b];
+    const bf16_t* tile_x = stages + b * kStage;     // [kXRows, kBC] from t0 - S
+    const bf16_t* tile_dy = tile_x + kXRows * kBC;  // [kDyRows, kBC] from t0
+    const DocSlot* docs = doc_stages[b];            // [kBT + S]
 
     const int64_t tg = t0 + g * kTT;
     // Warp-uniform: the document of the warp's first token holds every row the warp reads.

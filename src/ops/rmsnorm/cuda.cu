@@ -200,8 +200,8 @@ __global__ void __launch_bounds__(kBlock, 2)
                        int64_t R, int D, int tpr, float shift) {
   constexpr int P = packs_per_thread<V>();
   __shared__ float red[kBlock / 32];
-  extern __shared__ float4 acc_smem[];  // [acc_floats<V>() / 4]
-  float* acc = reinterpret_cast<float*>(acc_smem);
+  extern __shared__ float4 acc_smem[];              // [acc_floats<V>() / 4]
+  float* acc = reinterpret_cast<float*>(acc_smem);  // [P * V, kBlock] (see acc_add)
   const int npacks = D / V;
   const int rpb = kBlock / tpr;
   const int g = static_cast<int>(threadIdx.x) / tpr;
