@@ -17,6 +17,7 @@ struct TrainCli {
   bool resume = false;
   int64_t steps = -1;
   int64_t stop_after = 0;
+  int64_t profile_step = 0;
 };
 }  // namespace
 
@@ -34,6 +35,10 @@ void add_train_command(CLI::App& app, Commands& cmds) {
   sub->add_flag("--resume", o->resume, "Continue from the latest complete checkpoint");
   sub->add_option("--stop-after", o->stop_after,
                   "Stop (with a checkpoint) after this many steps; --resume continues");
+  sub->add_option("--profile-step", o->profile_step,
+                  "Time this step (1-based) op by op (CUDA events on the GPU): a table in the log "
+                  "and RUN_DIR/profile_step<N>.json")
+      ->check(CLI::PositiveNumber);
   sub->callback([&cmds, o] {
     cmds.selected = [o] {
       train::ConfigTree cfg(train::default_train_config());
@@ -46,6 +51,7 @@ void add_train_command(CLI::App& app, Commands& cmds) {
       train::TrainOptions to;
       to.resume = o->resume;
       to.stop_after = o->stop_after;
+      to.profile_step = o->profile_step;
       train::run_training(cfg, to);
       return 0;
     };

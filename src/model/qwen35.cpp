@@ -6,6 +6,7 @@
 #include <map>
 
 #include "gdn/core/log.h"
+#include "gdn/core/profile.h"
 #include "ops/axpy/op.h"
 #include "ops/causal_conv1d/op.h"
 #include "ops/embedding/op.h"
@@ -196,6 +197,7 @@ void Qwen35Model::run(Arena& arena, const MicroBatch* mb, const StepOptions& opt
   Tensor labels = p.alloc(DType::I32, {T});  // [T]
   Tensor cu = p.alloc(DType::I32, {N + 1});  // [N+1]
   if (live) {
+    ProfileRange pr("inputs");
     copy_bytes(ids.data(), p.dev, mb->input_ids.data(), Device::CPU, static_cast<size_t>(T) * 4);
     copy_bytes(labels.data(), p.dev, mb->labels.data(), Device::CPU, static_cast<size_t>(T) * 4);
     copy_bytes(cu.data(), p.dev, mb->cu_seqlens.data(), Device::CPU,
@@ -205,7 +207,10 @@ void Qwen35Model::run(Arena& arena, const MicroBatch* mb, const StepOptions& opt
   // Residual stream: H[l] is the input of layer l, H[L] the input of the final norm.
   std::vector<Tensor> H(static_cast<size_t>(L + 1));
   H[0] = p.alloc_act({T, D});
-  if (live) embedding_forward({ids, P(ids_.embed), H[0]});
+  if (live) {
+    ProfileRange pr("embedding.fwd");
+    embedding_forward({ids, P(ids_.embed), H[0]});
+  }
 
   std::vector<LayerActs> acts(static_cast<size_t>(L));
   for (int64_t l = 0; l < L; ++l) try {
@@ -214,7 +219,10 @@ void Qwen35Model::run(Arena& arena, const MicroBatch* mb, const StepOptions& opt
       s.h_in = H[static_cast<size_t>(l)];
       s.rstd_in = p.alloc(p.stat, {T});
       s.xn = p.alloc_act({T, D});
-      if (live) rmsnorm_forward({s.h_in, P(w.input_norm), s.xn, s.rstd_in, eps, true});
+      if (live) {
+        ProfileRange pr("rmsnorm.fwd");
+        rmsnorm_forward({s.h_in, P(w.input_norm), s.xn, s.rstd_in, eps, true});
+      }
       Tensor y_out_w;  // the out projection weight of the mixer
       if (w.type == LayerType::Linear) {
         s.qkv = p.alloc_act({T, C});
@@ -231,18 +239,34 @@ void Qwen35Model::run(Arena& arena, const MicroBatch* mb, const StepOptions& opt
         s.nrstd = p.alloc(p.stat, {T * Hv});
         s.y = p.alloc_act({T, VD});
         if (live) {
-          linear_forward({s.xn, P(w.in_proj_qkv), s.qkv});
-          linear_forward({s.xn, P(w.in_proj_z), s.z});
-          linear_forward({s.xn, P(w.in_proj_b), s.b});
-          linear_forward({s.xn, P(w.in_proj_a), s.a});
-          causal_conv1d_forward(
-              {s.qkv, P(w.conv1d).reshape({C, W}), Tensor(), cu, Tensor(), conv, Tensor(), true});
-          copy_cols(s.q, conv, 0, false);
-          copy_cols(s.k, conv, KD, false);
-          copy_cols(s.v, conv, 2 * KD, false);
-          gdn_gates_forward({s.a, s.b, P(w.a_log), P(w.dt_bias), s.g, s.beta});
-          gated_delta_rule_forward(
-              {s.q, s.k, s.v, s.g, s.beta, cu, Tensor(), s.o, Tensor(), 0.0, true});
+          {
+            ProfileRange pr("gdn.in_proj.fwd");
+            linear_forward({s.xn, P(w.in_proj_qkv), s.qkv});
+            linear_forward({s.xn, P(w.in_proj_z), s.z});
+            linear_forward({s.xn, P(w.in_proj_b), s.b});
+            linear_forward({s.xn, P(w.in_proj_a), s.a});
+          }
+          {
+            ProfileRange pr("conv.fwd");
+            causal_conv1d_forward(
+                {s.qkv, P(w.conv1d).reshape({C, W}), Tensor(), cu, Tensor(), conv, Tensor(), true});
+          }
+          {
+            ProfileRange pr("gdn.split_qkv.fwd");
+            copy_cols(s.q, conv, 0, false);
+            copy_cols(s.k, conv, KD, false);
+            copy_cols(s.v, conv, 2 * KD, false);
+          }
+          {
+            ProfileRange pr("gdn_gates.fwd");
+            gdn_gates_forward({s.a, s.b, P(w.a_log), P(w.dt_bias), s.g, s.beta});
+          }
+          {
+            ProfileRange pr("gdr.fwd");
+            gated_delta_rule_forward(
+                {s.q, s.k, s.v, s.g, s.beta, cu, Tensor(), s.o, Tensor(), 0.0, true});
+          }
+          ProfileRange pr("gated_rmsnorm.fwd");
           gated_rmsnorm_forward({s.o.reshape({T * Hv, dv}), s.z.reshape({T * Hv, dv}),
                                  P(w.gated_norm), s.y.reshape({T * Hv, dv}), s.nrstd, eps});
         }
@@ -259,9 +283,13 @@ void Qwen35Model::run(Arena& arena, const MicroBatch* mb, const StepOptions& opt
         s.q_rstd = p.alloc(p.stat, {T, Hq});
         s.k_rstd = p.alloc(p.stat, {T, Hkv});
         if (live) {
-          linear_forward({s.xn, P(w.q_proj), s.qg.reshape({T, Hq * 2 * hd})});
-          linear_forward({s.xn, P(w.k_proj), s.ak.reshape({T, Hkv * hd})});
-          linear_forward({s.xn, P(w.v_proj), s.av.reshape({T, Hkv * hd})});
+          {
+            ProfileRange pr("attn.in_proj.fwd");
+            linear_forward({s.xn, P(w.q_proj), s.qg.reshape({T, Hq * 2 * hd})});
+            linear_forward({s.xn, P(w.k_proj), s.ak.reshape({T, Hkv * hd})});
+            linear_forward({s.xn, P(w.v_proj), s.av.reshape({T, Hkv * hd})});
+          }
+          ProfileRange pr("attn.core.fwd");
           gated_attention_forward({s.qg, s.ak, s.av, P(w.q_norm), P(w.k_norm), cu, s.y, s.q_hat,
                                    s.k_hat, s.attn, s.lse, s.q_rstd, s.k_rstd, c.rotary_dim(),
                                    c.rope_theta, eps});
@@ -278,13 +306,26 @@ void Qwen35Model::run(Arena& arena, const MicroBatch* mb, const StepOptions& opt
       H[static_cast<size_t>(l + 1)] = p.alloc_act({T, D});
       const Tensor& h_out = H[static_cast<size_t>(l + 1)];
       if (live) {
-        copy_tensor(s.h_mid, s.h_in);
-        Tensor y2 = s.y.reshape({T, s.y.numel() / T});
-        gemm({y2, y_out_w, s.h_mid, false, true, 1.0, 1.0});
-        rmsnorm_forward({s.h_mid, P(w.post_norm), s.xn2, s.rstd_post, eps, true});
-        linear_forward({s.xn2, P(w.mlp_gate), s.gate});
-        linear_forward({s.xn2, P(w.mlp_up), s.up});
-        swiglu_forward({s.gate, s.up, s.act});
+        {
+          ProfileRange pr("out_proj.fwd");
+          copy_tensor(s.h_mid, s.h_in);
+          Tensor y2 = s.y.reshape({T, s.y.numel() / T});
+          gemm({y2, y_out_w, s.h_mid, false, true, 1.0, 1.0});
+        }
+        {
+          ProfileRange pr("rmsnorm.fwd");
+          rmsnorm_forward({s.h_mid, P(w.post_norm), s.xn2, s.rstd_post, eps, true});
+        }
+        {
+          ProfileRange pr("mlp.gate_up.fwd");
+          linear_forward({s.xn2, P(w.mlp_gate), s.gate});
+          linear_forward({s.xn2, P(w.mlp_up), s.up});
+        }
+        {
+          ProfileRange pr("swiglu.fwd");
+          swiglu_forward({s.gate, s.up, s.act});
+        }
+        ProfileRange pr("mlp.down.fwd");
         copy_tensor(h_out, s.h_mid);
         gemm({s.act, P(w.mlp_down), h_out, false, true, 1.0, 1.0});
       }
@@ -307,7 +348,11 @@ void Qwen35Model::run(Arena& arena, const MicroBatch* mb, const StepOptions& opt
   int64_t targets = 0;
   if (live) {
     for (int32_t lab : mb->labels) targets += lab != -100;
-    rmsnorm_forward({H[static_cast<size_t>(L)], P(ids_.final_norm), hn, hn_rstd, eps, true});
+    {
+      ProfileRange pr("rmsnorm.fwd");
+      rmsnorm_forward({H[static_cast<size_t>(L)], P(ids_.final_norm), hn, hn_rstd, eps, true});
+    }
+    ProfileRange pr("lm_head_loss");
     if (opt.logits.defined()) linear_forward({hn, P(head), opt.logits});
     if (opt.token_loss.defined()) {
       LinearCrossEntropyArgs la;
@@ -350,6 +395,7 @@ void Qwen35Model::run(Arena& arena, const MicroBatch* mb, const StepOptions& opt
   Tensor dh = p.alloc_act({T, D});  // gradient of the residual stream, carried down the layers
   Tensor dtmp = p.alloc_act({T, D});
   if (live) {
+    ProfileRange pr("rmsnorm.bwd");
     rmsnorm_backward({H[static_cast<size_t>(L)], P(ids_.final_norm), hn_rstd, dhn, dh,
                       G(ids_.final_norm), true});
   }
@@ -361,10 +407,20 @@ void Qwen35Model::run(Arena& arena, const MicroBatch* mb, const StepOptions& opt
       Tensor dact = p.alloc_act({T, I}), dgate = p.alloc_act({T, I}), dup = p.alloc_act({T, I});
       Tensor dxn2 = p.alloc_act({T, D});
       if (live) {
-        linear_backward({s.act, P(w.mlp_down), dh, dact, G(w.mlp_down), false});
-        swiglu_backward({s.gate, s.up, dact, dgate, dup});
-        linear_backward({s.xn2, P(w.mlp_gate), dgate, dxn2, G(w.mlp_gate), false});
-        linear_backward({s.xn2, P(w.mlp_up), dup, dxn2, G(w.mlp_up), true});
+        {
+          ProfileRange pr("mlp.down.bwd");
+          linear_backward({s.act, P(w.mlp_down), dh, dact, G(w.mlp_down), false});
+        }
+        {
+          ProfileRange pr("swiglu.bwd");
+          swiglu_backward({s.gate, s.up, dact, dgate, dup});
+        }
+        {
+          ProfileRange pr("mlp.gate_up.bwd");
+          linear_backward({s.xn2, P(w.mlp_gate), dgate, dxn2, G(w.mlp_gate), false});
+          linear_backward({s.xn2, P(w.mlp_up), dup, dxn2, G(w.mlp_up), true});
+        }
+        ProfileRange pr("rmsnorm.bwd");
         rmsnorm_backward({s.h_mid, P(w.post_norm), s.rstd_post, dxn2, dtmp, G(w.post_norm), true});
         axpy({dtmp, dh, 1.0});  // dh = d h_mid
       }
@@ -378,21 +434,30 @@ void Qwen35Model::run(Arena& arena, const MicroBatch* mb, const StepOptions& opt
         Tensor da = p.alloc_act({T, Hv}), db = p.alloc_act({T, Hv});
         Tensor dconv = p.alloc_act({T, C}), dqkv = p.alloc_act({T, C});
         if (live) {
-          linear_backward({s.y, P(w.out_proj), dh, dy, G(w.out_proj), false});
+          {
+            ProfileRange pr("out_proj.bwd");
+            linear_backward({s.y, P(w.out_proj), dh, dy, G(w.out_proj), false});
+          }
+          ProfileRange pr_n("gated_rmsnorm.bwd");
           gated_rmsnorm_backward({s.o.reshape({T * Hv, dv}), s.z.reshape({T * Hv, dv}),
                                   P(w.gated_norm), s.nrstd, dy.reshape({T * Hv, dv}),
                                   d_o.reshape({T * Hv, dv}), dz.reshape({T * Hv, dv}),
                                   G(w.gated_norm)});
+          pr_n.next("gdr.bwd");
           gated_delta_rule_backward({s.q, s.k, s.v, s.g, s.beta, cu, Tensor(), d_o, Tensor(), dq,
                                      dkk, dvv, dg, dbeta, Tensor(), 0.0, true});
+          pr_n.next("gdn_gates.bwd");
           gdn_gates_backward(
               {s.a, s.b, P(w.a_log), P(w.dt_bias), dg, dbeta, da, db, G(w.a_log), G(w.dt_bias)});
+          pr_n.next("gdn.split_qkv.bwd");
           copy_cols(dq, dconv, 0, true);
           copy_cols(dkk, dconv, KD, true);
           copy_cols(dvv, dconv, 2 * KD, true);
+          pr_n.next("conv.bwd");
           causal_conv1d_backward({s.qkv, P(w.conv1d).reshape({C, W}), Tensor(), cu, Tensor(), dconv,
                                   Tensor(), dqkv, G(w.conv1d).reshape({C, W}), Tensor(), Tensor(),
                                   true});
+          pr_n.next("gdn.in_proj.bwd");
           linear_backward({s.xn, P(w.in_proj_qkv), dqkv, dxn, G(w.in_proj_qkv), false});
           linear_backward({s.xn, P(w.in_proj_z), dz, dxn, G(w.in_proj_z), true});
           linear_backward({s.xn, P(w.in_proj_b), db, dxn, G(w.in_proj_b), true});
@@ -403,7 +468,9 @@ void Qwen35Model::run(Arena& arena, const MicroBatch* mb, const StepOptions& opt
                dv2 = p.alloc_act({T, Hkv, hd});
         if (live) {
           Tensor y2 = s.y.reshape({T, Hq * hd});
+          ProfileRange pr("out_proj.bwd");
           linear_backward({y2, P(w.o_proj), dh, dy, G(w.o_proj), false});
+          pr.next("attn.core.bwd");
           gated_attention_backward({s.qg,
                                     s.ak,
                                     s.av,
@@ -425,6 +492,7 @@ void Qwen35Model::run(Arena& arena, const MicroBatch* mb, const StepOptions& opt
                                     c.rotary_dim(),
                                     c.rope_theta,
                                     eps});
+          pr.next("attn.in_proj.bwd");
           linear_backward(
               {s.xn, P(w.q_proj), dqg.reshape({T, Hq * 2 * hd}), dxn, G(w.q_proj), false});
           linear_backward({s.xn, P(w.k_proj), dk.reshape({T, Hkv * hd}), dxn, G(w.k_proj), true});
@@ -432,6 +500,7 @@ void Qwen35Model::run(Arena& arena, const MicroBatch* mb, const StepOptions& opt
         }
       }
       if (live) {
+        ProfileRange pr("rmsnorm.bwd");
         rmsnorm_backward({s.h_in, P(w.input_norm), s.rstd_in, dxn, dtmp, G(w.input_norm), true});
         axpy({dtmp, dh, 1.0});  // dh = d h_in
       }
@@ -439,7 +508,10 @@ void Qwen35Model::run(Arena& arena, const MicroBatch* mb, const StepOptions& opt
     } catch (const NonFiniteError& e) {
       rethrow_in_layer(e, l, "backward", c);
     }
-  if (live) embedding_backward({ids, dh, G(ids_.embed)});
+  if (live) {
+    ProfileRange pr("embedding.bwd");
+    embedding_backward({ids, dh, G(ids_.embed)});
+  }
   (void)N;
 }
 

@@ -319,6 +319,23 @@ std::string flops_formula(const model::Qwen35Config& c) {
       kPeakFlops / 1e12, matmul_params(c));
 }
 
+// --profile-step: RUN_DIR/profile_step<N>.json, the ranges of one step summed by name.
+void write_profile(const std::string& run_dir, int64_t step, const std::vector<Profiler::Row>& rows,
+                   double wall_ms, int64_t tokens) {
+  nlohmann::json r = nlohmann::json::array();
+  double sum = 0;
+  for (const auto& row : rows) {
+    r.push_back({{"name", row.name}, {"calls", row.calls}, {"ms", row.ms}});
+    sum += row.ms;
+  }
+  nlohmann::json j = {{"step", step},
+                      {"tokens", tokens},
+                      {"step_wall_ms", wall_ms},
+                      {"ranges_ms", sum},
+                      {"ranges", r}};
+  write_file_atomic(fmt::format("{}/profile_step{}.json", run_dir, step), j.dump(2) + "\n");
+}
+
 void save_checkpoint(CheckpointDir& cd, int64_t step, const model::Qwen35Config& cfg,
                      const model::ParamStore& master, const Optimizer& opt,
                      const nlohmann::json& state) {
@@ -391,6 +408,11 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
     master = model::ParamStore(model::param_specs(mcfg));
     model::init_params(master, mcfg, static_cast<uint64_t>(cfg.get_int("model.seed")));
   }
+  // Start-up phases, logged once the model is built (the launch-to-first-step budget is issue 8's).
+  auto since_launch = [&t_launch] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t_launch).count();
+  };
+  const double t_params = since_launch();
 
   // Data.
   const int64_t steps = cfg.get_int("train.steps"), accum = cfg.get_int("train.grad_accum");
@@ -417,6 +439,7 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
   }
 
   model::Qwen35Model m(mcfg, backend, data->max_tokens(), data->max_docs());
+  const double t_model = since_launch();
   Optimizer opt{model::ParamStore(master.specs()), model::ParamStore(master.specs())};
 
   Schedule sched;
@@ -484,6 +507,11 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
   const bool on_device = backend == Backend::Cuda;
   DeviceOptimizer dev;
   if (on_device) dev = DeviceOptimizer(master, opt, /*moments_zero=*/!topt.resume);
+  if (!topt.quiet)
+    log::info(
+        "start-up: parameters ready {:.2f} s after launch, model arenas planned {:.2f} s, "
+        "weights and optimizer state in place {:.2f} s",
+        t_params, t_model, since_launch());
   std::vector<ops::AdamWParam> params;
   std::vector<size_t> f32_compute;  // cuda: parameters whose compute copy is fp32 (A_log, dt_bias)
   for (size_t i = 0; i < master.size(); ++i) {
@@ -514,7 +542,23 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
                           {"tokens_seen", tokens_total},
                           {"data", {{"kind", kind}, {"seed", data_seed}, {"next_step", step}}}};
   };
+  GDN_CHECK(topt.profile_step <= 0 || topt.profile_step > start_step,
+            "--profile-step {}: the run starts at step {} (resumed)", topt.profile_step,
+            start_step + 1);
+  GDN_CHECK(topt.profile_step <= steps, "--profile-step {} is past the last step {}",
+            topt.profile_step, steps);
+  const Device step_device = backend_device(backend);
   for (int64_t step = start_step; step < steps; ++step) {
+    // --profile-step: the step runs alone on the device (synchronised before and after) with its
+    // ranges timed by CUDA events (ProfileRange in the model and here).
+    std::unique_ptr<Profiler> prof;
+    std::chrono::steady_clock::time_point prof_t0;
+    if (step + 1 == topt.profile_step) {
+      device_synchronize(step_device);
+      prof = std::make_unique<Profiler>(step_device);
+      set_active_profiler(prof.get());
+      prof_t0 = std::chrono::steady_clock::now();
+    }
     m.zero_grads();
     std::vector<MicroBatch> mbs;
     int64_t denom = 0, tokens = 0;
@@ -540,8 +584,11 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
       nonfinite = e.message();
       loss = std::numeric_limits<double>::quiet_NaN();
     }
-    const double gnorm = nonfinite.empty() ? ops::grad_global_norm(m.grads())
-                                           : std::numeric_limits<double>::quiet_NaN();
+    double gnorm = std::numeric_limits<double>::quiet_NaN();
+    if (nonfinite.empty()) {
+      ProfileRange pr("grad_norm");
+      gnorm = ops::grad_global_norm(m.grads());
+    }
     const bool finite = std::isfinite(loss) && std::isfinite(gnorm);
     const double lr = sched.at(step);
     if (!finite) {
@@ -558,6 +605,7 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
       hyper.lr = lr;
       hyper.step = step + 1 - res.skipped_steps;
       hyper.grad_scale = ops::clip_scale(gnorm, clip);
+      ProfileRange pr("optimizer");
       ops::adamw_step(params, hyper);
       if (on_device) {
         for (size_t i : f32_compute)
@@ -566,6 +614,24 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
       } else {
         m.load_params(master);
       }
+    }
+    if (prof) {
+      device_synchronize(step_device);
+      const double wall_ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - prof_t0)
+              .count();
+      set_active_profiler(nullptr);
+      res.profile = prof->rows();
+      res.profile_step_ms = wall_ms;
+      prof.reset();
+      write_profile(run_dir, step + 1, res.profile, wall_ms, tokens);
+      if (!topt.quiet)
+        log::info(
+            "profile of step {} ({} tokens, {} backend; {}, synchronised "
+            "step):\n{}",
+            step + 1, tokens, backend_name(backend),
+            on_device ? "CUDA-event times" : "wall-clock times",
+            format_profile(res.profile, wall_ms));
     }
     double flops = 0;
     for (const MicroBatch& mb : mbs) flops += step_flops(mcfg, mb);

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "gdn/core/profile.h"
 #include "train/config_tree.h"
 
 namespace gdn::train {
@@ -33,14 +34,19 @@ struct TrainResult {
   double eval_accuracy = -1;   // MQAR recall accuracy of the last evaluation (-1: not MQAR)
   int64_t skipped_steps = 0;   // non-finite steps skipped
   std::vector<double> losses;  // training loss per step run in this process
+  // --profile-step: the profiled step's ranges (name, calls, ms) and its wall time.
+  std::vector<Profiler::Row> profile;
+  double profile_step_ms = 0;
 };
 
 struct TrainOptions {
   bool resume = false;
-  bool quiet = false;      // no console progress lines (tests)
-  int64_t stop_after = 0;  // > 0: stop after this many steps of this process (the schedule still
-                           // runs to train.steps), as a preempted job would; a checkpoint is
-                           // written at the stop
+  bool quiet = false;        // no console progress lines (tests)
+  int64_t stop_after = 0;    // > 0: stop after this many steps of this process (the schedule still
+                             // runs to train.steps), as a preempted job would; a checkpoint is
+                             // written at the stop
+  int64_t profile_step = 0;  // > 0: time this step (1-based) op by op: a table in the log and
+                             // RUN_DIR/profile_step<N>.json
 };
 
 TrainResult run_training(const ConfigTree& cfg, const TrainOptions& opt);

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include <filesystem>
+#include <set>
 
 #include "gdn/core/env.h"
 #include "train/trainer.h"
@@ -77,6 +78,29 @@ TEST(TrainCuda, GdrRouteKnobAgreesToBf16Precision) {
     std::printf("step %zu: fast route %.6f generic route %.6f\n", i + 1, a.losses[i], b.losses[i]);
     EXPECT_NEAR(a.losses[i], b.losses[i], 1e-2 * a.losses[i]) << "step " << i + 1;
   }
+}
+
+// --profile-step on the GPU: CUDA-event ranges for every op group of the step, summing to no more
+// than the synchronised step's wall time.
+TEST(TrainCuda, ProfileStepTimesTheOpsWithCudaEvents) {
+  TrainOptions o;
+  o.quiet = true;
+  o.profile_step = 3;
+  auto cfg = tiny("profile", "cuda", 4);
+  TrainResult r = run_training(cfg, o);
+  ASSERT_FALSE(r.profile.empty());
+  std::set<std::string> names;
+  double sum = 0;
+  for (const auto& row : r.profile) {
+    names.insert(row.name);
+    EXPECT_GT(row.ms, 0.0) << row.name;
+    sum += row.ms;
+  }
+  for (const char* n : {"gdr.fwd", "gdr.bwd", "attn.core.fwd", "attn.core.bwd", "lm_head_loss",
+                        "conv.bwd", "optimizer"})
+    EXPECT_TRUE(names.count(n)) << n;
+  EXPECT_LE(sum, r.profile_step_ms * 1.001);
+  std::printf("%s\n", format_profile(r.profile, r.profile_step_ms).c_str());
 }
 
 TEST(TrainCuda, ThousandStepsWithoutANonFiniteStep) {

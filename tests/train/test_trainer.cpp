@@ -10,6 +10,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 #include <thread>
 
@@ -53,6 +54,53 @@ std::vector<double> metric_losses(const fs::path& run) {
   std::string line;
   while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line)["loss"].get<double>());
   return out;
+}
+
+// --profile-step: the chosen step's ranges cover the model's ops and the optimizer, their sum
+// stays within the step's wall time, and the table is written to the run directory.
+void check_profile(const TrainResult& r, const fs::path& run, int64_t step) {
+  ASSERT_FALSE(r.profile.empty());
+  std::map<std::string, int64_t> calls;
+  double sum = 0;
+  for (const auto& row : r.profile) {
+    calls[row.name] = row.calls;
+    EXPECT_GE(row.ms, 0.0) << row.name;
+    sum += row.ms;
+  }
+  for (const char* name :
+       {"embedding.fwd", "rmsnorm.fwd", "gdr.fwd", "gdr.bwd", "attn.core.fwd", "attn.core.bwd",
+        "lm_head_loss", "swiglu.bwd", "optimizer", "grad_norm", "embedding.bwd"})
+    EXPECT_TRUE(calls.count(name)) << name << " missing from the profile";
+  EXPECT_GT(r.profile_step_ms, 0.0);
+  EXPECT_LE(sum, r.profile_step_ms * 1.001);
+  std::ifstream in(run / fmt::format("profile_step{}.json", step));
+  ASSERT_TRUE(in.good());
+  nlohmann::json j = nlohmann::json::parse(in);
+  EXPECT_EQ(j["step"].get<int64_t>(), step);
+  EXPECT_EQ(j["ranges"].size(), r.profile.size());
+}
+
+TEST(Trainer, ProfileStepTimesEveryOpOfThatStep) {
+  fs::path a = temp_dir("profile");
+  TrainOptions o;
+  o.quiet = true;
+  o.profile_step = 2;
+  ConfigTree cfg = small_config(a, 3);
+  cfg.set("checkpoint.every=0");
+  TrainResult r = run_training(cfg, o);
+  check_profile(r, a, 2);
+  // The tiny model has 3 GDN layers and 1 attention layer; one micro-batch per step.
+  for (const auto& row : r.profile) {
+    if (row.name == "gdr.fwd") {
+      EXPECT_EQ(row.calls, 3);
+    }
+    if (row.name == "attn.core.bwd") {
+      EXPECT_EQ(row.calls, 1);
+    }
+  }
+  o.profile_step = 4;
+  EXPECT_THROW(run_training(small_config(temp_dir("profile_bad"), 3), o), Error);
+  fs::remove_all(a);
 }
 
 TEST(Trainer, ResumeIsBitExact) {

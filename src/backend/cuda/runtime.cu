@@ -8,6 +8,7 @@
 #include "gdn/backend/cuda_context.h"
 #include "gdn/core/arena.h"
 #include "gdn/core/log.h"
+#include "gdn/core/profile.h"
 #include "gdn/core/tensor.h"
 
 namespace gdn::cuda {
@@ -109,6 +110,26 @@ void hook_memset_zero(void* p, size_t n) { GDN_CUDA_CHECK(cudaMemsetAsync(p, 0, 
 
 void hook_synchronize() { GDN_CUDA_CHECK(cudaDeviceSynchronize()); }
 
+// Profiler events (--profile-step): timing events recorded on the compute stream.
+void* hook_event_create() {
+  cudaEvent_t e = nullptr;
+  GDN_CUDA_CHECK(cudaEventCreate(&e));
+  return e;
+}
+void hook_event_destroy(void* e) { (void)cudaEventDestroy(static_cast<cudaEvent_t>(e)); }
+void hook_event_record(void* e) {
+  GDN_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(e), stream()));
+}
+void hook_event_synchronize(void* e) {
+  GDN_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(e)));
+}
+float hook_elapsed_ms(void* a, void* b) {
+  float ms = 0;
+  GDN_CUDA_CHECK(
+      cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(a), static_cast<cudaEvent_t>(b)));
+  return ms;
+}
+
 // Runs at static-initialisation time (the library is linked whole-archive). A machine without a
 // driver or a device is normal (CPU-only runs of a CUDA build): hooks stay uninstalled and
 // cuda_available() is false.
@@ -129,6 +150,13 @@ bool install_hooks() {
   h.memset_zero = hook_memset_zero;
   h.synchronize = hook_synchronize;
   set_cuda_hooks(h);
+  ProfileHooks ph;
+  ph.event_create = hook_event_create;
+  ph.event_destroy = hook_event_destroy;
+  ph.event_record = hook_event_record;
+  ph.event_synchronize = hook_event_synchronize;
+  ph.elapsed_ms = hook_elapsed_ms;
+  set_profile_hooks(ph);
   g_device_present = true;
   return true;
 }
