@@ -6,6 +6,9 @@
 #
 #   bench/train_bench.sh BUILD_DIR OUT_DIR [shape ...]      shapes: 0.8b 4b (default: both)
 #
+# GDN_BENCH_STEPS (default 12) sets the steps per run; GDN_BENCH_PROFILE_STEP=N adds
+# --profile-step N and prints that step's per-op table.
+#
 # The PyTorch stack's numbers on the same GPU model are in ../shared/docs/PEERS.md (HF + fla:
 # 0.8B 33.3k tokens/s, 52.4 GiB; 4B 13.0k tokens/s, 97.1 GiB, 36% MFU; ~150 s to the first step).
 set -u -o pipefail
@@ -27,12 +30,16 @@ for shape in $SHAPES; do
       --set data.mqar.seq_len=$seq --set train.micro_batch_tokens=8192 \
       --set train.steps="${GDN_BENCH_STEPS:-12}" --set log.every=1 --set eval.every=0 \
       --set checkpoint.every=0 --set checkpoint.at_end=false --set optim.warmup_steps=2 \
+      ${GDN_BENCH_PROFILE_STEP:+--profile-step "$GDN_BENCH_PROFILE_STEP"} \
       --run-dir "$run" > "$run.log" 2>&1
     rc=$?
     echo "== $shape, $docs document(s) of $seq tokens: exit $rc"
-    grep -E "model:|memory plan|optimizer state|first step finished|device memory in use|step +[0-9]+/" "$run.log" |
+    grep -E "model:|memory plan|optimizer state|start-up|first step finished|device memory in use|step +[0-9]+/" "$run.log" |
       grep -vE "step +[1-4]/" | tail -12
     grep -E "Maximum resident" "$run.log" || true
+    if [ -n "${GDN_BENCH_PROFILE_STEP:-}" ]; then
+      sed -n '/profile of step/,/step (wall)/p' "$run.log"
+    fi
     [ $rc = 0 ] || tail -20 "$run.log"
   done
 done
