@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "gdn/core/error.h"
+
 namespace gdn::rng {
 
 std::array<uint32_t, 4> philox4x32(std::array<uint32_t, 4> c, std::array<uint32_t, 2> k) {
@@ -85,6 +87,18 @@ void fill_uniform(const Tensor& t, uint64_t seed, uint64_t stream, double lo, do
 
 void fill_normal(const Tensor& t, uint64_t seed, uint64_t stream, double mean, double std) {
   fill(t, [&](int64_t i) { return mean + std * normal(seed, stream, static_cast<uint64_t>(i)); });
+}
+
+namespace {
+DeviceFillHooks g_fill_hooks;
+}  // namespace
+
+void set_device_fill_hooks(const DeviceFillHooks& hooks) { g_fill_hooks = hooks; }
+
+const DeviceFillHooks& device_fill_hooks() {
+  GDN_CHECK(g_fill_hooks.normal != nullptr,
+            "device initialisation needs the CUDA runtime and a GPU (none is available)");
+  return g_fill_hooks;
 }
 
 }  // namespace gdn::rng

@@ -237,6 +237,35 @@ void init_param(const ParamSpec& spec, const Tensor& t, const Qwen35Config& c, u
             spec.name, t.shape_str(), fmt::format("[{}]", fmt::join(spec.shape, ", ")));
   const uint64_t stream = rng::stream_id(spec.name);
   const double std = c.initializer_range;
+  if (t.device() == Device::CUDA) {
+    // On the device (fp32 master weights initialised where they live): the same draws.
+    GDN_CHECK(t.dtype() == DType::F32 && t.is_contiguous(),
+              "init: device tensor for '{}' must be contiguous F32, got {}", spec.name,
+              t.describe());
+    const auto& h = rng::device_fill_hooks();
+    float* p = t.ptr<float>();
+    const int64_t n = t.numel();
+    switch (spec.init) {
+      case InitKind::Normal:
+      case InitKind::Embedding:
+        h.normal(p, n, seed, stream, std);
+        if (spec.init == InitKind::Embedding && c.pad_token_id) {
+          const int64_t D = spec.shape.at(1);
+          zero_bytes(p + *c.pad_token_id * D, Device::CUDA, static_cast<size_t>(D) * 4);
+        }
+        break;
+      case InitKind::Zeros:
+        h.constant(p, n, 0.0f);
+        break;
+      case InitKind::Ones:
+        h.constant(p, n, 1.0f);
+        break;
+      case InitKind::ALog:
+        h.log_uniform(p, n, seed, stream, 0.01, 16.0);
+        break;
+    }
+    return;
+  }
   switch (spec.init) {
     case InitKind::Normal:
     case InitKind::Embedding:

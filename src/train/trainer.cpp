@@ -236,26 +236,27 @@ struct DeviceOptimizer {
   Arena arena;
   std::vector<Tensor> master, m, v;
   DeviceOptimizer() = default;
-  // `moments_zero`: the host moments are all zero (a fresh run), so the device ones are cleared
-  // instead of copied.
-  DeviceOptimizer(const model::ParamStore& host_master, const Optimizer& host_opt,
-                  bool moments_zero) {
+  // Allocates master, m and v for `specs`; m and v start at zero (a fresh run).
+  explicit DeviceOptimizer(const std::vector<model::ParamSpec>& specs) {
     size_t bytes = 0;
-    for (size_t i = 0; i < host_master.size(); ++i)
-      bytes += 3 * ((static_cast<size_t>(host_master.tensor(i).nbytes()) + 255) / 256 * 256);
+    for (const auto& s : specs)
+      bytes += 3 * ((static_cast<size_t>(s.numel()) * 4 + 255) / 256 * 256);
     arena = Arena("optimizer", Device::CUDA, bytes);
-    for (size_t i = 0; i < host_master.size(); ++i) {
-      const std::vector<int64_t> shape = host_master.tensor(i).shape_vec();
-      master.push_back(arena.alloc_tensor(DType::F32, shape));
-      m.push_back(arena.alloc_tensor(DType::F32, shape));
-      v.push_back(arena.alloc_tensor(DType::F32, shape));
-      copy_into(master.back(), host_master.tensor(i));
-      if (moments_zero) {
-        zero_bytes(m.back().data(), Device::CUDA, static_cast<size_t>(m.back().nbytes()));
-        zero_bytes(v.back().data(), Device::CUDA, static_cast<size_t>(v.back().nbytes()));
-      } else {
-        copy_into(m.back(), host_opt.m.tensor(i));
-        copy_into(v.back(), host_opt.v.tensor(i));
+    for (const auto& s : specs) {
+      master.push_back(arena.alloc_tensor(DType::F32, s.shape));
+      m.push_back(arena.alloc_tensor(DType::F32, s.shape));
+      v.push_back(arena.alloc_tensor(DType::F32, s.shape));
+      zero_bytes(m.back().data(), Device::CUDA, static_cast<size_t>(m.back().nbytes()));
+      zero_bytes(v.back().data(), Device::CUDA, static_cast<size_t>(v.back().nbytes()));
+    }
+  }
+  // Host stores to the device: the master weights, and the moments when `moments` is given.
+  void upload(const model::ParamStore& host_master, const Optimizer* moments) {
+    for (size_t i = 0; i < master.size(); ++i) {
+      copy_into(master[i], host_master.tensor(i));
+      if (moments != nullptr) {
+        copy_into(m[i], moments->m.tensor(i));
+        copy_into(v[i], moments->v.tensor(i));
       }
     }
   }
@@ -394,8 +395,13 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
 
   // Model config and initial weights.
   const std::string init_from = cfg.get_string("model.init_from");
+  // On cuda a fresh run initialises the fp32 master weights on the device (the same Philox draws,
+  // rng.h); the host stores (master, m, v) are then made only when a checkpoint is written.
+  const bool on_device = backend == Backend::Cuda;
+  const bool device_init = on_device && init_from.empty() && !topt.resume;
+  const uint64_t init_seed = static_cast<uint64_t>(cfg.get_int("model.seed"));
   model::Qwen35Config mcfg;
-  model::ParamStore master;
+  model::ParamStore master;  // host fp32 master weights (cpu: the live ones)
   std::vector<model::RawTensor> untouched;
   if (!init_from.empty()) {
     model::HfCheckpoint ck = model::load_hf_checkpoint(init_from);
@@ -405,9 +411,15 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
   } else {
     const std::string mc = cfg.get_string("model.config");
     mcfg = mc == "tiny" ? model::tiny_config() : model::load_config(mc);
-    master = model::ParamStore(model::param_specs(mcfg));
-    model::init_params(master, mcfg, static_cast<uint64_t>(cfg.get_int("model.seed")));
+    if (!device_init) {
+      master = model::ParamStore(model::param_specs(mcfg));
+      model::init_params(master, mcfg, init_seed);
+    }
   }
+  const std::vector<model::ParamSpec> specs =
+      master.size() > 0 ? master.specs() : model::param_specs(mcfg);
+  int64_t num_params = 0;
+  for (const auto& s : specs) num_params += s.numel();
   // Start-up phases, logged once the model is built (the launch-to-first-step budget is issue 8's).
   auto since_launch = [&t_launch] {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t_launch).count();
@@ -440,7 +452,13 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
 
   model::Qwen35Model m(mcfg, backend, data->max_tokens(), data->max_docs());
   const double t_model = since_launch();
-  Optimizer opt{model::ParamStore(master.specs()), model::ParamStore(master.specs())};
+  Optimizer opt;  // host Adam moments (cpu: the live ones; cuda: staging for checkpoints)
+  // The host stores, made on first use (a device run needs them only to write a checkpoint).
+  auto ensure_host_stores = [&] {
+    if (master.size() == 0) master = model::ParamStore(specs);
+    if (opt.m.size() == 0) opt = Optimizer{model::ParamStore(specs), model::ParamStore(specs)};
+  };
+  if (!on_device) ensure_host_stores();
 
   Schedule sched;
   sched.lr = cfg.get_double("optim.lr");
@@ -469,6 +487,7 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
     auto latest = cd.latest();
     GDN_CHECK_HINT(latest.has_value(), "run without --resume to start a new run",
                    "--resume: no complete checkpoint in {}/checkpoints", run_dir);
+    ensure_host_stores();
     model::HfCheckpoint ck = model::load_hf_checkpoint(*latest);
     GDN_CHECK(ck.params.size() == master.size(), "{}: checkpoint has {} tensors, expected {}",
               *latest, ck.params.size(), master.size());
@@ -489,24 +508,41 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
     std::error_code ec;
     fs::remove(run_dir + "/metrics.jsonl", ec);
   }
-  m.load_params(master);
+  // The optimizer works where the gradients are. On cuda the fp32 master weights and moments live
+  // in one device arena (the host stores are refreshed only to write checkpoints) and the step
+  // writes the bf16 compute copy in the same pass; on cpu it updates the host stores directly.
+  DeviceOptimizer dev;
+  if (on_device) {
+    dev = DeviceOptimizer(specs);
+    if (device_init) {
+      for (size_t i = 0; i < specs.size(); ++i)
+        model::init_param(specs[i], dev.master[i], mcfg, init_seed);
+    } else {
+      dev.upload(master, topt.resume ? &opt : nullptr);
+    }
+    // The compute copy from the device master weights: bf16 in one refresh pass, fp32 copied.
+    std::vector<ops::Bf16Copy> copies;
+    for (size_t i = 0; i < specs.size(); ++i) {
+      if (m.param(i).dtype() == DType::BF16)
+        copies.push_back({dev.master[i], m.param(i)});
+      else
+        copy_into(m.param(i), dev.master[i]);
+    }
+    ops::adamw_refresh_bf16(copies);
+  } else {
+    m.load_params(master);
+  }
   MetricsWriter metrics(run_dir + "/metrics.jsonl");
 
   if (!topt.quiet) {
     log::info("model: {} layers ({} GDN, {} attention), D={}, vocab {}, {} parameters",
               mcfg.num_hidden_layers, mcfg.num_linear_attention_layers(),
-              mcfg.num_full_attention_layers(), mcfg.hidden_size, mcfg.vocab_size, master.numel());
+              mcfg.num_full_attention_layers(), mcfg.hidden_size, mcfg.vocab_size, num_params);
     log::info("data: {}", data->describe());
     log::info("{}", m.memory_plan());
     log::info("threads: {} (OpenMP)", omp_get_max_threads());
   }
 
-  // The optimizer works where the gradients are. On cuda the fp32 master weights and moments live
-  // in one device arena (the host stores are refreshed only to write checkpoints) and the step
-  // writes the bf16 compute copy in the same pass; on cpu it updates the host stores directly.
-  const bool on_device = backend == Backend::Cuda;
-  DeviceOptimizer dev;
-  if (on_device) dev = DeviceOptimizer(master, opt, /*moments_zero=*/!topt.resume);
   if (!topt.quiet)
     log::info(
         "start-up: parameters ready {:.2f} s after launch, model arenas planned {:.2f} s, "
@@ -514,14 +550,13 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
         t_params, t_model, since_launch());
   std::vector<ops::AdamWParam> params;
   std::vector<size_t> f32_compute;  // cuda: parameters whose compute copy is fp32 (A_log, dt_bias)
-  for (size_t i = 0; i < master.size(); ++i) {
+  for (size_t i = 0; i < specs.size(); ++i) {
     const bool bf16 = m.param(i).dtype() == DType::BF16;
     if (on_device && !bf16) f32_compute.push_back(i);
-    params.push_back({on_device ? dev.master[i] : master.tensor(i), m.grad(i),
-                      on_device ? dev.m[i] : opt.m.tensor(i),
-                      on_device ? dev.v[i] : opt.v.tensor(i),
-                      on_device && bf16 ? m.param(i) : Tensor(), decays(master.spec(i).name),
-                      master.spec(i).name});
+    params.push_back(
+        {on_device ? dev.master[i] : master.tensor(i), m.grad(i),
+         on_device ? dev.m[i] : opt.m.tensor(i), on_device ? dev.v[i] : opt.v.tensor(i),
+         on_device && bf16 ? m.param(i) : Tensor(), decays(specs[i].name), specs[i].name});
   }
   if (!topt.quiet) {
     log::info("{}", flops_formula(mcfg));
@@ -703,7 +738,10 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
     const bool stopping = topt.stop_after > 0 && step + 1 - start_step >= topt.stop_after;
     const bool at_end = step + 1 == steps && cfg.get_bool("checkpoint.at_end");
     if ((ckpt_every > 0 && (step + 1) % ckpt_every == 0) || at_end || stopping) {
-      if (on_device) dev.download(master, opt);
+      if (on_device) {
+        ensure_host_stores();
+        dev.download(master, opt);
+      }
       save_checkpoint(cd, step + 1, mcfg, master, opt, trainer_state(step + 1));
     }
     if (stopping) break;

@@ -28,4 +28,22 @@ uint32_t bits(uint64_t seed, uint64_t stream, uint64_t index);
 void fill_uniform(const Tensor& t, uint64_t seed, uint64_t stream, double lo, double hi);
 void fill_normal(const Tensor& t, uint64_t seed, uint64_t stream, double mean, double std);
 
+// Device fills, installed by the CUDA runtime (src/backend/cuda/rng_init.cu) so that a model's
+// parameters can be initialised where they live (launch-to-first-step time, issue 8). The Philox
+// draws are the host's bit for bit; the Box-Muller and log transforms run in double on both sides,
+// where the GPU's log/cos may differ from the host libm in the last bit of a double, so a value
+// can (rarely) differ by one float ulp from the host fill. Each writes F32:
+//   normal:      p[i] = float(scale * double(normal(seed, stream, i)))
+//   log_uniform: p[i] = float(log(lo + (hi - lo) * double(uniform(seed, stream, i))))
+//   constant:    p[i] = value
+struct DeviceFillHooks {
+  void (*normal)(float* p, int64_t n, uint64_t seed, uint64_t stream, double scale) = nullptr;
+  void (*log_uniform)(float* p, int64_t n, uint64_t seed, uint64_t stream, double lo,
+                      double hi) = nullptr;
+  void (*constant)(float* p, int64_t n, float value) = nullptr;
+};
+void set_device_fill_hooks(const DeviceFillHooks& hooks);
+// The installed hooks; throws when there are none (no CUDA runtime or no GPU).
+const DeviceFillHooks& device_fill_hooks();
+
 }  // namespace gdn::rng

@@ -13,6 +13,8 @@
 
 namespace gdn::cuda {
 
+void install_device_fill_hooks();  // rng_init.cu
+
 namespace detail {
 
 void throw_cuda_error(cudaError_t err, const char* expr, const char* file, int line) {
@@ -157,6 +159,7 @@ bool install_hooks() {
   ph.event_synchronize = hook_event_synchronize;
   ph.elapsed_ms = hook_elapsed_ms;
   set_profile_hooks(ph);
+  install_device_fill_hooks();
   g_device_present = true;
   return true;
 }
