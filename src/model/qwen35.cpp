@@ -39,8 +39,31 @@ size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
 }  // namespace
 
-Qwen35Model::Qwen35Model(Qwen35Config cfg, Backend backend, int64_t max_tokens, int64_t max_docs)
-    : cfg_(std::move(cfg)), backend_(backend), max_tokens_(max_tokens), max_docs_(max_docs) {
+std::string_view recompute_name(Recompute r) {
+  switch (r) {
+    case Recompute::None:
+      return "none";
+    case Recompute::Full:
+      return "full";
+    case Recompute::Selective:
+      return "selective";
+  }
+  return "?";
+}
+
+Recompute recompute_from_name(std::string_view name) {
+  for (Recompute r : {Recompute::None, Recompute::Full, Recompute::Selective})
+    if (recompute_name(r) == name) return r;
+  GDN_FAIL_HINT("use none, full or selective", "recompute policy '{}' is not known", name);
+}
+
+Qwen35Model::Qwen35Model(Qwen35Config cfg, Backend backend, int64_t max_tokens, int64_t max_docs,
+                         Recompute recompute)
+    : cfg_(std::move(cfg)),
+      backend_(backend),
+      max_tokens_(max_tokens),
+      max_docs_(max_docs),
+      recompute_(recompute) {
   validate(cfg_);
   GDN_CHECK(max_tokens_ >= 1 && max_docs_ >= 1 && max_docs_ <= max_tokens_,
             "model: max_tokens {} and max_docs {} must satisfy 1 <= max_docs <= max_tokens",
@@ -63,9 +86,11 @@ Qwen35Model::Qwen35Model(Qwen35Config cfg, Backend backend, int64_t max_tokens, 
   zero_grads();
   // Size the activation arena by replaying a step of the largest micro-batch in planning mode.
   Arena plan = Arena::planning("activations", dev);
+  Arena tmp_plan = Arena::planning("recompute scratch", dev);
   StepOptions opt;
-  run(plan, nullptr, opt, nullptr);
+  run(plan, tmp_plan, nullptr, opt, nullptr);
   act_arena_ = Arena("activations", dev, plan.peak());
+  tmp_arena_ = Arena("recompute scratch", dev, tmp_plan.peak());
 }
 
 void Qwen35Model::load_params(const ParamStore& master) {
@@ -87,12 +112,13 @@ void Qwen35Model::zero_grads() {
 
 std::string Qwen35Model::memory_plan() const {
   return fmt::format(
-      "memory plan ({} backend, micro-batch up to {} tokens / {} documents): parameters {}, "
-      "gradients {}, activations {}; total {}",
-      backend_name(backend_), max_tokens_, max_docs_,
+      "memory plan ({} backend, micro-batch up to {} tokens / {} documents, recompute {}): "
+      "parameters {}, gradients {}, activations {} (+ {} per-layer scratch); total {}",
+      backend_name(backend_), max_tokens_, max_docs_, recompute_name(recompute_),
       format_bytes(static_cast<double>(param_bytes())),
       format_bytes(static_cast<double>(grad_bytes())),
-      format_bytes(static_cast<double>(activation_bytes())),
+      format_bytes(static_cast<double>(act_arena_.capacity())),
+      format_bytes(static_cast<double>(tmp_arena_.capacity())),
       format_bytes(static_cast<double>(param_bytes() + grad_bytes() + activation_bytes())));
 }
 
@@ -113,7 +139,8 @@ StepStats Qwen35Model::step(const MicroBatch& mb, const StepOptions& opt) {
               id, cfg_.vocab_size);
   StepStats stats;
   act_arena_.reset();
-  run(act_arena_, &mb, opt, &stats);
+  tmp_arena_.reset();
+  run(act_arena_, tmp_arena_, &mb, opt, &stats);
   return stats;
 }
 
@@ -169,7 +196,7 @@ struct Qwen35Model::Pass {
   Tensor alloc_act(std::initializer_list<int64_t> shape) { return A.alloc_tensor(act, shape); }
 };
 
-void Qwen35Model::run(Arena& arena, const MicroBatch* mb, const StepOptions& opt,
+void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const StepOptions& opt,
                       StepStats* stats) {
   const Qwen35Config& c = cfg_;
   const bool live = !arena.is_planning();
@@ -212,123 +239,140 @@ void Qwen35Model::run(Arena& arena, const MicroBatch* mb, const StepOptions& opt
     embedding_forward({ids, P(ids_.embed), H[0]});
   }
 
+  // Where each layer activation lives. Kept ones stay in `arena` for the backward; dropped ones go
+  // to `tmp`, the per-layer scratch (reset at every layer), and the backward recomputes them from
+  // the kept ones just before the layer's backward. Recompute::None keeps everything (only the
+  // conv output, which is split into q/k/v at once, lives in the scratch); Full keeps only the
+  // residual stream H[l]; Selective keeps the GEMM, GDR and attention outputs and recomputes the
+  // memory-bound ops' outputs (norms, conv + split, gated norm, SwiGLU).
+  const bool full = recompute_ == Recompute::Full;
+  const bool cheap = full || recompute_ == Recompute::Selective;
+  // Sets `field` to a new activation: in the scratch when dropped, otherwise in the arena. The
+  // backward's recompute (`again`) re-creates only the dropped ones; kept ones stay as they are.
+  auto place = [&](Tensor& field, DType dt, bool drop, bool again,
+                   std::initializer_list<int64_t> shape) {
+    if (again && !drop) return;
+    field = (drop ? tmp : arena).alloc_tensor(dt, shape);
+  };
   std::vector<LayerActs> acts(static_cast<size_t>(L));
-  for (int64_t l = 0; l < L; ++l) try {
-      const LayerParamIds& w = ids_.layers[static_cast<size_t>(l)];
-      LayerActs& s = acts[static_cast<size_t>(l)];
-      s.h_in = H[static_cast<size_t>(l)];
-      s.rstd_in = p.alloc(p.stat, {T});
-      s.xn = p.alloc_act({T, D});
-      if (live) {
-        ProfileRange pr("rmsnorm.fwd");
-        rmsnorm_forward({s.h_in, P(w.input_norm), s.xn, s.rstd_in, eps, true});
+  // The forward of layer l into acts[l]; with `again` (the backward's recompute) only the ops whose
+  // outputs were dropped run, and h_out is left alone.
+  auto layer_forward = [&](int64_t l, bool again) {
+    const LayerParamIds& w = ids_.layers[static_cast<size_t>(l)];
+    LayerActs& s = acts[static_cast<size_t>(l)];
+    tmp.reset();
+    auto run_op = [&](bool output_dropped) { return live && (!again || output_dropped); };
+    s.h_in = H[static_cast<size_t>(l)];
+    place(s.rstd_in, p.stat, full, again, {T});
+    place(s.xn, p.act, cheap, again, {T, D});
+    if (run_op(cheap)) {
+      ProfileRange pr("rmsnorm.fwd");
+      rmsnorm_forward({s.h_in, P(w.input_norm), s.xn, s.rstd_in, eps, true});
+    }
+    Tensor y_out_w;  // the out projection weight of the mixer
+    if (w.type == LayerType::Linear) {
+      place(s.qkv, p.act, full, again, {T, C});
+      place(s.z, p.act, full, again, {T, VD});
+      place(s.b, p.act, full, again, {T, Hv});
+      place(s.a, p.act, full, again, {T, Hv});
+      Tensor conv;
+      place(conv, p.act, true, again, {T, C});
+      place(s.q, p.act, cheap, again, {T, Hk, dk});
+      place(s.k, p.act, cheap, again, {T, Hk, dk});
+      place(s.v, p.act, cheap, again, {T, Hv, dv});
+      place(s.g, p.stat, full, again, {T, Hv});
+      place(s.beta, p.stat, full, again, {T, Hv});
+      place(s.o, p.act, full, again, {T, Hv, dv});
+      place(s.nrstd, p.stat, full, again, {T * Hv});
+      place(s.y, p.act, cheap, again, {T, VD});
+      if (run_op(full)) {
+        ProfileRange pr("gdn.in_proj.fwd");
+        linear_forward({s.xn, P(w.in_proj_qkv), s.qkv});
+        linear_forward({s.xn, P(w.in_proj_z), s.z});
+        linear_forward({s.xn, P(w.in_proj_b), s.b});
+        linear_forward({s.xn, P(w.in_proj_a), s.a});
       }
-      Tensor y_out_w;  // the out projection weight of the mixer
-      if (w.type == LayerType::Linear) {
-        s.qkv = p.alloc_act({T, C});
-        s.z = p.alloc_act({T, VD});
-        s.b = p.alloc_act({T, Hv});
-        s.a = p.alloc_act({T, Hv});
-        Tensor conv = p.alloc_act({T, C});
-        s.q = p.alloc_act({T, Hk, dk});
-        s.k = p.alloc_act({T, Hk, dk});
-        s.v = p.alloc_act({T, Hv, dv});
-        s.g = p.alloc(p.stat, {T, Hv});
-        s.beta = p.alloc(p.stat, {T, Hv});
-        s.o = p.alloc_act({T, Hv, dv});
-        s.nrstd = p.alloc(p.stat, {T * Hv});
-        s.y = p.alloc_act({T, VD});
-        if (live) {
-          {
-            ProfileRange pr("gdn.in_proj.fwd");
-            linear_forward({s.xn, P(w.in_proj_qkv), s.qkv});
-            linear_forward({s.xn, P(w.in_proj_z), s.z});
-            linear_forward({s.xn, P(w.in_proj_b), s.b});
-            linear_forward({s.xn, P(w.in_proj_a), s.a});
-          }
-          {
-            ProfileRange pr("conv.fwd");
-            causal_conv1d_forward(
-                {s.qkv, P(w.conv1d).reshape({C, W}), Tensor(), cu, Tensor(), conv, Tensor(), true});
-          }
-          {
-            ProfileRange pr("gdn.split_qkv.fwd");
-            copy_cols(s.q, conv, 0, false);
-            copy_cols(s.k, conv, KD, false);
-            copy_cols(s.v, conv, 2 * KD, false);
-          }
-          {
-            ProfileRange pr("gdn_gates.fwd");
-            gdn_gates_forward({s.a, s.b, P(w.a_log), P(w.dt_bias), s.g, s.beta});
-          }
-          {
-            ProfileRange pr("gdr.fwd");
-            gated_delta_rule_forward(
-                {s.q, s.k, s.v, s.g, s.beta, cu, Tensor(), s.o, Tensor(), 0.0, true});
-          }
-          ProfileRange pr("gated_rmsnorm.fwd");
-          gated_rmsnorm_forward({s.o.reshape({T * Hv, dv}), s.z.reshape({T * Hv, dv}),
-                                 P(w.gated_norm), s.y.reshape({T * Hv, dv}), s.nrstd, eps});
-        }
-        y_out_w = P(w.out_proj);
-      } else {
-        s.qg = p.alloc_act({T, Hq, 2 * hd});
-        s.ak = p.alloc_act({T, Hkv, hd});
-        s.av = p.alloc_act({T, Hkv, hd});
-        s.y = p.alloc_act({T, Hq, hd});
-        s.q_hat = p.alloc_act({T, Hq, hd});
-        s.k_hat = p.alloc_act({T, Hkv, hd});
-        s.attn = p.alloc_act({T, Hq, hd});
-        s.lse = p.alloc(p.stat, {T, Hq});
-        s.q_rstd = p.alloc(p.stat, {T, Hq});
-        s.k_rstd = p.alloc(p.stat, {T, Hkv});
-        if (live) {
-          {
-            ProfileRange pr("attn.in_proj.fwd");
-            linear_forward({s.xn, P(w.q_proj), s.qg.reshape({T, Hq * 2 * hd})});
-            linear_forward({s.xn, P(w.k_proj), s.ak.reshape({T, Hkv * hd})});
-            linear_forward({s.xn, P(w.v_proj), s.av.reshape({T, Hkv * hd})});
-          }
-          ProfileRange pr("attn.core.fwd");
-          gated_attention_forward({s.qg, s.ak, s.av, P(w.q_norm), P(w.k_norm), cu, s.y, s.q_hat,
-                                   s.k_hat, s.attn, s.lse, s.q_rstd, s.k_rstd, c.rotary_dim(),
-                                   c.rope_theta, eps});
-        }
-        y_out_w = P(w.o_proj);
+      if (run_op(cheap)) {
+        ProfileRange pr("conv.fwd");
+        causal_conv1d_forward(
+            {s.qkv, P(w.conv1d).reshape({C, W}), Tensor(), cu, Tensor(), conv, Tensor(), true});
+        pr.next("gdn.split_qkv.fwd");
+        copy_cols(s.q, conv, 0, false);
+        copy_cols(s.k, conv, KD, false);
+        copy_cols(s.v, conv, 2 * KD, false);
       }
-      // h_mid = h_in + y·W_outᵀ: copy, then the GEMM accumulates (β = 1).
-      s.h_mid = p.alloc_act({T, D});
-      s.rstd_post = p.alloc(p.stat, {T});
-      s.xn2 = p.alloc_act({T, D});
-      s.gate = p.alloc_act({T, I});
-      s.up = p.alloc_act({T, I});
-      s.act = p.alloc_act({T, I});
-      H[static_cast<size_t>(l + 1)] = p.alloc_act({T, D});
+      if (run_op(full)) {
+        ProfileRange pr("gdn_gates.fwd");
+        gdn_gates_forward({s.a, s.b, P(w.a_log), P(w.dt_bias), s.g, s.beta});
+        pr.next("gdr.fwd");
+        gated_delta_rule_forward(
+            {s.q, s.k, s.v, s.g, s.beta, cu, Tensor(), s.o, Tensor(), 0.0, true});
+      }
+      if (run_op(cheap)) {
+        ProfileRange pr("gated_rmsnorm.fwd");
+        gated_rmsnorm_forward({s.o.reshape({T * Hv, dv}), s.z.reshape({T * Hv, dv}),
+                               P(w.gated_norm), s.y.reshape({T * Hv, dv}), s.nrstd, eps});
+      }
+      y_out_w = P(w.out_proj);
+    } else {
+      place(s.qg, p.act, full, again, {T, Hq, 2 * hd});
+      place(s.ak, p.act, full, again, {T, Hkv, hd});
+      place(s.av, p.act, full, again, {T, Hkv, hd});
+      place(s.y, p.act, full, again, {T, Hq, hd});
+      place(s.q_hat, p.act, full, again, {T, Hq, hd});
+      place(s.k_hat, p.act, full, again, {T, Hkv, hd});
+      place(s.attn, p.act, full, again, {T, Hq, hd});
+      place(s.lse, p.stat, full, again, {T, Hq});
+      place(s.q_rstd, p.stat, full, again, {T, Hq});
+      place(s.k_rstd, p.stat, full, again, {T, Hkv});
+      if (run_op(full)) {
+        ProfileRange pr("attn.in_proj.fwd");
+        linear_forward({s.xn, P(w.q_proj), s.qg.reshape({T, Hq * 2 * hd})});
+        linear_forward({s.xn, P(w.k_proj), s.ak.reshape({T, Hkv * hd})});
+        linear_forward({s.xn, P(w.v_proj), s.av.reshape({T, Hkv * hd})});
+        pr.next("attn.core.fwd");
+        gated_attention_forward({s.qg, s.ak, s.av, P(w.q_norm), P(w.k_norm), cu, s.y, s.q_hat,
+                                 s.k_hat, s.attn, s.lse, s.q_rstd, s.k_rstd, c.rotary_dim(),
+                                 c.rope_theta, eps});
+      }
+      y_out_w = P(w.o_proj);
+    }
+    // h_mid = h_in + y·W_outᵀ: copy, then the GEMM accumulates (β = 1).
+    place(s.h_mid, p.act, full, again, {T, D});
+    place(s.rstd_post, p.stat, full, again, {T});
+    place(s.xn2, p.act, cheap, again, {T, D});
+    place(s.gate, p.act, full, again, {T, I});
+    place(s.up, p.act, full, again, {T, I});
+    place(s.act, p.act, cheap, again, {T, I});
+    if (run_op(full)) {
+      ProfileRange pr("out_proj.fwd");
+      copy_tensor(s.h_mid, s.h_in);
+      Tensor y2 = s.y.reshape({T, s.y.numel() / T});
+      gemm({y2, y_out_w, s.h_mid, false, true, 1.0, 1.0});
+    }
+    if (run_op(cheap)) {
+      ProfileRange pr("rmsnorm.fwd");
+      rmsnorm_forward({s.h_mid, P(w.post_norm), s.xn2, s.rstd_post, eps, true});
+    }
+    if (run_op(full)) {
+      ProfileRange pr("mlp.gate_up.fwd");
+      linear_forward({s.xn2, P(w.mlp_gate), s.gate});
+      linear_forward({s.xn2, P(w.mlp_up), s.up});
+    }
+    if (run_op(cheap)) {
+      ProfileRange pr("swiglu.fwd");
+      swiglu_forward({s.gate, s.up, s.act});
+    }
+    if (!again && live) {
+      ProfileRange pr("mlp.down.fwd");
       const Tensor& h_out = H[static_cast<size_t>(l + 1)];
-      if (live) {
-        {
-          ProfileRange pr("out_proj.fwd");
-          copy_tensor(s.h_mid, s.h_in);
-          Tensor y2 = s.y.reshape({T, s.y.numel() / T});
-          gemm({y2, y_out_w, s.h_mid, false, true, 1.0, 1.0});
-        }
-        {
-          ProfileRange pr("rmsnorm.fwd");
-          rmsnorm_forward({s.h_mid, P(w.post_norm), s.xn2, s.rstd_post, eps, true});
-        }
-        {
-          ProfileRange pr("mlp.gate_up.fwd");
-          linear_forward({s.xn2, P(w.mlp_gate), s.gate});
-          linear_forward({s.xn2, P(w.mlp_up), s.up});
-        }
-        {
-          ProfileRange pr("swiglu.fwd");
-          swiglu_forward({s.gate, s.up, s.act});
-        }
-        ProfileRange pr("mlp.down.fwd");
-        copy_tensor(h_out, s.h_mid);
-        gemm({s.act, P(w.mlp_down), h_out, false, true, 1.0, 1.0});
-      }
+      copy_tensor(h_out, s.h_mid);
+      gemm({s.act, P(w.mlp_down), h_out, false, true, 1.0, 1.0});
+    }
+  };
+  for (int64_t l = 0; l < L; ++l) try {
+      H[static_cast<size_t>(l + 1)] = p.alloc_act({T, D});
+      layer_forward(l, false);
     } catch (const NonFiniteError& e) {
       rethrow_in_layer(e, l, "forward", c);
     }
@@ -403,6 +447,7 @@ void Qwen35Model::run(Arena& arena, const MicroBatch* mb, const StepOptions& opt
       const LayerParamIds& w = ids_.layers[static_cast<size_t>(l)];
       const LayerActs& s = acts[static_cast<size_t>(l)];
       const size_t mark = arena.used();
+      if (recompute_ != Recompute::None) layer_forward(l, true);
       // MLP: h_out = h_mid + act·W_downᵀ.
       Tensor dact = p.alloc_act({T, I}), dgate = p.alloc_act({T, I}), dup = p.alloc_act({T, I});
       Tensor dxn2 = p.alloc_act({T, D});

@@ -26,6 +26,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "gdn/backend/registry.h"
@@ -53,9 +54,22 @@ struct StepStats {
   int64_t targets = 0;  // non-ignored labels in this micro-batch
 };
 
+// Activation recompute (issue 8): what the forward keeps for the backward.
+//   none:      every layer activation (fastest, most memory);
+//   selective: the GEMM, GDR and attention outputs; the memory-bound ops' outputs (input and post
+//              norms, conv + q/k/v split, gated norm, SwiGLU) are recomputed per layer;
+//   full:      only the residual stream (each layer's input); the backward re-runs the layer's
+//              forward (all but its last GEMM) just before the layer's backward.
+// Recomputed values are bitwise the forward's (the ops are deterministic), so the policy changes
+// memory and time, never the numbers.
+enum class Recompute : uint8_t { None, Full, Selective };
+std::string_view recompute_name(Recompute r);
+Recompute recompute_from_name(std::string_view name);  // throws naming the bad value
+
 class Qwen35Model {
  public:
-  Qwen35Model(Qwen35Config cfg, Backend backend, int64_t max_tokens, int64_t max_docs);
+  Qwen35Model(Qwen35Config cfg, Backend backend, int64_t max_tokens, int64_t max_docs,
+              Recompute recompute = Recompute::None);
 
   const Qwen35Config& config() const { return cfg_; }
   Backend backend() const { return backend_; }
@@ -78,20 +92,24 @@ class Qwen35Model {
   // Bytes planned per arena, as printed at start-up.
   size_t param_bytes() const { return param_arena_.capacity(); }
   size_t grad_bytes() const { return grad_arena_.capacity(); }
-  size_t activation_bytes() const { return act_arena_.capacity(); }
+  // Activations kept across the step plus the per-layer scratch (dropped/recomputed ones).
+  size_t activation_bytes() const { return act_arena_.capacity() + tmp_arena_.capacity(); }
+  Recompute recompute() const { return recompute_; }
   size_t activation_peak() const { return act_arena_.peak(); }
   std::string memory_plan() const;
 
  private:
   struct Pass;  // the per-step state (implementation detail)
-  void run(Arena& arena, const MicroBatch* mb, const StepOptions& opt, StepStats* stats);
+  void run(Arena& arena, Arena& tmp, const MicroBatch* mb, const StepOptions& opt,
+           StepStats* stats);
 
   Qwen35Config cfg_;
   Backend backend_;
   int64_t max_tokens_, max_docs_;
   std::vector<ParamSpec> specs_;
   ModelParamIds ids_;
-  Arena param_arena_, grad_arena_, act_arena_;
+  Recompute recompute_ = Recompute::None;
+  Arena param_arena_, grad_arena_, act_arena_, tmp_arena_;
   std::vector<Tensor> params_, grads_;
 };
 

@@ -33,7 +33,7 @@ nlohmann::json default_train_config() {
     "data": {"kind": "mqar", "path": "", "seed": 7, "eval_fraction": 0.01,
              "mqar": {"vocab_size": 64, "num_pairs": 4, "seq_len": 32}},
     "train": {"steps": 600, "micro_batch_tokens": 2048, "grad_accum": 1, "z_loss": 0.0001,
-              "device": "auto"},
+              "device": "auto", "recompute": "none"},
     "optim": {"lr": 0.003, "min_lr": 0.0003, "warmup_steps": 40, "decay": "cosine",
               "wsd_decay_fraction": 0.2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
               "weight_decay": 0.1, "clip": 1.0},
@@ -450,7 +450,8 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
                   "data.kind '{}' is not a data source", kind);
   }
 
-  model::Qwen35Model m(mcfg, backend, data->max_tokens(), data->max_docs());
+  model::Qwen35Model m(mcfg, backend, data->max_tokens(), data->max_docs(),
+                       model::recompute_from_name(cfg.get_string("train.recompute")));
   const double t_model = since_launch();
   Optimizer opt;  // host Adam moments (cpu: the live ones; cuda: staging for checkpoints)
   // The host stores, made on first use (a device run needs them only to write a checkpoint).

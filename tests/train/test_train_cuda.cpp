@@ -80,6 +80,27 @@ TEST(TrainCuda, GdrRouteKnobAgreesToBf16Precision) {
   }
 }
 
+// Recompute policies only change what is kept and when it is computed: the step-1 and step-2
+// losses are bitwise those of recompute none (issue 8's rule for scheduling knobs), and the
+// planned activation memory shrinks.
+TEST(TrainCuda, RecomputePoliciesLeaveTheLossesBitwiseUnchanged) {
+  TrainOptions quiet;
+  quiet.quiet = true;
+  std::vector<double> base;
+  for (const char* policy : {"none", "selective", "full"}) {
+    auto cfg = tiny(std::string("rc_") + policy, "cuda", 2);
+    cfg.set(fmt::format("train.recompute=\"{}\"", policy));
+    TrainResult r = run_training(cfg, quiet);
+    ASSERT_EQ(r.losses.size(), 2u);
+    if (base.empty()) {
+      base = r.losses;
+      continue;
+    }
+    for (size_t i = 0; i < 2; ++i)
+      EXPECT_EQ(r.losses[i], base[i]) << policy << ": step " << i + 1 << " loss differs";
+  }
+}
+
 // --profile-step on the GPU: CUDA-event ranges for every op group of the step, summing to no more
 // than the synchronised step's wall time.
 TEST(TrainCuda, ProfileStepTimesTheOpsWithCudaEvents) {
