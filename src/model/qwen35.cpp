@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <optional>
 
 #include "gdn/core/log.h"
 #include "gdn/core/profile.h"
@@ -12,6 +13,9 @@
 #include "ops/embedding/op.h"
 #include "ops/gated_attention/op.h"
 #include "ops/gated_delta_rule/op.h"
+#if GDN_WITH_CUDA
+#include "ops/gated_delta_rule/cuda.h"
+#endif
 #include "ops/gated_rmsnorm/op.h"
 #include "ops/gdn_gates/op.h"
 #include "ops/gemm/op.h"
@@ -230,6 +234,18 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
     copy_bytes(cu.data(), p.dev, mb->cu_seqlens.data(), Device::CPU,
                static_cast<size_t>(N + 1) * 4);
   }
+#if GDN_WITH_CUDA
+  // The gated delta rule's chunk index of this micro-batch: built once on the device and shared by
+  // every GDN layer's forward and backward (otherwise each call builds its own).
+  std::optional<GdrChunkIndexScope> gdr_index;
+  if (backend_ == Backend::Cuda && c.num_linear_attention_layers() > 0) {
+    Tensor ix = p.alloc(DType::I32, {gdr_chunk_index_numel(T, N)});
+    if (live) {
+      ProfileRange pr("gdr.chunk_index");
+      gdr_index.emplace(cu, T, ix);
+    }
+  }
+#endif
 
   // Residual stream: H[l] is the input of layer l, H[L] the input of the final norm.
   std::vector<Tensor> H(static_cast<size_t>(L + 1));
