@@ -444,8 +444,8 @@ struct StateSplit {
   StateSplit& operator=(const StateSplit&) = delete;
 };
 
-// Every dk split of the sequential state passes (1: one warp pair per 32 value columns; 2, 4: dk
-// over 2 or 4 warp pairs with a partial exchange per chunk) against ref, forward and every
+// Every dk split of the sequential state passes (1: one warp pair per 32 value columns; 2, 4, 8:
+// dk over 2, 4 or 8 warp pairs with a partial exchange per chunk) against ref, forward and every
 // gradient: dk = dv = 128 with T not a multiple of 64 (a long document, then one with a 1-token
 // document and partial chunks), and dk = 48, dv = 24 where the split leaves warps with no k-block
 // and half a column slice empty.
@@ -473,7 +473,7 @@ TEST_F(GdrCuda, EveryStateSplitMatchesRef) {
       Inputs in = make_inputs(s, l2);
       Result ref = run_ref(in, l2);
       Dev d = to_device(in);
-      for (int ks : {1, 2, 4}) {
+      for (int ks : {1, 2, 4, 8}) {
         StateSplit split(ks);
         ASSERT_EQ(gdr_state_split_for(in.N, in.Hv, in.dv), ks);
         Result got = run_cuda(in, d, l2);
@@ -486,7 +486,7 @@ TEST_F(GdrCuda, EveryStateSplitMatchesRef) {
 // The automatic split: 4 while the state passes' grid (documents x value heads x 32-column blocks)
 // has no more blocks than the GPU has SMs, else 1. The expectations assume at least 128 SMs (the
 // H200 has 132): one document of any length at Hv = 16 or 32 splits, four documents do not. The
-// override wins; a split outside {0, 1, 2, 4} is an error.
+// override wins; a split outside {0, 1, 2, 4, 8} is an error.
 TEST_F(GdrCuda, StateSplitChoice) {
   EXPECT_EQ(gdr_state_split_for(1, 16, 128), 4) << "64 blocks";
   EXPECT_EQ(gdr_state_split_for(1, 32, 128), 4) << "128 blocks (needs >= 128 SMs)";

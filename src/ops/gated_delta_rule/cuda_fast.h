@@ -34,7 +34,7 @@ inline bool fast_path(const Dims& d) { return d.vec && d.KP <= 128 && d.VP <= 12
 // The state passes (state_fwd, state_bwd) run one block per (document, value head, 32 value
 // columns): at one long document that is Hv * 4 blocks at dv = 128 (64 at Hv = 16, 128 at Hv = 32)
 // for 132 SMs, each walking all of the document's chunks in sequence, so the pass is bound by the
-// latency of one chunk step. Splitting dk over KS warp pairs (KS in {1, 2, 4}: 2 KS warps per
+// latency of one chunk step. Splitting dk over KS warp pairs (KS in {1, 2, 4, 8}: 2 KS warps per
 // block) divides each warp's products per step by KS at the price of one shared-memory exchange of
 // the 16 x 64 partial of the one product that reduces over dk (X = S^T W^T forward, dS^T K^T
 // backward). state_split picks KS for a grid of `blocks` blocks: 4 when the grid has no more

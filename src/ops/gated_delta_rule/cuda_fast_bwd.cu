@@ -2,7 +2,8 @@
 // layouts, cuda_mma.cuh the fragment conventions; the formulas are cpu.cpp's backward (its header
 // lists them), split as FLA splits them (fla/ops/gated_delta_rule/chunk.py):
 //   dvloc      dV'_loc = s P^T dO, stored transposed (fla chunk_bwd_kernel_dv_local)
-//   state_bwd  reverse over chunks, per (document, value head, 32 value columns), 2 warps, dS^T in
+//   state_bwd  reverse over chunks, per (document, value head, 32 value columns), 2 KS warps (KS =
+//              the dk split, cuda_fast.h), dS^T in
 //              fp32 mma accumulators (fla chunk_gated_delta_rule_bwd_kernel_dhu): per chunk
 //              bf16(dS^T) is the snapshot dH_c (gradient of the chunk's END state) and the A
 //              operand of dV'^T = dV'_loc^T + (dS^T K^T) diag(dec); then
@@ -1019,7 +1020,9 @@ void fast_state_bwd(const Dims& d, const IndexView& ix, const bf16_t* qn, const 
     kernel<<<grid, kStateThreads * ks, smem, s>>>(d, ix, qn, kn, W, dout, dvlocT, gam, dhT, dHt,
                                                   dVt, dh0);
   };
-  if (ks == 4)
+  if (ks == 8)
+    launch(&gdr_fast_state_bwd_kernel<8>);
+  else if (ks == 4)
     launch(&gdr_fast_state_bwd_kernel<4>);
   else if (ks == 2)
     launch(&gdr_fast_state_bwd_kernel<2>);

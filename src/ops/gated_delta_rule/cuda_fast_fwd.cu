@@ -5,13 +5,14 @@
 //   prep       per (chunk, value head), 8 warps: gamma (sequential fp32 cumsum), K K^T, M, the
 //              blocked fp32 inverse T = (I + M)^{-1}, W = T diag(beta G) K, U = T diag(beta) V
 //              (fla chunk_scaled_dot_kkt + solve_tril + recompute_w_u).
-//   state_fwd  per (document, value head, 32 value columns), 2 warps, sequential over the chunks
-//              (fla chunk_gated_delta_rule_fwd_kernel_h): each warp keeps S^T for its 16 columns
-//              in fp32 mma accumulators [16 x dk]; per chunk S^T repacked to bf16 is at once the
-//              snapshot written to Ht and the A operand of V'^T = U^T - S^T W^T, and the V'^T
-//              accumulators scaled by dec and repacked are the A operand of the update
-//              S^T <- G_L S^T + (V' diag(dec))^T K. Only W, K, U and gamma of the next chunk move
-//              through shared memory (cp.async, double-buffered): one barrier per chunk.
+//   state_fwd  per (document, value head, 32 value columns), 2 KS warps (KS = the dk split,
+//              cuda_fast.h), sequential over the chunks (fla chunk_gated_delta_rule_fwd_kernel_h):
+//              each warp keeps S^T for its 16 columns and dk / KS rows in fp32 mma accumulators;
+//              per chunk S^T repacked to bf16 is at once the snapshot written to Ht and the A
+//              operand of V'^T = U^T - S^T W^T, and the V'^T accumulators scaled by dec and
+//              repacked are the A operand of the update S^T <- G_L S^T + (V' diag(dec))^T K. Only
+//              W, K, U and gamma of the next chunk move through shared memory (cp.async,
+//              double-buffered): one barrier per chunk.
 //   output     per (chunk, value head), 8 warps (fla chunk_fwd_kernel_o): the masked gated scores
 //              stay in registers as the A operand of P V'.
 // Gates: gamma is the chunk-local inclusive cumsum of g in fp32, summed in order, so it never
@@ -606,7 +607,9 @@ void fast_state_fwd(const Dims& d, const IndexView& ix, const bf16_t* W, const b
                d.dv);
     kernel<<<grid, kStateThreads * ks, smem, s>>>(d, ix, W, kn, U, gam, h0, Ht, Vt, hT);
   };
-  if (ks == 4)
+  if (ks == 8)
+    launch(&gdr_fast_state_fwd_kernel<8>);
+  else if (ks == 4)
     launch(&gdr_fast_state_fwd_kernel<4>);
   else if (ks == 2)
     launch(&gdr_fast_state_fwd_kernel<2>);
@@ -631,8 +634,8 @@ void fast_output(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf1
 namespace gdn::ops {
 
 void gdr_set_state_split(int ks) {
-  GDN_CHECK(ks == 0 || ks == 1 || ks == 2 || ks == 4,
-            "gated_delta_rule (cuda): state split {} is not one of 0 (automatic), 1, 2, 4", ks);
+  GDN_CHECK(ks == 0 || ks == 1 || ks == 2 || ks == 4 || ks == 8,
+            "gated_delta_rule (cuda): state split {} is not one of 0 (automatic), 1, 2, 4, 8", ks);
   gdr::g_state_split.store(ks, std::memory_order_relaxed);
 }
 
