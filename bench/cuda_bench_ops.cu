@@ -38,6 +38,7 @@
 #include "ops/causal_conv1d/op.h"
 #include "ops/embedding/op.h"
 #include "ops/gated_attention/op.h"
+#include "ops/gated_delta_rule/cuda.h"
 #include "ops/gated_delta_rule/op.h"
 #include "ops/gated_rmsnorm/op.h"
 #include "ops/gdn_gates/op.h"
@@ -643,11 +644,13 @@ std::vector<OpCase> make_gemm_cases() {
   return cases;
 }
 
-// The gated delta rule at Qwen3.5-9B shapes (Hk = 16, Hv = 32, dk = dv = 128, in-kernel l2norm, no
-// initial state): one long document, four documents, and 32k tokens. Matrix-bound: reported in
-// nominal FLOPs of the chunked algorithm as implemented (the backward includes its recomputation of
-// the forward chain). Peers on an H200 (gdn_spec.md §7): FLA 0.47 ms fwd / 1.44 ms bwd, FlashQLA
-// 0.28 / 0.79 ms at T = 8192, one document.
+// The gated delta rule at Qwen3.5 shapes (Hk = 16, Hv = 16 (0.8B) or 32 (9B), dk = dv = 128,
+// in-kernel l2norm, no initial state): one long document, four documents, and 32k tokens (Hv = 32).
+// Matrix-bound: reported in nominal FLOPs of the chunked algorithm as implemented (the backward
+// includes its recomputation of the forward chain). "ks=N" cases force the dk split of the
+// sequential state passes (gdr_set_state_split; ks=1 is the unsplit kernel), the others take the
+// automatic choice. Peers on an H200 (gdn_spec.md §7): FLA 0.47 ms fwd / 1.44 ms bwd, FlashQLA
+// 0.28 / 0.79 ms at T = 8192, Hv = 32, one document.
 double gdr_flops(int64_t T, int64_t Hv, int64_t K, int64_t V, bool backward) {
   const double C = 64, CK = C * K, CV = C * V, KV = static_cast<double>(K * V);
   // forward: K K^T, W, U | W S, K^T V' | Q K^T, Q H, P V'
@@ -663,11 +666,16 @@ std::vector<OpCase> make_gated_delta_rule_cases() {
     OwnedTensor q, k, v, g, beta, cu, o, dout, dq, dk, dv, dg, dbeta;
   };
   struct Cfg {
-    int64_t T, N;
+    int64_t T, N, Hv;
+    int ks;  // 0: automatic dk split of the state passes
   };
-  const int64_t Hk = 16, Hv = 32, D = 128;
+  const int64_t Hk = 16, D = 128;
+  const Cfg cfgs[] = {{8192, 1, 16, 0}, {8192, 1, 16, 1}, {8192, 1, 16, 8}, {8192, 4, 16, 0},
+                      {8192, 4, 16, 2}, {8192, 4, 16, 4}, {8192, 1, 32, 0}, {8192, 1, 32, 1},
+                      {8192, 1, 32, 8}, {8192, 4, 32, 0}, {32768, 1, 32, 0}};
   std::vector<OpCase> cases;
-  for (const Cfg& c : {Cfg{8192, 1}, Cfg{8192, 4}, Cfg{32768, 1}}) {
+  for (const Cfg& c : cfgs) {
+    const int64_t Hv = c.Hv;
     auto act = [&](int64_t H) {
       return OwnedTensor::empty(DType::BF16, {c.T, H, D}, Device::CUDA);
     };
@@ -683,7 +691,9 @@ std::vector<OpCase> make_gated_delta_rule_cases() {
     std::vector<int64_t> cu(static_cast<size_t>(c.N) + 1);
     for (int64_t i = 0; i <= c.N; ++i) cu[static_cast<size_t>(i)] = c.T * i / c.N;
     b->cu = convert(Tensor(cu.data(), DType::I64, {c.N + 1}), DType::I32, Device::CUDA);
-    const std::string shape = fmt::format("T={} N={} Hk={} Hv={} d={}", c.T, c.N, Hk, Hv, D);
+    const std::string shape = fmt::format("T={} N={} Hk={} Hv={} d={}{}", c.T, c.N, Hk, Hv, D,
+                                          c.ks == 0 ? "" : fmt::format(" ks={}", c.ks));
+    const int ks = c.ks;
     OpCase f{"gated_delta_rule.fwd",
              shape,
              "gated_delta_rule",
@@ -691,9 +701,11 @@ std::vector<OpCase> make_gated_delta_rule_cases() {
              gdr_flops(c.T, Hv, D, D, false),
              nullptr,
              b};
-    f.run = [b](int) {
+    f.run = [b, ks](int) {
+      ops::gdr_set_state_split(ks);
       ops::gated_delta_rule_forward(
           {b->q, b->k, b->v, b->g, b->beta, b->cu, Tensor(), b->o, Tensor(), 0.0, true});
+      ops::gdr_set_state_split(0);
     };
     OpCase g{"gated_delta_rule.bwd",
              shape,
@@ -702,10 +714,12 @@ std::vector<OpCase> make_gated_delta_rule_cases() {
              gdr_flops(c.T, Hv, D, D, true),
              nullptr,
              b};
-    g.run = [b](int) {
+    g.run = [b, ks](int) {
+      ops::gdr_set_state_split(ks);
       ops::gated_delta_rule_backward({b->q, b->k, b->v, b->g, b->beta, b->cu, Tensor(), b->dout,
                                       Tensor(), b->dq, b->dk, b->dv, b->dg, b->dbeta, Tensor(), 0.0,
                                       true});
+      ops::gdr_set_state_split(0);
     };
     cases.push_back(std::move(f));
     cases.push_back(std::move(g));

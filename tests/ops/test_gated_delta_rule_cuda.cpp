@@ -436,6 +436,77 @@ void expect_bitwise_equal(const Result& a, const Result& b, const std::string& w
         << what << ": " << names[i] << " differs";
 }
 
+// Forces the dk split of the fast route's state passes for the life of the object.
+struct StateSplit {
+  explicit StateSplit(int ks) { gdr_set_state_split(ks); }
+  ~StateSplit() { gdr_set_state_split(0); }
+  StateSplit(const StateSplit&) = delete;
+  StateSplit& operator=(const StateSplit&) = delete;
+};
+
+// Every dk split of the sequential state passes (1: one warp pair per 32 value columns; 2, 4, 8:
+// dk over 2, 4 or 8 warp pairs with a partial exchange per chunk) against ref, forward and every
+// gradient: dk = dv = 128 with T not a multiple of 64 (a long document, then one with a 1-token
+// document and partial chunks), and dk = 48, dv = 24 where the split leaves warps with no k-block
+// and half a column slice empty.
+TEST_F(GdrCuda, EveryStateSplitMatchesRef) {
+  const Spec specs[] = {
+      {.name = "d128_T700_one_doc",
+       .lens = {700},
+       .Hk = 1,
+       .r = 2,
+       .dk = 128,
+       .dv = 128,
+       .g_lo = -0.5,
+       .seed = 40},
+      {.name = "d128_three_docs",
+       .lens = {200, 1, 63},
+       .Hk = 2,
+       .r = 1,
+       .dk = 128,
+       .dv = 128,
+       .g_lo = -2,
+       .seed = 41},
+      {.name = "dk48_dv24", .lens = {130, 7}, .r = 2, .dk = 48, .dv = 24, .seed = 42}};
+  for (const Spec& s : specs) {
+    for (bool l2 : {true, false}) {
+      Inputs in = make_inputs(s, l2);
+      Result ref = run_ref(in, l2);
+      Dev d = to_device(in);
+      for (int ks : {1, 2, 4, 8}) {
+        StateSplit split(ks);
+        ASSERT_EQ(gdr_state_split_for(in.N, in.Hv, in.dv), ks);
+        Result got = run_cuda(in, d, l2);
+        compare(got, ref, s.name + (l2 ? " l2" : "") + " ks=" + std::to_string(ks));
+      }
+    }
+  }
+}
+
+// The automatic split: 4 while the state passes' grid (documents x value heads x 32-column blocks)
+// has no more blocks than the GPU has SMs, else 1. The expectations assume at least 128 SMs (the
+// H200 has 132): one document of any length at Hv = 16 or 32 splits, four documents do not. The
+// override wins; a split outside {0, 1, 2, 4, 8} is an error.
+TEST_F(GdrCuda, StateSplitChoice) {
+  EXPECT_EQ(gdr_state_split_for(1, 16, 128), 4) << "64 blocks";
+  EXPECT_EQ(gdr_state_split_for(1, 32, 128), 4) << "128 blocks (needs >= 128 SMs)";
+  EXPECT_EQ(gdr_state_split_for(4, 16, 128), 1) << "256 blocks";
+  EXPECT_EQ(gdr_state_split_for(4, 32, 128), 1) << "512 blocks";
+  EXPECT_EQ(gdr_state_split_for(1, 4, 24), 4) << "one 32-column block per head";
+  {
+    StateSplit split(2);
+    EXPECT_EQ(gdr_state_split_for(4, 32, 128), 2);
+    EXPECT_EQ(gdr_state_split_for(1, 16, 128), 2);
+  }
+  EXPECT_EQ(gdr_state_split_for(4, 32, 128), 1) << "the override ends with its scope";
+  try {
+    gdr_set_state_split(3);
+    FAIL() << "a state split of 3 was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("state split 3"), std::string::npos) << e.what();
+  }
+}
+
 TEST_F(GdrCuda, RunsAreBitwiseReproducible) {
   Spec s{.name = "det", .lens = {200, 1, 33}, .Hk = 2, .r = 2, .dk = 128, .dv = 128, .seed = 41};
   Inputs in = make_inputs(s, true);

@@ -54,6 +54,13 @@ class GdrChunkIndexScope {
   const GdrChunkIndexScope* prev_;
 };
 
+// Test and benchmark hook: the dk split of the fast route's sequential state passes (cuda_fast.h):
+// 0 = automatic (the default), 1, 2, 4 or 8 forces it for every later call on any thread.
+void gdr_set_state_split(int ks);
+// The split the fast route's state passes take for N documents, Hv value heads and dv value columns
+// (the override when one is set).
+int gdr_state_split_for(int64_t N, int64_t Hv, int64_t dv);
+
 }  // namespace gdn::ops
 
 #endif  // GDN_WITH_CUDA

@@ -30,6 +30,54 @@ namespace gdn::ops::gdr {
 // Whether the fast path takes these dims (d.vec must be set first).
 inline bool fast_path(const Dims& d) { return d.vec && d.KP <= 128 && d.VP <= 128; }
 
+// --- the dk split of the sequential state passes ---
+// The state passes (state_fwd, state_bwd) run one block per (document, value head, 32 value
+// columns): at one long document that is Hv * 4 blocks at dv = 128 (64 at Hv = 16, 128 at Hv = 32)
+// for 132 SMs, each walking all of the document's chunks in sequence, so the pass is bound by the
+// latency of one chunk step. Splitting dk over KS warp pairs (KS in {1, 2, 4, 8}: 2 KS warps per
+// block) divides each warp's products per step by KS at the price of one shared-memory exchange of
+// the 16 x 64 partial of the one product that reduces over dk (X = S^T W^T forward, dS^T K^T
+// backward). state_split picks KS for a grid of `blocks` blocks: 4 when the grid has no more
+// blocks than the device has SMs (one block per SM: the extra warps and shared memory are free),
+// else 1; gdr_set_state_split (cuda.h) overrides it for tests and benchmarks.
+int state_split(int64_t blocks);
+
+// Bytes of the partial-exchange buffer: [KS, 2 column slices, 8 tiles, 32 lanes] float4.
+constexpr size_t state_red_bytes(int ks) {
+  return buf_bytes(static_cast<size_t>(ks) * 2 * 8 * 32 * 16);
+}
+
+#ifdef __CUDACC__
+// x (this warp's partial over its k-blocks, C fragments of 8 token tiles) <- the sum over the KS
+// warps of its column slice vwarp of their partials, added in the order p = 0 .. KS-1 so that the
+// KS warps end bitwise equal. Every thread of the block must call it (one block barrier); red is
+// rewritten only after the block's next barrier (the caller's loop head).
+template <int KS>
+__device__ __forceinline__ void state_exchange_sum(float (&x)[8][4], float4* red, int kq, int vwarp,
+                                                   int lane) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    red[((kq * 2 + vwarp) * 8 + i) * 32 + lane] = make_float4(x[i][0], x[i][1], x[i][2], x[i][3]);
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    float4 a = red[(vwarp * 8 + i) * 32 + lane];
+#pragma unroll
+    for (int p = 1; p < KS; ++p) {
+      const float4 b = red[((p * 2 + vwarp) * 8 + i) * 32 + lane];
+      a.x += b.x;
+      a.y += b.y;
+      a.z += b.z;
+      a.w += b.w;
+    }
+    x[i][0] = a.x;
+    x[i][1] = a.y;
+    x[i][2] = a.z;
+    x[i][3] = a.w;
+  }
+}
+#endif
+
 // --- forward (and the backward's recomputation) ---
 // Per chunk and value head: gam, W = T diag(beta G) K, U = T diag(beta) V, and T itself when Tinv
 // is not null.

@@ -2,7 +2,8 @@
 // layouts, cuda_mma.cuh the fragment conventions; the formulas are cpu.cpp's backward (its header
 // lists them), split as FLA splits them (fla/ops/gated_delta_rule/chunk.py):
 //   dvloc      dV'_loc = s P^T dO, stored transposed (fla chunk_bwd_kernel_dv_local)
-//   state_bwd  reverse over chunks, per (document, value head, 32 value columns), 2 warps, dS^T in
+//   state_bwd  reverse over chunks, per (document, value head, 32 value columns), 2 KS warps (KS =
+//              the dk split, cuda_fast.h), dS^T in
 //              fp32 mma accumulators (fla chunk_gated_delta_rule_bwd_kernel_dhu): per chunk
 //              bf16(dS^T) is the snapshot dH_c (gradient of the chunk's END state) and the A
 //              operand of dV'^T = dV'_loc^T + (dS^T K^T) diag(dec); then
@@ -191,11 +192,16 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 // --- the reverse state pass
 // ---------------------------------------------------------------------------
-size_t state_bwd_smem(const Dims& d) {
-  return 2 * (3 * tile_bytes_bf16(kC, d.KP) + tile_bytes_bf16(kC, kVB) + kVecBytes);
+// KS splits dk over KS warp pairs as in the forward state pass (cuda_fast.h, cuda_fast_fwd.cu):
+// warp w owns the value columns 16 (w & 1).. and the k-blocks [KBW (w >> 1), + KBW) of dS^T; the
+// partials of dS^T K^T are summed over the KS warps of a column slice in a fixed order.
+size_t state_bwd_smem(const Dims& d, int ks) {
+  return 2 * (3 * tile_bytes_bf16(kC, d.KP) + tile_bytes_bf16(kC, kVB) + kVecBytes) +
+         (ks > 1 ? state_red_bytes(ks) : 0);
 }
 
-__global__ void __launch_bounds__(kStateThreads)
+template <int KS>
+__global__ void __launch_bounds__(kStateThreads* KS)
     gdr_fast_state_bwd_kernel(Dims d, IndexView ix,
                               const bf16_t* __restrict__ qn,     // [T, Hk, dk]
                               const bf16_t* __restrict__ kn,     // [T, Hk, dk]
@@ -207,22 +213,25 @@ __global__ void __launch_bounds__(kStateThreads)
                               bf16_t* __restrict__ dHt,          // [nt_max, Hv, dv, dk]
                               bf16_t* __restrict__ dVt,          // [nt_max, Hv, dv, 64]
                               float* __restrict__ dh0) {         // [N, Hv, dk, dv] or null
+  constexpr int KBW = 8 / KS;                                    // k-blocks of 16 per warp
   const int nvb = (d.VP + kVB - 1) / kVB;
   const int n = static_cast<int>(blockIdx.x) / nvb, vb = static_cast<int>(blockIdx.x) % nvb;
   const int h = static_cast<int>(blockIdx.y), kh = h / d.r;
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int vwarp = warp & 1, kq = warp >> 1, kb0 = KBW * kq;
   const int g8 = lane >> 2, t4 = lane & 3;
   const int col0 = vb * kVB, cvalid = min(kVB, d.dv - col0);
-  const int vw = col0 + 16 * warp;
+  const int vw = col0 + 16 * vwarp;
   const int ldk = ld_of(d.KP), ldo = ld_of(kVB), nkb = d.KP / 16;
   extern __shared__ __align__(128) char smem[];
   SmemCarver sc(smem);
   const int64_t nk = tile_bytes_bf16(kC, d.KP) / 2, nu = tile_bytes_bf16(kC, kVB) / 2;
-  bf16_t* Qs0 = sc.take<bf16_t>(2 * tile_bytes_bf16(kC, d.KP));  // 2 x [64, KP] Q
-  bf16_t* Ks0 = sc.take<bf16_t>(2 * tile_bytes_bf16(kC, d.KP));  // 2 x [64, KP] K
-  bf16_t* Ws0 = sc.take<bf16_t>(2 * tile_bytes_bf16(kC, d.KP));  // 2 x [64, KP] W
-  bf16_t* dOs0 = sc.take<bf16_t>(2 * tile_bytes_bf16(kC, kVB));  // 2 x [64, 32] dO columns
-  float* gm0 = sc.take<float>(2 * kVecBytes);                    // 2 x [64] gamma
+  bf16_t* Qs0 = sc.take<bf16_t>(2 * tile_bytes_bf16(kC, d.KP));           // 2 x [64, KP] Q
+  bf16_t* Ks0 = sc.take<bf16_t>(2 * tile_bytes_bf16(kC, d.KP));           // 2 x [64, KP] K
+  bf16_t* Ws0 = sc.take<bf16_t>(2 * tile_bytes_bf16(kC, d.KP));           // 2 x [64, KP] W
+  bf16_t* dOs0 = sc.take<bf16_t>(2 * tile_bytes_bf16(kC, kVB));           // 2 x [64, 32] dO columns
+  float* gm0 = sc.take<float>(2 * kVecBytes);                             // 2 x [64] gamma
+  float4* red = KS > 1 ? sc.take<float4>(state_red_bytes(KS)) : nullptr;  // [KS, 2, 8, 32] partials
   sc.done();
 
   const int bos = ix.bos[n], eos = ix.bos[n + 1], c0 = ix.chunk0[n], c1 = ix.chunk0[n + 1];
@@ -255,18 +264,18 @@ __global__ void __launch_bounds__(kStateThreads)
     }
   };
 
-  // dS^T rows vw + (g8, g8 + 8), columns 8 nt + 2 t4 (+1).
-  float S[16][4];
+  // dS^T rows vw + (g8, g8 + 8), columns 16 kb0 + 8 j + 2 t4 (+1).
+  float S[2 * KBW][4];
   const int64_t sd = static_cast<int64_t>(d.dk) * d.dv;
   const int64_t state_off = (static_cast<int64_t>(n) * d.Hv + h) * sd;
 #pragma unroll
-  for (int nt = 0; nt < 16; ++nt) {
+  for (int j = 0; j < 2 * KBW; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int vv = vw + c_row(e), k = 8 * nt + c_col(e);
-      S[nt][e] = dhT != nullptr && vv < d.dv && k < d.dk
-                     ? dhT[state_off + static_cast<int64_t>(k) * d.dv + vv]
-                     : 0.f;
+      const int vv = vw + c_row(e), k = 16 * kb0 + 8 * j + c_col(e);
+      S[j][e] = dhT != nullptr && vv < d.dv && k < d.dk
+                    ? dhT[state_off + static_cast<int64_t>(k) * d.dv + vv]
+                    : 0.f;
     }
   }
 
@@ -277,7 +286,7 @@ __global__ void __launch_bounds__(kStateThreads)
   for (int c = c1 - 1; c >= c0; --c) {
     const int b = (c1 - 1 - c) & 1;
     cp_async_wait<0>();
-    __syncthreads();
+    __syncthreads();  // chunk c staged and visible; every warp is done with buffer b ^ 1 and red
     if (c - 1 >= c0) stage(c - 1, b ^ 1);
     const bf16_t* Qs = Qs0 + b * nk;
     const bf16_t* Ks = Ks0 + b * nk;
@@ -288,32 +297,36 @@ __global__ void __launch_bounds__(kStateThreads)
     const int64_t slot = static_cast<int64_t>(c) * d.Hv + h;
 
     // bf16(dS^T): the snapshot dH_c and the A operand of dS^T K^T.
-    uint32_t sa[8][4];
+    uint32_t sa[KBW][4];
     bf16_t* dHc = dHt + slot * sd;  // [dv, dk]
 #pragma unroll
-    for (int kb = 0; kb < 8; ++kb) {
-      if (kb >= nkb) break;
-      c_to_a(sa[kb], S[2 * kb], S[2 * kb + 1]);
+    for (int kbl = 0; kbl < KBW; ++kbl) {
+      const int kb = kb0 + kbl;
+      c_to_a(sa[kbl], S[2 * kbl], S[2 * kbl + 1]);
+      if (kb >= nkb) continue;
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const int vv = vw + g8 + 8 * (q & 1), k = 16 * kb + 2 * t4 + 8 * (q >> 1);
         if (vv < d.dv && k < d.dk)
-          *reinterpret_cast<uint32_t*>(dHc + static_cast<int64_t>(vv) * d.dk + k) = sa[kb][q];
+          *reinterpret_cast<uint32_t*>(dHc + static_cast<int64_t>(vv) * d.dk + k) = sa[kbl][q];
       }
     }
-    // dV'^T = dV'_loc^T + (dS^T K^T) diag(dec).
+    // dV'^T = dV'_loc^T + (dS^T K^T) diag(dec) (this warp's k-blocks, then the sum of the KS
+    // partials).
     float y[8][4] = {};
 #pragma unroll
-    for (int kb = 0; kb < 8; ++kb) {
+    for (int kbl = 0; kbl < KBW; ++kbl) {
+      const int kb = kb0 + kbl;
       if (kb >= nkb) break;
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
         uint32_t bb[4];
         load_b_nk(bb, Ks, ldk, 16 * np, 16 * kb);
-        mma(y[2 * np], sa[kb], bb[0], bb[1]);
-        mma(y[2 * np + 1], sa[kb], bb[2], bb[3]);
+        mma(y[2 * np], sa[kbl], bb[0], bb[1]);
+        mma(y[2 * np + 1], sa[kbl], bb[2], bb[3]);
       }
     }
+    if constexpr (KS > 1) state_exchange_sum<KS>(y, red, kq, vwarp, lane);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       const int ta = 8 * nt + 2 * t4;
@@ -327,6 +340,7 @@ __global__ void __launch_bounds__(kStateThreads)
     bf16_t* Vc = dVt + slot * d.dv * kC;  // [dv, 64]
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
+      if (nt % KS != kq) continue;  // the KS warps of a column slice share the stores
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int vv = vw + g8 + 8 * hf;
@@ -343,7 +357,7 @@ __global__ void __launch_bounds__(kStateThreads)
       na[kb][1] = pack(-y[2 * kb][2], -y[2 * kb][3]);
       na[kb][2] = pack(-y[2 * kb + 1][0], -y[2 * kb + 1][1]);
       na[kb][3] = pack(-y[2 * kb + 1][2], -y[2 * kb + 1][3]);
-      load_a_km(oa[kb], dOs, ldo, 16 * warp, 16 * kb);
+      load_a_km(oa[kb], dOs, ldo, 16 * vwarp, 16 * kb);
       const int ta = 16 * kb + 2 * t4, tb = ta + 8;
       const float f0 = d.scale * expf(gm[ta]), f1 = d.scale * expf(gm[ta + 1]);
       const float f2 = d.scale * expf(gm[tb]), f3 = d.scale * expf(gm[tb + 1]);
@@ -352,35 +366,36 @@ __global__ void __launch_bounds__(kStateThreads)
       oa[kb][2] = scale2(oa[kb][2], f2, f3);
       oa[kb][3] = scale2(oa[kb][3], f2, f3);
     }
-    // dS^T <- G_L dS^T + (s dO^T diag(G)) Q - dV'^T W.
+    // dS^T <- G_L dS^T + (s dO^T diag(G)) Q - dV'^T W (this warp's k-blocks only).
     const float GL = expf(glast);
 #pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
+    for (int j = 0; j < 2 * KBW; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) S[nt][e] *= GL;
+      for (int e = 0; e < 4; ++e) S[j][e] *= GL;
     }
 #pragma unroll
     for (int kb = 0; kb < 4; ++kb) {
 #pragma unroll
-      for (int np = 0; np < 8; ++np) {
+      for (int kbl = 0; kbl < KBW; ++kbl) {
+        const int np = kb0 + kbl;
         if (np >= nkb) break;
         uint32_t bq[4], bw[4];
         load_b_kn(bq, Qs, ldk, 16 * np, 16 * kb);
         load_b_kn(bw, Ws, ldk, 16 * np, 16 * kb);
-        mma(S[2 * np], oa[kb], bq[0], bq[1]);
-        mma(S[2 * np + 1], oa[kb], bq[2], bq[3]);
-        mma(S[2 * np], na[kb], bw[0], bw[1]);
-        mma(S[2 * np + 1], na[kb], bw[2], bw[3]);
+        mma(S[2 * kbl], oa[kb], bq[0], bq[1]);
+        mma(S[2 * kbl + 1], oa[kb], bq[2], bq[3]);
+        mma(S[2 * kbl], na[kb], bw[0], bw[1]);
+        mma(S[2 * kbl + 1], na[kb], bw[2], bw[3]);
       }
     }
   }
   if (dh0 != nullptr) {
 #pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
+    for (int j = 0; j < 2 * KBW; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int vv = vw + c_row(e), k = 8 * nt + c_col(e);
-        if (vv < d.dv && k < d.dk) dh0[state_off + static_cast<int64_t>(k) * d.dv + vv] = S[nt][e];
+        const int vv = vw + c_row(e), k = 16 * kb0 + 8 * j + c_col(e);
+        if (vv < d.dv && k < d.dk) dh0[state_off + static_cast<int64_t>(k) * d.dv + vv] = S[j][e];
       }
     }
   }
@@ -994,14 +1009,25 @@ void fast_dvloc(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16
 void fast_state_bwd(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
                     const bf16_t* W, const bf16_t* dout, const float* dvlocT, const float* gam,
                     const float* dhT, bf16_t* dHt, bf16_t* dVt, float* dh0, cudaStream_t s) {
-  const size_t smem = state_bwd_smem(d);
-  const auto* kernel = reinterpret_cast<const void*>(&gdr_fast_state_bwd_kernel);
-  allow_smem(kernel, smem, "gdr_fast_state_bwd_kernel", d.dk, d.dv);  // 2 x 113 KB per SM at 128
   const int nvb = (d.VP + kVB - 1) / kVB;
-  const dim3 grid(grid_x(static_cast<int64_t>(d.N) * nvb, "gdr_fast_state_bwd_kernel"),
-                  static_cast<unsigned>(d.Hv));
-  gdr_fast_state_bwd_kernel<<<grid, kStateThreads, smem, s>>>(d, ix, qn, kn, W, dout, dvlocT, gam,
-                                                              dhT, dHt, dVt, dh0);
+  const int64_t blocks = static_cast<int64_t>(d.N) * nvb;
+  const int ks = state_split(blocks * d.Hv);
+  const size_t smem = state_bwd_smem(d, ks);  // 2 x 113 KB per SM at 128 with ks = 1
+  const dim3 grid(grid_x(blocks, "gdr_fast_state_bwd_kernel"), static_cast<unsigned>(d.Hv));
+  auto launch = [&](auto kernel) {
+    allow_smem(reinterpret_cast<const void*>(kernel), smem, "gdr_fast_state_bwd_kernel", d.dk,
+               d.dv);
+    kernel<<<grid, kStateThreads * ks, smem, s>>>(d, ix, qn, kn, W, dout, dvlocT, gam, dhT, dHt,
+                                                  dVt, dh0);
+  };
+  if (ks == 8)
+    launch(&gdr_fast_state_bwd_kernel<8>);
+  else if (ks == 4)
+    launch(&gdr_fast_state_bwd_kernel<4>);
+  else if (ks == 2)
+    launch(&gdr_fast_state_bwd_kernel<2>);
+  else
+    launch(&gdr_fast_state_bwd_kernel<1>);
   GDN_CUDA_LAUNCH_CHECK("gdr_fast_state_bwd_kernel");
 }
 

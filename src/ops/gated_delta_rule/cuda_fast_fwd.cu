@@ -5,13 +5,14 @@
 //   prep       per (chunk, value head), 8 warps: gamma (sequential fp32 cumsum), K K^T, M, the
 //              blocked fp32 inverse T = (I + M)^{-1}, W = T diag(beta G) K, U = T diag(beta) V
 //              (fla chunk_scaled_dot_kkt + solve_tril + recompute_w_u).
-//   state_fwd  per (document, value head, 32 value columns), 2 warps, sequential over the chunks
-//              (fla chunk_gated_delta_rule_fwd_kernel_h): each warp keeps S^T for its 16 columns
-//              in fp32 mma accumulators [16 x dk]; per chunk S^T repacked to bf16 is at once the
-//              snapshot written to Ht and the A operand of V'^T = U^T - S^T W^T, and the V'^T
-//              accumulators scaled by dec and repacked are the A operand of the update
-//              S^T <- G_L S^T + (V' diag(dec))^T K. Only W, K, U and gamma of the next chunk move
-//              through shared memory (cp.async, double-buffered): one barrier per chunk.
+//   state_fwd  per (document, value head, 32 value columns), 2 KS warps (KS = the dk split,
+//              cuda_fast.h), sequential over the chunks (fla chunk_gated_delta_rule_fwd_kernel_h):
+//              each warp keeps S^T for its 16 columns and dk / KS rows in fp32 mma accumulators;
+//              per chunk S^T repacked to bf16 is at once the snapshot written to Ht and the A
+//              operand of V'^T = U^T - S^T W^T, and the V'^T accumulators scaled by dec and
+//              repacked are the A operand of the update S^T <- G_L S^T + (V' diag(dec))^T K. Only
+//              W, K, U and gamma of the next chunk move through shared memory (cp.async,
+//              double-buffered): one barrier per chunk.
 //   output     per (chunk, value head), 8 warps (fla chunk_fwd_kernel_o): the masked gated scores
 //              stay in registers as the A operand of P V'.
 // Gates: gamma is the chunk-local inclusive cumsum of g in fp32, summed in order, so it never
@@ -19,9 +20,13 @@
 // gamma_63 - gamma_i) is <= 0: strong decay underflows to 0, never overflows. At g ~ -20 the
 // difference of two cumsums is off by ~1e-4 relative (cpu.cpp sums each exponent in fp64), far
 // below the bf16 rounding of the operands it scales.
+#include <atomic>
 #include <climits>
 
 #include "gdn/backend/cuda_check.h"
+#include "gdn/backend/cuda_context.h"
+#include "gdn/core/error.h"
+#include "ops/gated_delta_rule/cuda.h"
 #include "ops/gated_delta_rule/cuda_fast.h"
 #include "ops/gated_delta_rule/cuda_mma.cuh"
 
@@ -261,11 +266,21 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 // --- the state pass
 // ----------------------------------------------------------------------------------
-size_t state_fwd_smem(const Dims& d) {
-  return 2 * (2 * tile_bytes_bf16(kC, d.KP) + tile_bytes_bf16(kC, kVB) + kVecBytes);
+// KS splits dk over KS warp pairs (kSplitWarps): warp w owns the value columns 16 (w & 1).. of the
+// block and the k-blocks [KBW (w >> 1), KBW (w >> 1) + KBW) of the state, KBW = 8 / KS. The only
+// product that reduces over dk, X = S^T W^T, then needs a sum of KS partials per chunk: each warp
+// writes its partial to shared memory, and after a barrier every warp of a column slice adds the
+// KS partials in the same order (p = 0 .. KS-1), so that all of them hold bitwise the same V'.
+// KS = 1 is the plain kernel (2 warps, no exchange). A larger KS cuts the sequential work of each
+// warp per chunk by KS (the pass is latency-bound when the grid has fewer blocks than SMs) and
+// spreads the staging over KS times the threads.
+size_t state_fwd_smem(const Dims& d, int ks) {
+  return 2 * (2 * tile_bytes_bf16(kC, d.KP) + tile_bytes_bf16(kC, kVB) + kVecBytes) +
+         (ks > 1 ? state_red_bytes(ks) : 0);
 }
 
-__global__ void __launch_bounds__(kStateThreads)
+template <int KS>
+__global__ void __launch_bounds__(kStateThreads* KS)
     gdr_fast_state_fwd_kernel(Dims d, IndexView ix,
                               const bf16_t* __restrict__ W,   // [T, Hv, dk]
                               const bf16_t* __restrict__ kn,  // [T, Hk, dk]
@@ -275,21 +290,24 @@ __global__ void __launch_bounds__(kStateThreads)
                               bf16_t* __restrict__ Ht,        // [nt_max, Hv, dv, dk]
                               bf16_t* __restrict__ Vt,        // [nt_max, Hv, dv, 64]
                               float* __restrict__ hT) {       // [N, Hv, dk, dv] or null
+  constexpr int KBW = 8 / KS;                                 // k-blocks of 16 per warp
   const int nvb = (d.VP + kVB - 1) / kVB;
   const int n = static_cast<int>(blockIdx.x) / nvb, vb = static_cast<int>(blockIdx.x) % nvb;
   const int h = static_cast<int>(blockIdx.y), kh = h / d.r;
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int vwarp = warp & 1, kq = warp >> 1, kb0 = KBW * kq;
   const int g8 = lane >> 2, t4 = lane & 3;
   const int col0 = vb * kVB, cvalid = min(kVB, d.dv - col0);
-  const int vw = col0 + 16 * warp;  // the warp's first value column (row of S^T)
+  const int vw = col0 + 16 * vwarp;  // the warp's first value column (row of S^T)
   const int ldk = ld_of(d.KP), ldu = ld_of(kVB), nkb = d.KP / 16;
   extern __shared__ __align__(128) char smem[];
   SmemCarver sc(smem);
   const int64_t nk = tile_bytes_bf16(kC, d.KP) / 2, nu = tile_bytes_bf16(kC, kVB) / 2;
-  bf16_t* Ws0 = sc.take<bf16_t>(2 * tile_bytes_bf16(kC, d.KP));  // 2 x [64, KP] W
-  bf16_t* Ks0 = sc.take<bf16_t>(2 * tile_bytes_bf16(kC, d.KP));  // 2 x [64, KP] K
-  bf16_t* Us0 = sc.take<bf16_t>(2 * tile_bytes_bf16(kC, kVB));   // 2 x [64, 32] U columns
-  float* gm0 = sc.take<float>(2 * kVecBytes);                    // 2 x [64] gamma
+  bf16_t* Ws0 = sc.take<bf16_t>(2 * tile_bytes_bf16(kC, d.KP));           // 2 x [64, KP] W
+  bf16_t* Ks0 = sc.take<bf16_t>(2 * tile_bytes_bf16(kC, d.KP));           // 2 x [64, KP] K
+  bf16_t* Us0 = sc.take<bf16_t>(2 * tile_bytes_bf16(kC, kVB));            // 2 x [64, 32] U columns
+  float* gm0 = sc.take<float>(2 * kVecBytes);                             // 2 x [64] gamma
+  float4* red = KS > 1 ? sc.take<float4>(state_red_bytes(KS)) : nullptr;  // [KS, 2, 8, 32] partials
   sc.done();
 
   const int bos = ix.bos[n], eos = ix.bos[n + 1], c0 = ix.chunk0[n], c1 = ix.chunk0[n + 1];
@@ -307,18 +325,19 @@ __global__ void __launch_bounds__(kStateThreads)
     cp_async_commit();
   };
 
-  // S^T rows vw + (g8, g8 + 8), columns 8 nt + 2 t4 (+1): S[nt][e] (cuda_mma.cuh's C layout).
-  float S[16][4];
+  // S^T rows vw + (g8, g8 + 8), columns 16 kb0 + 8 j + 2 t4 (+1): S[j][e] (cuda_mma.cuh's C
+  // layout).
+  float S[2 * KBW][4];
   const int64_t sd = static_cast<int64_t>(d.dk) * d.dv;
   const int64_t state_off = (static_cast<int64_t>(n) * d.Hv + h) * sd;
 #pragma unroll
-  for (int nt = 0; nt < 16; ++nt) {
+  for (int j = 0; j < 2 * KBW; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int vv = vw + c_row(e), k = 8 * nt + c_col(e);
-      S[nt][e] = h0 != nullptr && vv < d.dv && k < d.dk
-                     ? h0[state_off + static_cast<int64_t>(k) * d.dv + vv]
-                     : 0.f;
+      const int vv = vw + c_row(e), k = 16 * kb0 + 8 * j + c_col(e);
+      S[j][e] = h0 != nullptr && vv < d.dv && k < d.dk
+                    ? h0[state_off + static_cast<int64_t>(k) * d.dv + vv]
+                    : 0.f;
     }
   }
 
@@ -326,7 +345,7 @@ __global__ void __launch_bounds__(kStateThreads)
   for (int c = c0; c < c1; ++c) {
     const int b = (c - c0) & 1;
     cp_async_wait<0>();
-    __syncthreads();  // chunk c staged and visible; every warp is done with buffer b ^ 1
+    __syncthreads();  // chunk c staged and visible; every warp is done with buffer b ^ 1 and red
     if (c + 1 < c1) stage(c + 1, b ^ 1);
     const bf16_t* Ws = Ws0 + b * nk;
     const bf16_t* Ks = Ks0 + b * nk;
@@ -335,37 +354,40 @@ __global__ void __launch_bounds__(kStateThreads)
     const float glast = gm[kC - 1];
 
     // bf16(S^T): the snapshot H_c and the A operand of S^T W^T.
-    uint32_t sa[8][4];
+    uint32_t sa[KBW][4];
     bf16_t* Hc = Ht + (static_cast<int64_t>(c) * d.Hv + h) * sd;  // [dv, dk]
 #pragma unroll
-    for (int kb = 0; kb < 8; ++kb) {
-      if (kb >= nkb) break;
-      c_to_a(sa[kb], S[2 * kb], S[2 * kb + 1]);
+    for (int kbl = 0; kbl < KBW; ++kbl) {
+      const int kb = kb0 + kbl;
+      c_to_a(sa[kbl], S[2 * kbl], S[2 * kbl + 1]);
+      if (kb >= nkb) continue;
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const int vv = vw + g8 + 8 * (q & 1), k = 16 * kb + 2 * t4 + 8 * (q >> 1);
         if (vv < d.dv && k < d.dk)
-          *reinterpret_cast<uint32_t*>(Hc + static_cast<int64_t>(vv) * d.dk + k) = sa[kb][q];
+          *reinterpret_cast<uint32_t*>(Hc + static_cast<int64_t>(vv) * d.dk + k) = sa[kbl][q];
       }
     }
-    // X = S^T W^T [16, 64 tokens].
+    // X = S^T W^T [16, 64 tokens] (this warp's k-blocks, then the sum of the KS partials).
     float x[8][4] = {};
 #pragma unroll
-    for (int kb = 0; kb < 8; ++kb) {
+    for (int kbl = 0; kbl < KBW; ++kbl) {
+      const int kb = kb0 + kbl;
       if (kb >= nkb) break;
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
         uint32_t bb[4];
         load_b_nk(bb, Ws, ldk, 16 * np, 16 * kb);
-        mma(x[2 * np], sa[kb], bb[0], bb[1]);
-        mma(x[2 * np + 1], sa[kb], bb[2], bb[3]);
+        mma(x[2 * np], sa[kbl], bb[0], bb[1]);
+        mma(x[2 * np + 1], sa[kbl], bb[2], bb[3]);
       }
     }
-    // V'^T = U^T - X (U^T's A fragments are exactly the positions of x's C fragments).
+    if constexpr (KS > 1) state_exchange_sum<KS>(x, red, kq, vwarp, lane);
+      // V'^T = U^T - X (U^T's A fragments are exactly the positions of x's C fragments).
 #pragma unroll
     for (int kb = 0; kb < 4; ++kb) {
       uint32_t u[4];
-      load_a_km(u, Us, ldu, 16 * warp, 16 * kb);
+      load_a_km(u, Us, ldu, 16 * vwarp, 16 * kb);
       x[2 * kb][0] = lo_f(u[0]) - x[2 * kb][0];
       x[2 * kb][1] = hi_f(u[0]) - x[2 * kb][1];
       x[2 * kb][2] = lo_f(u[1]) - x[2 * kb][2];
@@ -375,10 +397,12 @@ __global__ void __launch_bounds__(kStateThreads)
       x[2 * kb + 1][2] = lo_f(u[3]) - x[2 * kb + 1][2];
       x[2 * kb + 1][3] = hi_f(u[3]) - x[2 * kb + 1][3];
     }
-    // V' to Vt[c] (all 64 tokens: exact zeros past the chunk's end).
+    // V' to Vt[c] (all 64 tokens: exact zeros past the chunk's end); the KS warps of a column slice
+    // hold the same V' and write token tiles nt = kq (mod KS).
     bf16_t* Vc = Vt + (static_cast<int64_t>(c) * d.Hv + h) * d.dv * kC;  // [dv, 64]
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
+      if (nt % KS != kq) continue;
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int vv = vw + g8 + 8 * hf;
@@ -399,32 +423,33 @@ __global__ void __launch_bounds__(kStateThreads)
       va[kb][2] = pack(x[2 * kb + 1][0] * d2, x[2 * kb + 1][1] * d3);
       va[kb][3] = pack(x[2 * kb + 1][2] * d2, x[2 * kb + 1][3] * d3);
     }
-    // S^T <- G_L S^T + (V' diag(dec))^T K.
+    // S^T <- G_L S^T + (V' diag(dec))^T K (this warp's k-blocks only: no reduction over dk).
     const float GL = expf(glast);
 #pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
+    for (int j = 0; j < 2 * KBW; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) S[nt][e] *= GL;
+      for (int e = 0; e < 4; ++e) S[j][e] *= GL;
     }
 #pragma unroll
     for (int kb = 0; kb < 4; ++kb) {
 #pragma unroll
-      for (int np = 0; np < 8; ++np) {
+      for (int kbl = 0; kbl < KBW; ++kbl) {
+        const int np = kb0 + kbl;
         if (np >= nkb) break;
         uint32_t bb[4];
         load_b_kn(bb, Ks, ldk, 16 * np, 16 * kb);
-        mma(S[2 * np], va[kb], bb[0], bb[1]);
-        mma(S[2 * np + 1], va[kb], bb[2], bb[3]);
+        mma(S[2 * kbl], va[kb], bb[0], bb[1]);
+        mma(S[2 * kbl + 1], va[kb], bb[2], bb[3]);
       }
     }
   }
   if (hT != nullptr) {
 #pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
+    for (int j = 0; j < 2 * KBW; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int vv = vw + c_row(e), k = 8 * nt + c_col(e);
-        if (vv < d.dv && k < d.dk) hT[state_off + static_cast<int64_t>(k) * d.dv + vv] = S[nt][e];
+        const int vv = vw + c_row(e), k = 16 * kb0 + 8 * j + c_col(e);
+        if (vv < d.dv && k < d.dk) hT[state_off + static_cast<int64_t>(k) * d.dv + vv] = S[j][e];
       }
     }
   }
@@ -546,7 +571,15 @@ __global__ void __launch_bounds__(kThreads, 2)
                        64 * nh, L, d.dv, d.scale);
 }
 
+std::atomic<int> g_state_split{0};  // gdr_set_state_split's override; 0 = automatic
+
 }  // namespace
+
+int state_split(int64_t blocks) {
+  const int forced = g_state_split.load(std::memory_order_relaxed);
+  if (forced != 0) return forced;
+  return blocks <= cuda::Context::get().sm_count() ? 4 : 1;
+}
 
 // --- launchers ----------------------------------------------------------------------------------
 void fast_prep(const Dims& d, const IndexView& ix, const bf16_t* kn, const bf16_t* v,
@@ -564,13 +597,24 @@ void fast_prep(const Dims& d, const IndexView& ix, const bf16_t* kn, const bf16_
 void fast_state_fwd(const Dims& d, const IndexView& ix, const bf16_t* W, const bf16_t* kn,
                     const bf16_t* U, const float* gam, const float* h0, bf16_t* Ht, bf16_t* Vt,
                     float* hT, cudaStream_t s) {
-  const size_t smem = state_fwd_smem(d);
-  allow_smem(reinterpret_cast<const void*>(&gdr_fast_state_fwd_kernel), smem,
-             "gdr_fast_state_fwd_kernel", d.dk, d.dv);
   const int nvb = (d.VP + kVB - 1) / kVB;
-  const dim3 grid(grid_x(static_cast<int64_t>(d.N) * nvb, "gdr_fast_state_fwd_kernel"),
-                  static_cast<unsigned>(d.Hv));
-  gdr_fast_state_fwd_kernel<<<grid, kStateThreads, smem, s>>>(d, ix, W, kn, U, gam, h0, Ht, Vt, hT);
+  const int64_t blocks = static_cast<int64_t>(d.N) * nvb;
+  const int ks = state_split(blocks * d.Hv);
+  const size_t smem = state_fwd_smem(d, ks);
+  const dim3 grid(grid_x(blocks, "gdr_fast_state_fwd_kernel"), static_cast<unsigned>(d.Hv));
+  auto launch = [&](auto kernel) {
+    allow_smem(reinterpret_cast<const void*>(kernel), smem, "gdr_fast_state_fwd_kernel", d.dk,
+               d.dv);
+    kernel<<<grid, kStateThreads * ks, smem, s>>>(d, ix, W, kn, U, gam, h0, Ht, Vt, hT);
+  };
+  if (ks == 8)
+    launch(&gdr_fast_state_fwd_kernel<8>);
+  else if (ks == 4)
+    launch(&gdr_fast_state_fwd_kernel<4>);
+  else if (ks == 2)
+    launch(&gdr_fast_state_fwd_kernel<2>);
+  else
+    launch(&gdr_fast_state_fwd_kernel<1>);
   GDN_CUDA_LAUNCH_CHECK("gdr_fast_state_fwd_kernel");
 }
 
@@ -586,3 +630,18 @@ void fast_output(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf1
 }
 
 }  // namespace gdn::ops::gdr
+
+namespace gdn::ops {
+
+void gdr_set_state_split(int ks) {
+  GDN_CHECK(ks == 0 || ks == 1 || ks == 2 || ks == 4 || ks == 8,
+            "gated_delta_rule (cuda): state split {} is not one of 0 (automatic), 1, 2, 4, 8", ks);
+  gdr::g_state_split.store(ks, std::memory_order_relaxed);
+}
+
+int gdr_state_split_for(int64_t N, int64_t Hv, int64_t dv) {
+  const int64_t nvb = (gdr::pad16(static_cast<int>(dv)) + gdr::kVB - 1) / gdr::kVB;
+  return gdr::state_split(N * nvb * Hv);
+}
+
+}  // namespace gdn::ops

@@ -58,16 +58,17 @@
 //     structure: per-chunk kernels for T, W, U and the output around a sequential state pass per
 //     (document, value head, block of value columns), which keeps S in fp32 registers; the
 //     backward rebuilds the forward chain, then a reverse state pass and per-chunk gradient
-//     kernels). Two routes with the same contract (cuda.cu): the fast one (dk, dv <= 128,
-//     multiples of 8, 16-byte aligned tensors; mma.sync with operands kept in registers, gates
-//     from fp32 chunk-local cumsums of g, every product bf16 x bf16 -> fp32) and the generic one
-//     (any dims; WMMA, gates summed term by term as on the cpu, the inverse's backward in tf32).
-//     On both, T = (I + M)^{-1} is inverted in fp32, the running state and dS are fp32, and the
-//     operands are rounded to bf16: normalised q/k, T, W, U, V', the chunk-boundary state
-//     snapshots and the score matrices (gdn_spec.md §3.7). dg is assembled as on the cpu. Device
-//     cu_seqlens are never read on the host: the kernels clamp them into [0, T] and make them
-//     non-decreasing (cuda.h, which also exposes the chunk index so that a micro-batch builds it
-//     once for all its layers).
+//     kernels; on the fast route the state passes split dk over 2, 4 or 8 warp pairs when their
+//     grid has no more blocks than SMs, one long document, cuda_fast.h). Two routes with the same
+//     contract (cuda.cu): the fast one (dk, dv <= 128, multiples of 8, 16-byte aligned tensors;
+//     mma.sync with operands kept in registers, gates from fp32 chunk-local cumsums of g, every
+//     product bf16 x bf16 -> fp32) and the generic one (any dims; WMMA, gates summed term by term
+//     as on the cpu, the inverse's backward in tf32). On both, T = (I + M)^{-1} is inverted in
+//     fp32, the running state and dS are fp32, and the operands are rounded to bf16: normalised
+//     q/k, T, W, U, V', the chunk-boundary state snapshots and the score matrices (gdn_spec.md
+//     §3.7). dg is assembled as on the cpu. Device cu_seqlens are never read on the host: the
+//     kernels clamp them into [0, T] and make them non-decreasing (cuda.h, which also exposes the
+//     chunk index so that a micro-batch builds it once for all its layers).
 // Determinism: cpu is bitwise deterministic and independent of the thread count (each (document,
 // head) pair is computed by one thread in a fixed order; the sums over the r value heads of a key
 // head run afterwards in head order; BLAS runs single-threaded inside the op). cuda is bitwise
