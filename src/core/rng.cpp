@@ -3,22 +3,14 @@
 #include <cmath>
 
 #include "gdn/core/error.h"
+#include "gdn/core/philox.h"
 
 namespace gdn::rng {
 
 std::array<uint32_t, 4> philox4x32(std::array<uint32_t, 4> c, std::array<uint32_t, 2> k) {
-  constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
-  constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
-  for (int round = 0; round < 10; ++round) {
-    uint64_t p0 = static_cast<uint64_t>(kM0) * c[0];
-    uint64_t p1 = static_cast<uint64_t>(kM1) * c[2];
-    uint32_t hi0 = static_cast<uint32_t>(p0 >> 32), lo0 = static_cast<uint32_t>(p0);
-    uint32_t hi1 = static_cast<uint32_t>(p1 >> 32), lo1 = static_cast<uint32_t>(p1);
-    c = {hi1 ^ c[1] ^ k[0], lo1, hi0 ^ c[3] ^ k[1], lo0};
-    k[0] += kW0;
-    k[1] += kW1;
-  }
-  return c;
+  const detail::Philox4 r =
+      detail::philox4x32_10(detail::Philox4{{c[0], c[1], c[2], c[3]}}, k[0], k[1]);
+  return {r.v[0], r.v[1], r.v[2], r.v[3]};
 }
 
 uint64_t stream_id(std::string_view name) {
@@ -32,10 +24,8 @@ uint64_t stream_id(std::string_view name) {
 
 namespace {
 std::array<uint32_t, 4> draw(uint64_t seed, uint64_t stream, uint64_t index) {
-  std::array<uint32_t, 4> ctr = {static_cast<uint32_t>(index), static_cast<uint32_t>(index >> 32),
-                                 static_cast<uint32_t>(stream),
-                                 static_cast<uint32_t>(stream >> 32)};
-  return philox4x32(ctr, {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)});
+  const detail::Philox4 r = detail::draw(seed, stream, index);
+  return {r.v[0], r.v[1], r.v[2], r.v[3]};
 }
 }  // namespace
 

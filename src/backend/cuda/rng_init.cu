@@ -1,39 +1,23 @@
 // Device fills for parameter initialisation (include/gdn/core/rng.h, DeviceFillHooks): the host's
-// Philox-4x32-10 counter draws (src/core/rng.cpp) computed on the GPU, so a model's fp32 master
-// weights are initialised where they live instead of on the host and copied (issue 8: launch to
-// first step). Hand-written: cuRAND's Philox uses its own counter layout and transforms, which
-// would not reproduce the host's values.
+// Philox-4x32-10 counter draws (include/gdn/core/philox.h, shared with src/core/rng.cpp) on the
+// GPU, so a model's fp32 master weights are initialised where they live instead of on the host and
+// copied (issue 8: launch to first step). Hand-written: cuRAND's Philox uses its own counter layout
+// and transforms, which would not reproduce the host's values.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
 #include "gdn/backend/cuda_check.h"
 #include "gdn/backend/cuda_context.h"
+#include "gdn/core/philox.h"
 #include "gdn/core/rng.h"
 
 namespace gdn::cuda {
 namespace {
 
-// The same rounds, constants and counter layout as rng::philox4x32 / draw() on the host.
 __device__ __forceinline__ uint4 philox(uint64_t seed, uint64_t stream, uint64_t index) {
-  constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
-  constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
-  uint32_t c0 = static_cast<uint32_t>(index), c1 = static_cast<uint32_t>(index >> 32),
-           c2 = static_cast<uint32_t>(stream), c3 = static_cast<uint32_t>(stream >> 32);
-  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-#pragma unroll
-  for (int round = 0; round < 10; ++round) {
-    const uint32_t hi0 = __umulhi(kM0, c0), lo0 = kM0 * c0;
-    const uint32_t hi1 = __umulhi(kM1, c2), lo1 = kM1 * c2;
-    const uint32_t n0 = hi1 ^ c1 ^ k0, n1 = lo1, n2 = hi0 ^ c3 ^ k1, n3 = lo0;
-    c0 = n0;
-    c1 = n1;
-    c2 = n2;
-    c3 = n3;
-    k0 += kW0;
-    k1 += kW1;
-  }
-  return make_uint4(c0, c1, c2, c3);
+  const rng::detail::Philox4 r = rng::detail::draw(seed, stream, index);
+  return make_uint4(r.v[0], r.v[1], r.v[2], r.v[3]);
 }
 
 __global__ void normal_kernel(float* __restrict__ p, int64_t n, uint64_t seed, uint64_t stream,
