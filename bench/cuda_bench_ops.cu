@@ -2,7 +2,13 @@
 // forward and backward, each as time, bytes moved, achieved GB/s and the ratio to the copy
 // bandwidth measured in the same run.
 //
-//   cuda_bench_ops [JSON_PATH] [--iters N] [--filter SUBSTRING]
+//   cuda_bench_ops [JSON_PATH] [--iters N] [--filter SUBSTRING] [--peers DIR [--peer-steps LIST]]
+//
+// --peers DIR: DIR holds the peers' pure-Python packages unpacked (fla, liger_kernel) and a copy of
+// ../shared/bench/peers.py (bench/stack_bench.sh says how to make it). The peers run first, in a
+// child python3 (so the two never share the GPU), on the steps of LIST (peers.py --only; default
+// "ceil,norms,conv,gdn,attn,flce"); their times are then printed beside ours in a last table, each
+// with our matching fwd+bwd time and the speedup, and written to the JSON under "peers".
 //
 // Method: CUDA events around every iteration, on the library's compute stream; warm-up first
 // (which also runs the resolver's probe); a 2 ms device-side wait before the timed iterations so
@@ -17,6 +23,7 @@
 // Adding an op: write a make_<op>_cases() that returns OpCases (see make_rmsnorm_cases for a
 // memory-bound op, make_gemm_cases for a matrix-bound one) and append it in run().
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -24,6 +31,7 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <string>
 #include <type_traits>
@@ -817,7 +825,7 @@ std::vector<OpCase> make_causal_conv1d_cases() {
     int64_t T, C, W, docs;
   };
   std::vector<OpCase> cases;
-  for (const Cfg& c : {Cfg{8192, 8192, 4, 1}, Cfg{8192, 8192, 4, 16}}) {
+  for (const Cfg& c : {Cfg{8192, 8192, 4, 1}, Cfg{8192, 8192, 4, 4}, Cfg{8192, 8192, 4, 16}}) {
     auto b = std::make_shared<Bufs>();
     const double act = 2.0 * static_cast<double>(c.T * c.C);  // one bf16 [T, C] tensor
     const double wb = 2.0 * static_cast<double>(c.C * c.W),
@@ -957,8 +965,137 @@ std::vector<OpCase> make_lce_cases() {
   return cases;
 }
 
+// --- peers -----------------------------------------------------------------------------------
+// Runs DIR/peers.py --timing-only --only STEPS --out OUT in a child process; returns its JSON
+// (an empty object if it failed: the reason is printed, ours are still measured). --timing-only:
+// fla refuses its gated-delta-rule backward on Hopper with Triton < 3.7.1 (its results are wrong
+// there, fla issue 640); peers.py lifts that guard for timing, so those peer times are timings
+// only.
+nlohmann::json run_peers(const std::string& dir, const std::string& steps, const std::string& out) {
+  for (char c : dir + steps + out)
+    GDN_CHECK(std::isalnum(static_cast<unsigned char>(c)) || std::strchr("/._-,", c) != nullptr,
+              "--peers / --peer-steps / JSON path: character '{}' is not allowed here (letters, "
+              "digits, / . _ - , only)",
+              c);
+  {
+    std::ifstream probe(dir + "/peers.py");
+    GDN_CHECK_HINT(probe.good(), "see the --peers note at the top of bench/cuda_bench_ops.cu",
+                   "--peers {}: no {}/peers.py", dir, dir);
+  }
+  const std::string cmd = fmt::format(
+      "PYTHONPATH={0} PYTHONUNBUFFERED=1 python3 {0}/peers.py --timing-only --only {1} --out {2}",
+      dir, steps, out);
+  std::printf("peers: %s\n", cmd.c_str());
+  std::fflush(stdout);
+  const int rc = std::system(cmd.c_str());
+  std::ifstream f(out);
+  if (rc != 0 || !f.good()) {
+    std::printf("peers: the peer run failed (exit status %d); no peer times in this run\n", rc);
+    return nlohmann::json::object();
+  }
+  try {
+    return nlohmann::json::parse(f);
+  } catch (const nlohmann::json::exception& e) {
+    std::printf("peers: %s is not JSON (%s)\n", out.c_str(), e.what());
+    return nlohmann::json::object();
+  }
+}
+
+// A peer measurement and the sum of our rows that does the same work.
+struct PeerMatch {
+  const char* peer;   // key in peers.py's JSON
+  const char* field;  // its time field (ms)
+  const char* ours;   // our case names, '|'-separated
+  const char* shape;  // substring of our case's shape
+  const char* note;
+};
+
+constexpr PeerMatch kPeerMatches[] = {
+    {"liger.zc_rmsnorm.fwdbwd.T8192", "ms", "rmsnorm.fwd|rmsnorm.bwd", "[8192, 4096] zero-centred",
+     "Liger zero-centred RMSNorm fwd+bwd"},
+    {"eager.zc_rmsnorm.fwdbwd.T8192", "ms", "rmsnorm.fwd|rmsnorm.bwd", "[8192, 4096] zero-centred",
+     "PyTorch eager"},
+    {"liger.swiglu.fwdbwd.T8192", "ms", "swiglu.fwd|swiglu.bwd", "[8192, 12288]", "Liger SwiGLU"},
+    {"eager.swiglu.fwdbwd.T8192", "ms", "swiglu.fwd|swiglu.bwd", "[8192, 12288]", "PyTorch eager"},
+    {"fla.gated_rmsnorm.fwdbwd.T8192", "ms", "gated_rmsnorm.fwd|gated_rmsnorm.bwd",
+     "[8192*32, 128]", "fla rms_norm_gated"},
+    {"fla.l2norm.fwdbwd.T8192", "ms", "l2norm.fwd|l2norm.bwd", "[8192*16, 128]", "fla l2norm"},
+    {"fla.conv1d.T8192.n1", "fwd_ms", "causal_conv1d.fwd", "W=4 silu 1doc",
+     "fla causal_conv1d fwd"},
+    {"fla.conv1d.T8192.n1", "fwdbwd_ms", "causal_conv1d.fwd|causal_conv1d.bwd", "W=4 silu 1doc",
+     "fla causal_conv1d fwd+bwd"},
+    {"fla.conv1d.T8192.n4", "fwdbwd_ms", "causal_conv1d.fwd|causal_conv1d.bwd", "W=4 silu 4doc",
+     "fla, 4 documents"},
+    {"fla.gdn.T8192.n1", "fwd_ms", "gated_delta_rule.fwd", "T=8192 N=1 Hk=16 Hv=32 d=128",
+     "fla chunk_gated_delta_rule fwd"},
+    {"fla.gdn.T8192.n1", "fwdbwd_ms", "gated_delta_rule.fwd|gated_delta_rule.bwd",
+     "T=8192 N=1 Hk=16 Hv=32 d=128", "fla fwd+bwd (timing only)"},
+    {"fla.gdn.T8192.n4", "fwdbwd_ms", "gated_delta_rule.fwd|gated_delta_rule.bwd",
+     "T=8192 N=4 Hk=16 Hv=32 d=128", "fla fwd+bwd, 4 documents"},
+    {"fla.gdn.T32768.n1", "fwdbwd_ms", "gated_delta_rule.fwd|gated_delta_rule.bwd",
+     "T=32768 N=1 Hk=16 Hv=32 d=128", "fla fwd+bwd, 32k tokens"},
+    {"torch.sdpa.T8192.n1", "fwd_ms", "gated_attention.fwd", "T=8192 N=1 16/4x256",
+     "SDPA core only; ours adds norms, RoPE, gate"},
+    {"torch.sdpa.T8192.n1", "fwdbwd_ms", "gated_attention.fwd+bwd", "T=8192 N=1 16/4x256",
+     "SDPA core only; ours adds norms, RoPE, gate"},
+    {"torch.sdpa.T8192.n4", "fwdbwd_ms", "gated_attention.fwd+bwd", "T=8192 N=4 16/4x256",
+     "SDPA, 4 documents"},
+    {"cublas.lmhead_3gemm.N8192.V248320", "ms", "lce.3gemm", "N=8192 D=4096 V=248320",
+     "torch's three GEMMs vs ours (cuBLASLt)"},
+    {"eager.flce.N8192.V248320", "ms", "lce.fwd_bwd", "B=1536MiB", "PyTorch eager LM head + CE"},
+    {"liger.flce.N8192.V248320", "ms", "lce.fwd_bwd", "B=1536MiB", "Liger fused linear CE"},
+};
+
+// Prints the peer table; returns its rows as JSON.
+nlohmann::json print_peers(const nlohmann::json& peers, const std::vector<Row>& rows) {
+  nlohmann::json out = nlohmann::json::array();
+  if (peers.empty()) return out;
+  std::printf("\npeers, measured in this run (time ms; speedup = peer time / ours)\n");
+  std::printf("%-36s %-10s %10s %10s %8s  %s\n", "peer", "field", "peer ms", "ours ms", "speedup",
+              "note");
+  for (const PeerMatch& m : kPeerMatches) {
+    if (!peers.contains(m.peer) || !peers[m.peer].contains(m.field)) continue;
+    const double peer_ms = peers[m.peer][m.field].get<double>();
+    double ours = 0;
+    bool found_all = true;
+    std::string names = m.ours;
+    for (size_t pos = 0; pos <= names.size();) {
+      const size_t end = names.find('|', pos);
+      const std::string name = names.substr(pos, end == std::string::npos ? end : end - pos);
+      bool found = false;
+      for (const Row& r : rows)
+        if (r.kind == "op" && r.name == name && r.shape.find(m.shape) != std::string::npos) {
+          ours += r.t.median_ms;
+          found = true;
+          break;
+        }
+      found_all = found_all && found;
+      if (end == std::string::npos) break;
+      pos = end + 1;
+    }
+    if (!found_all) continue;  // our case was filtered out of this run
+    std::printf("%-36s %-10s %10.3f %10.3f %7.2fx  %s\n", m.peer, m.field, peer_ms, ours,
+                peer_ms / ours, m.note);
+    out.push_back({{"peer", m.peer},
+                   {"field", m.field},
+                   {"peer_ms", peer_ms},
+                   {"ours", m.ours},
+                   {"shape", m.shape},
+                   {"ours_ms", ours},
+                   {"speedup", peer_ms / ours},
+                   {"note", m.note}});
+  }
+  for (auto it = peers.begin(); it != peers.end(); ++it)
+    if (it.key().find("error") != std::string::npos)
+      std::printf("peer step failed: %s %s\n", it.key().c_str(), it.value().dump().c_str());
+  if (peers.contains("ceiling.copy"))
+    std::printf("peers' own copy ceiling (torch copy_): %.1f GB/s\n",
+                peers["ceiling.copy"].value("TBps", 0.0) * 1e3);
+  return out;
+}
+
 int run(int argc, char** argv) {
-  std::string json_path, filter;
+  std::string json_path, filter, peers_dir, peer_steps = "ceil,norms,conv,gdn,attn,flce";
   int iters = 50;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -966,8 +1103,15 @@ int run(int argc, char** argv) {
       iters = std::max(20, std::atoi(argv[++i]));
     } else if (a == "--filter" && i + 1 < argc) {
       filter = argv[++i];
+    } else if (a == "--peers" && i + 1 < argc) {
+      peers_dir = argv[++i];
+    } else if (a == "--peer-steps" && i + 1 < argc) {
+      peer_steps = argv[++i];
     } else if (a == "-h" || a == "--help") {
-      std::printf("usage: %s [JSON_PATH] [--iters N (>= 20)] [--filter SUBSTRING]\n", argv[0]);
+      std::printf(
+          "usage: %s [JSON_PATH] [--iters N (>= 20)] [--filter SUBSTRING] [--peers DIR "
+          "[--peer-steps LIST]]\n",
+          argv[0]);
       return 0;
     } else if (!a.empty() && a[0] != '-') {
       json_path = a;
@@ -977,6 +1121,12 @@ int run(int argc, char** argv) {
   }
   GDN_CHECK_HINT(cuda_available(), "run on a machine with a GPU (check nvidia-smi)",
                  "no CUDA device is available");
+  // The peers first, before this process holds GPU memory.
+  const nlohmann::json peers =
+      peers_dir.empty()
+          ? nlohmann::json::object()
+          : run_peers(peers_dir, peer_steps,
+                      json_path.empty() ? std::string("peers.json") : json_path + ".peers.json");
   Context& ctx = Context::get();
   const cudaDeviceProp& p = ctx.props();
   std::printf("device: %s, sm_%d%d, %d SMs, L2 %.0f MB, %.1f GB\n", p.name, p.major, p.minor,
@@ -1059,6 +1209,8 @@ int run(int argc, char** argv) {
     }
   }
 
+  const nlohmann::json peer_rows = print_peers(peers, rows);
+
   if (!json_path.empty()) {
     std::string j = "{\n";
     j += fmt::format(
@@ -1094,7 +1246,7 @@ int run(int argc, char** argv) {
       }
       j += i + 1 < rows.size() ? "},\n" : "}\n";
     }
-    j += "  ]\n}\n";
+    j += "  ],\n  \"peers\": " + peer_rows.dump() + "\n}\n";
     std::ofstream f(json_path);
     GDN_CHECK(f.good(), "cannot write {}", json_path);
     f << j;
