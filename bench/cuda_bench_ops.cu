@@ -151,9 +151,13 @@ struct Row {
   std::string shape;
   std::string impl;
   Timing t;
-  double bytes = 0;  // bytes moved (ops, copy)
-  double flops = 0;  // gemm
+  double bytes = 0;          // bytes moved (ops, copy)
+  double flops = 0;          // gemm
+  double small_copy_ms = 0;  // ops under kSmallOpBytes: a copy of the same bytes (bench_small_copy)
 };
+
+// Memory-bound ops moving fewer bytes than this also get the copy ceiling at their own size.
+constexpr double kSmallOpBytes = 64e6;
 
 std::string json_escape(const std::string& s) {
   std::string o;
@@ -179,6 +183,36 @@ Row bench_copy(int iters) {
       },
       3, iters);
   return r;
+}
+
+// The copy ceiling of a small op: a device-to-device copy moving the same bytes (bytes / 2 read,
+// bytes / 2 written), one cudaMemcpyAsync per iteration, launch included. An op of a few MB is
+// bound by launch and memory latency, not bandwidth; the 1 GiB rate is not a ceiling it can
+// reach, this is. Each iteration copies a different window of 256 MiB buffers, so it reads device
+// memory, not L2.
+Timing bench_small_copy(double bytes, int iters) {
+  // Made once and kept to the end of the process (never freed: a static destructor would run
+  // after the CUDA runtime has shut down).
+  static OwnedTensor* src = nullptr;
+  static OwnedTensor* dst = nullptr;
+  const int64_t span = int64_t{256} << 20;
+  if (src == nullptr) {
+    src = new OwnedTensor(OwnedTensor::empty(DType::F32, {span / 4}, Device::CUDA));
+    dst = new OwnedTensor(OwnedTensor::empty(DType::F32, {span / 4}, Device::CUDA));
+    fill_uniform(*src, 5, -1.f, 1.f);
+  }
+  const int64_t n = (static_cast<int64_t>(bytes / 2) + 255) / 256 * 256;
+  const int64_t windows = std::max<int64_t>(1, span / n);
+  cudaStream_t s = cuda::stream();
+  auto* a = static_cast<char*>(src->view().data());
+  auto* b = static_cast<char*>(dst->view().data());
+  return time_it(
+      [&](int i) {
+        const int64_t off = (i % windows) * n;
+        GDN_CUDA_CHECK(
+            cudaMemcpyAsync(b + off, a + off, static_cast<size_t>(n), cudaMemcpyDeviceToDevice, s));
+      },
+      3, iters);
 }
 
 // D = A^T B in cuBLASLt's column-major terms (the "TN" layout of a row-major linear layer
@@ -1191,6 +1225,11 @@ int run(int argc, char** argv) {
       const double gbs = r.bytes / sec / 1e9;
       std::printf("%-26s %-28s %-14s %10.1f %12.1f %10.1f %8.3f\n", r.name.c_str(), r.shape.c_str(),
                   r.impl.c_str(), r.t.median_ms * 1e3, r.bytes / 1e6, gbs, gbs / copy_gbs);
+      if (r.bytes < kSmallOpBytes) {
+        r.small_copy_ms = bench_small_copy(r.bytes, iters).median_ms;
+        std::printf("%-26s   a copy of the same %.1f MB takes %.1f us: %.3f x that copy's time\n",
+                    "", r.bytes / 1e6, r.small_copy_ms * 1e3, r.small_copy_ms / r.t.median_ms);
+      }
     }
     rows.push_back(r);
     if (!c.compare_to.empty() || c.extra_bytes > 0) {
@@ -1231,6 +1270,9 @@ int run(int argc, char** argv) {
       if (r.bytes > 0)
         j += fmt::format(", \"bytes\": {:.0f}, \"gbs\": {:.1f}, \"ratio_to_copy\": {:.4f}", r.bytes,
                          r.bytes / sec / 1e9, r.bytes / sec / 1e9 / copy_gbs);
+      if (r.small_copy_ms > 0)
+        j += fmt::format(", \"same_bytes_copy_ms\": {:.6f}, \"ratio_to_same_bytes_copy\": {:.4f}",
+                         r.small_copy_ms, r.small_copy_ms / r.t.median_ms);
       if (r.flops > 0)
         j += fmt::format(", \"flops\": {:.0f}, \"tflops\": {:.1f}", r.flops, r.flops / sec / 1e12);
       if (r.flops > 0 && r.kind == "op")

@@ -5,8 +5,9 @@
 // Backward: blocks of 32 heads x 8 token lanes over tiles of kTileT tokens. Each thread writes da
 // and db of its elements and keeps its sums of dg * g and da in fp32 registers; the 8 token lanes
 // are summed in lane order through shared memory into one partial per (tile, head), and
-// column_sum_add_kernel adds the tile partials to dA_log and ddt_bias in a fixed order. No float
-// atomics: the result depends only on T and Hv.
+// gdn_gates_sum_kernel adds the tile partials to dA_log and ddt_bias in a fixed order (one launch
+// for both). No float atomics: the result depends only on T and Hv. Each thread issues the loads of
+// all its tokens before the arithmetic (latency, not bandwidth, bounds an op this small).
 // The op moves ~3.5 MB at T = 8192, Hv = 32: it is bound by launch latency, not bandwidth.
 #include <algorithm>
 #include <climits>
@@ -67,9 +68,28 @@ __global__ void __launch_bounds__(32 * kLanes)
   float sa = 0.f, sd = 0.f;  // sum dg * g, sum da
   if (h < H) {
     const float ne = -expf(A_log[h]), bias = dt_bias[h];
-    for (int64_t t = t0 + ty; t < t1; t += kLanes) {
+    // Every load of the thread's kTileT / kLanes tokens first, then the arithmetic: 4 * kPer
+    // independent loads in flight per thread (a loop that loads and computes token by token waits
+    // a memory latency per token; the op is too small for anything but latency to matter).
+    constexpr int kPer = kTileT / kLanes;
+    bf16_t av[kPer], bv[kPer];
+    float dgv[kPer], dbv[kPer];
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int64_t t = t0 + ty + static_cast<int64_t>(k) * kLanes;
+      const bool ok = t < t1;
+      const int64_t i = ok ? t * H + h : 0;
+      av[k] = ok ? a[i] : bf16_t{};
+      bv[k] = ok ? b[i] : bf16_t{};
+      dgv[k] = ok ? dg[i] : 0.f;
+      dbv[k] = ok ? dbeta[i] : 0.f;
+    }
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int64_t t = t0 + ty + static_cast<int64_t>(k) * kLanes;
+      if (t >= t1) break;
       const int64_t i = t * H + h;
-      const float x = bf16_to_f32(a[i]) + bias;
+      const float x = bf16_to_f32(av[k]) + bias;
       float sp, dsp;
       if (x > kThreshold) {
         sp = x;
@@ -79,13 +99,12 @@ __global__ void __launch_bounds__(32 * kLanes)
         sp = log1pf(ex);
         dsp = ex / (1.f + ex);
       }
-      const float dgi = dg[i];
-      const float dai = dgi * ne * dsp;
+      const float dai = dgv[k] * ne * dsp;
       da[i] = __float2bfloat16_rn(dai);
-      sa += dgi * (ne * sp);
+      sa += dgv[k] * (ne * sp);
       sd += dai;
-      const float s = cuda::sigmoidf_safe(bf16_to_f32(b[i]));
-      db[i] = __float2bfloat16_rn(dbeta[i] * s * (1.f - s));
+      const float sg = cuda::sigmoidf_safe(bf16_to_f32(bv[k]));
+      db[i] = __float2bfloat16_rn(dbv[k] * sg * (1.f - sg));
     }
   }
   red[0][ty][tx] = sa;
@@ -96,6 +115,33 @@ __global__ void __launch_bounds__(32 * kLanes)
 #pragma unroll
     for (int j = 0; j < kLanes; ++j) s += red[ty][j][tx];  // lane order: deterministic
     partial[(static_cast<int64_t>(ty) * ntiles + tile) * H + h] = s;
+  }
+}
+
+// dA_log[h] += sum over tiles of partial[0, tile, h]; ddt_bias[h] likewise from plane 1 (blockIdx.y
+// picks the plane): one launch for both. Per column, kLanes slices of tiles each summed in
+// increasing tile order, then the slices in slice order: deterministic.
+__global__ void __launch_bounds__(32 * kLanes)
+    gdn_gates_sum_kernel(const float* __restrict__ partial,  // [2, ntiles, Hv]
+                         float* __restrict__ dA_log,         // [Hv]
+                         float* __restrict__ ddt_bias,       // [Hv]
+                         int ntiles, int H) {
+  __shared__ float red[kLanes][33];
+  const int tx = static_cast<int>(threadIdx.x), ty = static_cast<int>(threadIdx.y);
+  const int h = static_cast<int>(blockIdx.x) * 32 + tx, plane = static_cast<int>(blockIdx.y);
+  const float* src = partial + static_cast<int64_t>(plane) * ntiles * H;
+  float acc = 0.f;
+  if (h < H) {
+#pragma unroll 8
+    for (int p = ty; p < ntiles; p += kLanes) acc += src[static_cast<int64_t>(p) * H + h];
+  }
+  red[ty][tx] = acc;
+  __syncthreads();
+  if (ty == 0 && h < H) {
+    float t = 0.f;
+#pragma unroll
+    for (int j = 0; j < kLanes; ++j) t += red[j][tx];
+    (plane == 0 ? dA_log : ddt_bias)[h] += t;
   }
 }
 
@@ -142,13 +188,9 @@ void backward(const GdnGatesBwd& p) {
   gdn_gates_bwd_kernel<<<grid, dim3(32, kLanes), 0, s>>>(a, b, A_log, dt_bias, dg, dbeta, da, db,
                                                          partial, T, static_cast<int>(H));
   GDN_CUDA_LAUNCH_CHECK("gdn_gates_bwd_kernel");
-  const unsigned cols = static_cast<unsigned>(hblocks);
-  cuda::column_sum_add_kernel<>
-      <<<cols, 256, 0, s>>>(partial, dA_log, static_cast<int>(ntiles), static_cast<int>(H));
-  GDN_CUDA_LAUNCH_CHECK("column_sum_add_kernel");
-  cuda::column_sum_add_kernel<><<<cols, 256, 0, s>>>(partial + ntiles * H, ddt_bias,
-                                                     static_cast<int>(ntiles), static_cast<int>(H));
-  GDN_CUDA_LAUNCH_CHECK("column_sum_add_kernel");
+  gdn_gates_sum_kernel<<<dim3(static_cast<unsigned>(hblocks), 2), dim3(32, kLanes), 0, s>>>(
+      partial, dA_log, ddt_bias, static_cast<int>(ntiles), static_cast<int>(H));
+  GDN_CUDA_LAUNCH_CHECK("gdn_gates_sum_kernel");
 }
 
 const GdnGatesTable kTable{forward, backward};
