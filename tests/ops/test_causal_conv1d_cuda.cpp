@@ -179,7 +179,7 @@ std::vector<int32_t> random_cu(int n, int lo, int hi, uint64_t seed) {
 //   6 no cu_seqlens, T = 300; C = 24
 //   7 one document of 1000 tokens; C = 264 (cuda.v2: ~16 segments, two channel columns, the second
 //     with one active lane)
-//   8 40 documents of 0..100 tokens; C = 256 (boundaries inside segments and chunks, at chunk and
+//   8 24 documents of 0..100 tokens; C = 256 (boundaries inside segments and chunks, at chunk and
 //     segment edges, zero-length documents between segments)
 //   9 no cu_seqlens, T = 777; C = 32
 struct Layout {
@@ -206,7 +206,7 @@ Layout layout(int which, int64_t W) {
     case 7:
       return {{0, 1000}, 264, true};
     case 8:
-      return {random_cu(40, 0, 100, 78), 256, true};
+      return {random_cu(24, 0, 100, 78), 256, true};
     default:
       return {{0, 777}, 32, false};
   }
