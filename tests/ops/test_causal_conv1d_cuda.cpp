@@ -1,13 +1,16 @@
-// Causal conv1d on CUDA (label gpu): cuda vs ref over widths W in {1, 2, 4, 8}, document layouts
-// (T < W, 1-token documents, zero-length documents at the start, middle and end, 50 documents,
-// one long document crossing many tiles, documents starting just before / at / after tile and
-// warp boundaries, no cu_seqlens) and every option combination (bias, SiLU, initial state,
-// dfinal_state, final state requested), on both load paths (16-byte and scalar) and both store
-// paths; forward and every gradient. Then: no read across documents (NaN in one document leaves
-// the others finite), dweight / dbias accumulation and run-to-run determinism over a persistent
-// grid whose blocks walk several tiles, unaligned tensors, saturating SiLU, empty batches, the
-// resolver's choice and probe, a leaking implementation rejected by the probe, `ops run` on the
-// cuda backend, and bad input. Tolerances come from the one table, src/backend/tolerances.h.
+// Causal conv1d on CUDA (label gpu), for both implementations, cuda.tiled (cuda.cu) and cuda.v2
+// (cuda_v2.cu; it runs cuda.tiled for W > 4, C % 8 != 0 or unaligned tensors, so those cases check
+// the fallback): cuda vs ref over widths W in {1, 2, 4, 8}, document layouts (T < W, 1-token
+// documents, zero-length documents at the start, middle and end, 50 documents, one long document
+// crossing many tiles / segments, documents starting just before / at / after tile and warp
+// boundaries, many documents of 0..100 tokens across cuda.v2's segments and 8-token chunks, no
+// cu_seqlens) and every option combination (bias, SiLU, initial state, dfinal_state, final state
+// requested), on both load paths (16-byte and scalar) and both store paths; forward and every
+// gradient. Then: no read across documents (NaN in one document leaves the others finite),
+// dweight / dbias accumulation and run-to-run determinism over a persistent grid whose blocks
+// walk several tiles, unaligned tensors, saturating SiLU, empty batches, the resolver's choice
+// (cuda.v2) and probe, leaking implementations rejected by the probe, `ops run` on the cuda
+// backend, and bad input. Tolerances come from the one table, src/backend/tolerances.h.
 #include <unistd.h>
 
 #include <cmath>
@@ -29,6 +32,16 @@ namespace {
 using testing::randn;
 
 constexpr ProbeError kTol = bf16_tolerance("causal_conv1d");
+
+// The implementations under test; "" is ref (F64 on the host).
+const char* const kImpls[] = {"cuda.tiled", "cuda.v2"};
+
+// The registered cuda implementation `name` (its function table); a test fails without it.
+const CausalConv1dTable& impl_table(const std::string& name) {
+  for (const ImplDesc* i : Registry::global().impls("causal_conv1d", Backend::Cuda))
+    if (i->name == name) return *static_cast<const CausalConv1dTable*>(i->table);
+  GDN_FAIL("causal_conv1d implementation {} is not registered", name);
+}
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 class CausalConv1dCuda : public ::testing::Test {
@@ -85,9 +98,10 @@ struct Out {
   OwnedTensor y, fin, dx, dw, db, dinit;
 };
 
-// Forward + backward on ref (F64 host) or cuda (bf16 device; dweight / dbias F32). cuda outputs
-// start poisoned; dweight / dbias start at zero.
-Out run(const Case& k, bool cuda) {
+// Forward + backward on ref (impl "", F64 host) or the cuda implementation `impl` called directly
+// (bf16 device; dweight / dbias F32). cuda outputs start poisoned; dweight / dbias start at zero.
+Out run(const Case& k, const std::string& impl) {
+  const bool cuda = !impl.empty();
   const int64_t T = k.T(), N = k.N(), C = k.C, S = k.W - 1;
   const DType dt = cuda ? DType::BF16 : DType::F64, gt = causal_conv1d_grad_dtype(dt);
   const Device dev = cuda ? Device::CUDA : Device::CPU;
@@ -104,10 +118,28 @@ Out run(const Case& k, bool cuda) {
         OwnedTensor::zeros(gt, {C}, dev),
         out({N, C, S})};
   const Tensor cuv = opt(k.use_cu, cu);
-  causal_conv1d_forward(
-      {x, w, opt(k.bias, b), cuv, opt(k.init, s0), o.y, opt(k.fin, o.fin), k.silu});
-  causal_conv1d_backward({x, w, opt(k.bias, b), cuv, opt(k.init, s0), dy, opt(k.dfin, dsN), o.dx,
-                          o.dw, opt(k.bias, o.db), opt(k.init, o.dinit), k.silu});
+  const CausalConv1dFwd fa{x,     w, opt(k.bias, b), cuv, opt(k.init, s0), o.y, opt(k.fin, o.fin),
+                           k.silu};
+  const CausalConv1dBwd ba{x,
+                           w,
+                           opt(k.bias, b),
+                           cuv,
+                           opt(k.init, s0),
+                           dy,
+                           opt(k.dfin, dsN),
+                           o.dx,
+                           o.dw,
+                           opt(k.bias, o.db),
+                           opt(k.init, o.dinit),
+                           k.silu};
+  if (cuda) {
+    const CausalConv1dTable& t = impl_table(impl);
+    t.forward(fa);
+    t.backward(ba);
+  } else {
+    causal_conv1d_forward(fa);
+    causal_conv1d_backward(ba);
+  }
   return o;
 }
 
@@ -134,8 +166,10 @@ std::vector<int32_t> random_cu(int n, int lo, int hi, uint64_t seed) {
   return cu;
 }
 
-// Layouts (tiles are 64 tokens, a warp's run 16) and their channel counts, chosen so that every
-// load / store path and partial channel blocks (128 channels a block) are covered:
+// Layouts (cuda.tiled: tiles of 64 tokens, a warp's run 16, 128 channels a block; cuda.v2: a warp
+// owns a segment of >= 64 tokens streamed in chunks of 8, 256 channels a column, and runs only for
+// C % 8 == 0) and their channel counts, chosen so that every load / store path and partial channel
+// blocks are covered:
 //   0 one document shorter than W (1 token for W = 1); C = 13 (scalar loads and stores)
 //   1 six 1-token documents; C = 128 (16-byte loads, 8-byte stores, one full channel block)
 //   2 zero-length documents at the start, middle and end; C = 70 (scalar)
@@ -143,6 +177,11 @@ std::vector<int32_t> random_cu(int n, int lo, int hi, uint64_t seed) {
 //   4 one document of 1000 tokens (16 tiles); C = 260 (scalar loads, 8-byte stores, 3 blocks)
 //   5 documents starting just before, at and after tile and warp boundaries; C = 8
 //   6 no cu_seqlens, T = 300; C = 24
+//   7 one document of 1000 tokens; C = 264 (cuda.v2: ~16 segments, two channel columns, the second
+//     with one active lane)
+//   8 24 documents of 0..100 tokens; C = 256 (boundaries inside segments and chunks, at chunk and
+//     segment edges, zero-length documents between segments)
+//   9 no cu_seqlens, T = 777; C = 32
 struct Layout {
   std::vector<int32_t> cu;
   int64_t C;
@@ -162,12 +201,19 @@ Layout layout(int which, int64_t W) {
       return {{0, 1000}, 260, true};
     case 5:
       return {{0, 15, 16, 17, 63, 64, 65, 127, 129, 130, 191, 192, 250, 260}, 8, true};
-    default:
+    case 6:
       return {{0, 300}, 24, false};
+    case 7:
+      return {{0, 1000}, 264, true};
+    case 8:
+      return {random_cu(24, 0, 100, 78), 256, true};
+    default:
+      return {{0, 777}, 32, false};
   }
 }
 
-// One test per (W, layout); the 32 option combinations run inside it.
+// One test per (W, layout); the 32 option combinations and both implementations (against one ref
+// run) run inside it.
 class ConvCudaSweep : public CausalConv1dCuda,
                       public ::testing::WithParamInterface<std::tuple<int64_t, int>> {};
 
@@ -182,15 +228,19 @@ TEST_P(ConvCudaSweep, MatchesRef) {
     k.init = flags & 4;
     k.dfin = flags & 8;
     k.fin = !(flags & 16);
-    SCOPED_TRACE(fmt::format("W={} layout={} bias={} silu={} init={} dfin={} fin={}", W, lay,
-                             k.bias, k.silu, k.init, k.dfin, k.fin));
-    compare(k, run(k, true), run(k, false));
+    const Out want = run(k, "");
+    for (const std::string impl : kImpls) {
+      SCOPED_TRACE(fmt::format("{} W={} layout={} bias={} silu={} init={} dfin={} fin={}", impl, W,
+                               lay, k.bias, k.silu, k.init, k.dfin, k.fin));
+      compare(k, run(k, impl), want);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
     if (::testing::Test::HasFatalFailure()) return;
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, ConvCudaSweep,
-                         ::testing::Combine(::testing::Values(1, 2, 4, 8), ::testing::Range(0, 7)),
+                         ::testing::Combine(::testing::Values(1, 2, 4, 8), ::testing::Range(0, 10)),
                          [](const auto& info) {
                            return "W" + std::to_string(std::get<0>(info.param)) + "_layout" +
                                   std::to_string(std::get<1>(info.param));
@@ -199,12 +249,15 @@ INSTANTIATE_TEST_SUITE_P(Cases, ConvCudaSweep,
 // Every other width (3, 5, 6, 7) on the mixed layouts, all options on.
 TEST_F(CausalConv1dCuda, OtherWidthsMatchRef) {
   for (int64_t W : {3, 5, 6, 7}) {
-    for (int lay : {2, 3, 5}) {
-      SCOPED_TRACE(fmt::format("W={} layout={}", W, lay));
+    for (int lay : {2, 3, 5, 8}) {
       const Layout l = layout(lay, W);
       Case k = make_case(l.C, W, l.cu, 2000 + static_cast<uint64_t>(W * 13 + lay));
       k.bias = k.silu = k.init = k.dfin = true;
-      compare(k, run(k, true), run(k, false));
+      const Out want = run(k, "");
+      for (const std::string impl : kImpls) {
+        SCOPED_TRACE(fmt::format("{} W={} layout={}", impl, W, lay));
+        compare(k, run(k, impl), want);
+      }
     }
   }
 }
@@ -215,39 +268,42 @@ TEST_F(CausalConv1dCuda, OtherWidthsMatchRef) {
 // state, d initial state). Backward direction: dy of document 1 poisoned, document 0's dx checked.
 TEST_F(CausalConv1dCuda, NoCrossDocumentReads) {
   const int64_t C = 136, W = 4;
-  for (int64_t split : {5, 40, 64, 65}) {  // document 1 starts inside / at / after a tile start
-    SCOPED_TRACE("document 1 starts at " + std::to_string(split));
-    Case k = make_case(C, W, {0, static_cast<int32_t>(split), 150}, 31);
-    k.bias = k.silu = k.init = k.dfin = true;
-    const Out clean = run(k, true);
-    for (int dir = 0; dir < 2; ++dir) {
-      Case bad = make_case(C, W, k.cu, 31);
-      bad.bias = bad.silu = bad.init = bad.dfin = true;
-      OwnedTensor& target = dir == 0 ? bad.x : bad.dy;
-      const int64_t r0 = dir == 0 ? 0 : split, r1 = dir == 0 ? split : 150;
-      double* p = target.ptr<double>();
-      for (int64_t i = r0 * C; i < r1 * C; ++i) p[i] = kNaN;
-      const Out o = run(bad, true);
-      // The rows and the document whose outputs must be unaffected.
-      const int64_t q0 = dir == 0 ? split : 0, q1 = dir == 0 ? 150 : split;
-      const int64_t n = dir == 0 ? 1 : 0;
-      EXPECT_EQ(to_f64_vector(o.dx.view().slice0(q0, q1)),
-                to_f64_vector(clean.dx.view().slice0(q0, q1)))
-          << "dx of document " << n << " changed (direction " << dir << ")";
-      if (dir == 0) {
-        EXPECT_EQ(to_f64_vector(o.y.view().slice0(q0, q1)),
-                  to_f64_vector(clean.y.view().slice0(q0, q1)))
-            << "y of document 1 changed";
-        EXPECT_EQ(to_f64_vector(o.fin.view().slice0(1, 2)),
-                  to_f64_vector(clean.fin.view().slice0(1, 2)))
-            << "final state of document 1 changed";
-        EXPECT_EQ(to_f64_vector(o.dinit.view().slice0(1, 2)),
-                  to_f64_vector(clean.dinit.view().slice0(1, 2)))
-            << "d initial state of document 1 changed";
-      } else {
-        EXPECT_EQ(to_f64_vector(o.dinit.view().slice0(0, 1)),
-                  to_f64_vector(clean.dinit.view().slice0(0, 1)))
-            << "d initial state of document 0 changed";
+  // Document 1 starts inside / at / after a tile start (and inside a cuda.v2 chunk).
+  for (const std::string impl : kImpls) {
+    for (int64_t split : {5, 40, 64, 65, 70}) {
+      SCOPED_TRACE(impl + ": document 1 starts at " + std::to_string(split));
+      Case k = make_case(C, W, {0, static_cast<int32_t>(split), 150}, 31);
+      k.bias = k.silu = k.init = k.dfin = true;
+      const Out clean = run(k, impl);
+      for (int dir = 0; dir < 2; ++dir) {
+        Case bad = make_case(C, W, k.cu, 31);
+        bad.bias = bad.silu = bad.init = bad.dfin = true;
+        OwnedTensor& target = dir == 0 ? bad.x : bad.dy;
+        const int64_t r0 = dir == 0 ? 0 : split, r1 = dir == 0 ? split : 150;
+        double* p = target.ptr<double>();
+        for (int64_t i = r0 * C; i < r1 * C; ++i) p[i] = kNaN;
+        const Out o = run(bad, impl);
+        // The rows and the document whose outputs must be unaffected.
+        const int64_t q0 = dir == 0 ? split : 0, q1 = dir == 0 ? 150 : split;
+        const int64_t n = dir == 0 ? 1 : 0;
+        EXPECT_EQ(to_f64_vector(o.dx.view().slice0(q0, q1)),
+                  to_f64_vector(clean.dx.view().slice0(q0, q1)))
+            << "dx of document " << n << " changed (direction " << dir << ")";
+        if (dir == 0) {
+          EXPECT_EQ(to_f64_vector(o.y.view().slice0(q0, q1)),
+                    to_f64_vector(clean.y.view().slice0(q0, q1)))
+              << "y of document 1 changed";
+          EXPECT_EQ(to_f64_vector(o.fin.view().slice0(1, 2)),
+                    to_f64_vector(clean.fin.view().slice0(1, 2)))
+              << "final state of document 1 changed";
+          EXPECT_EQ(to_f64_vector(o.dinit.view().slice0(1, 2)),
+                    to_f64_vector(clean.dinit.view().slice0(1, 2)))
+              << "d initial state of document 1 changed";
+        } else {
+          EXPECT_EQ(to_f64_vector(o.dinit.view().slice0(0, 1)),
+                    to_f64_vector(clean.dinit.view().slice0(0, 1)))
+              << "d initial state of document 0 changed";
+        }
       }
     }
   }
@@ -255,123 +311,146 @@ TEST_F(CausalConv1dCuda, NoCrossDocumentReads) {
 
 // dweight / dbias are accumulated (+=), and dx, dweight, dbias are bit-identical run to run. The
 // shape makes the persistent backward grid walk several tiles per block (about 1100 tokens, 18
-// tiles, over 64 channel blocks: an H200 fits about 8 blocks per channel block) and sums 15
-// documents' contributions.
+// tiles, over 64 channel blocks: an H200 fits about 8 blocks per channel block; cuda.v2: ~18
+// segments of ~61 tokens over 32 channel columns) and sums 15 documents' contributions.
 TEST_F(CausalConv1dCuda, BackwardAccumulatesAndIsDeterministic) {
   const int64_t C = 8192, W = 4;
   Case k = make_case(C, W, random_cu(15, 1, 150, 5), 41);
   k.bias = k.silu = k.init = k.dfin = true;
   const int64_t T = k.T(), N = k.N();
-  const Out ref = run(k, false);
+  const Out ref = run(k, "");
   OwnedTensor dw0 = randn({C, W}, 42, 3.0), db0 = randn({C}, 43, 3.0);
   auto x = convert(k.x, DType::BF16, Device::CUDA), w = convert(k.w, DType::BF16, Device::CUDA),
        b = convert(k.b, DType::BF16, Device::CUDA), s0 = convert(k.s0, DType::BF16, Device::CUDA),
        dy = convert(k.dy, DType::BF16, Device::CUDA),
        dsN = convert(k.dsN, DType::BF16, Device::CUDA);
   auto cu = convert(testing::i32_tensor(k.cu), DType::I32, Device::CUDA);
-  std::vector<double> dx1, dw1, db1;
-  for (int rep = 0; rep < 3; ++rep) {
-    auto dw = convert(dw0, DType::F32, Device::CUDA), db = convert(db0, DType::F32, Device::CUDA);
-    auto dx = poisoned(DType::BF16, {T, C}), dinit = poisoned(DType::BF16, {N, C, W - 1});
-    causal_conv1d_backward({x, w, b, cu, s0, dy, dsN, dx, dw, db, dinit, true});
-    if (rep == 0) {
-      dx1 = to_f64_vector(dx);
-      dw1 = to_f64_vector(dw);
-      db1 = to_f64_vector(db);
-      testing::expect_close(dx, ref.dx, kTol.bwd, "dx");
-      testing::expect_close(dinit, ref.dinit, kTol.bwd, "dinitial_state");
-      // got - start == ref, measured against the added part.
-      auto check = [](const std::vector<double>& got, const Tensor& start, const Tensor& add,
-                      const char* what) {
-        const auto s = to_f64_vector(start), a = to_f64_vector(add);
-        double num = 0, den = 0;
-        for (size_t i = 0; i < got.size(); ++i) {
-          const double want = static_cast<double>(static_cast<float>(s[i])) + a[i];
-          num += (got[i] - want) * (got[i] - want);
-          den += a[i] * a[i];
-        }
-        EXPECT_LE(std::sqrt(num / den), kTol.bwd) << what << " after += (relative to the added "
-                                                  << "part)";
-      };
-      check(dw1, dw0, ref.dw, "dweight");
-      check(db1, db0, ref.db, "dbias");
-    } else {
-      EXPECT_EQ(to_f64_vector(dx), dx1) << "dx differs between identical runs (rep " << rep << ")";
-      EXPECT_EQ(to_f64_vector(dw), dw1) << "dweight differs between identical runs";
-      EXPECT_EQ(to_f64_vector(db), db1) << "dbias differs between identical runs";
+  for (const std::string impl : kImpls) {
+    SCOPED_TRACE(impl);
+    std::vector<double> dx1, dw1, db1;
+    for (int rep = 0; rep < 3; ++rep) {
+      auto dw = convert(dw0, DType::F32, Device::CUDA), db = convert(db0, DType::F32, Device::CUDA);
+      auto dx = poisoned(DType::BF16, {T, C}), dinit = poisoned(DType::BF16, {N, C, W - 1});
+      impl_table(impl).backward({x, w, b, cu, s0, dy, dsN, dx, dw, db, dinit, true});
+      if (rep == 0) {
+        dx1 = to_f64_vector(dx);
+        dw1 = to_f64_vector(dw);
+        db1 = to_f64_vector(db);
+        testing::expect_close(dx, ref.dx, kTol.bwd, "dx");
+        testing::expect_close(dinit, ref.dinit, kTol.bwd, "dinitial_state");
+        // got - start == ref, measured against the added part.
+        auto check = [](const std::vector<double>& got, const Tensor& start, const Tensor& add,
+                        const char* what) {
+          const auto s = to_f64_vector(start), a = to_f64_vector(add);
+          double num = 0, den = 0;
+          for (size_t i = 0; i < got.size(); ++i) {
+            const double want = static_cast<double>(static_cast<float>(s[i])) + a[i];
+            num += (got[i] - want) * (got[i] - want);
+            den += a[i] * a[i];
+          }
+          EXPECT_LE(std::sqrt(num / den), kTol.bwd) << what << " after += (relative to the added "
+                                                    << "part)";
+        };
+        check(dw1, dw0, ref.dw, "dweight");
+        check(db1, db0, ref.db, "dbias");
+      } else {
+        EXPECT_EQ(to_f64_vector(dx), dx1)
+            << "dx differs between identical runs (rep " << rep << ")";
+        EXPECT_EQ(to_f64_vector(dw), dw1) << "dweight differs between identical runs";
+        EXPECT_EQ(to_f64_vector(db), db1) << "dbias differs between identical runs";
+      }
     }
   }
 }
 
 // C % 8 == 0 but x, dy, y, dx start 2 bytes past a 16-byte boundary: the scalar load and store
-// paths.
+// paths (cuda.v2 hands these calls to cuda.tiled).
 TEST_F(CausalConv1dCuda, UnalignedTensorsTakeTheScalarPaths) {
   const int64_t C = 256, W = 4;
   Case k = make_case(C, W, {0, 3, 90, 200}, 51);
   k.bias = k.silu = k.init = k.dfin = true;
-  const Out ref = run(k, false);
-  const int64_t T = k.T(), N = k.N();
-  auto shifted = [&](const Tensor& src) {
-    OwnedTensor buf = OwnedTensor::zeros(DType::BF16, {T * C + 8}, Device::CUDA);
-    Tensor v(static_cast<char*>(buf.view().data()) + 2, DType::BF16, {T, C}, Device::CUDA);
-    if (src.defined()) copy_into(v, src);
-    return std::make_pair(std::move(buf), v);
-  };
-  auto xd = convert(k.x, DType::BF16, Device::CUDA), dyd = convert(k.dy, DType::BF16, Device::CUDA);
-  auto [xb, x] = shifted(xd);
-  auto [dyb, dy] = shifted(dyd);
-  auto [yb, y] = shifted(Tensor());
-  auto [dxb, dx] = shifted(Tensor());
-  auto w = convert(k.w, DType::BF16, Device::CUDA), b = convert(k.b, DType::BF16, Device::CUDA),
-       s0 = convert(k.s0, DType::BF16, Device::CUDA),
-       dsN = convert(k.dsN, DType::BF16, Device::CUDA);
-  auto cu = convert(testing::i32_tensor(k.cu), DType::I32, Device::CUDA);
-  auto fin = poisoned(DType::BF16, {N, C, W - 1}), dinit = poisoned(DType::BF16, {N, C, W - 1});
-  auto dw = OwnedTensor::zeros(DType::F32, {C, W}, Device::CUDA),
-       db = OwnedTensor::zeros(DType::F32, {C}, Device::CUDA);
-  causal_conv1d_forward({x, w, b, cu, s0, y, fin, true});
-  causal_conv1d_backward({x, w, b, cu, s0, dy, dsN, dx, dw, db, dinit, true});
-  testing::expect_close(y, ref.y, kTol.fwd, "y (unaligned)");
-  EXPECT_EQ(to_f64_vector(fin), to_f64_vector(ref.fin)) << "final_state (unaligned)";
-  testing::expect_close(dx, ref.dx, kTol.bwd, "dx (unaligned)");
-  testing::expect_close(dw, ref.dw, kTol.bwd, "dweight (unaligned)");
-  testing::expect_close(db, ref.db, kTol.bwd, "dbias (unaligned)");
-  testing::expect_close(dinit, ref.dinit, kTol.bwd, "dinitial_state (unaligned)");
+  const Out ref = run(k, "");
+  for (const std::string impl : kImpls) {
+    SCOPED_TRACE(impl);
+    const int64_t T = k.T(), N = k.N();
+    auto shifted = [&](const Tensor& src) {
+      OwnedTensor buf = OwnedTensor::zeros(DType::BF16, {T * C + 8}, Device::CUDA);
+      Tensor v(static_cast<char*>(buf.view().data()) + 2, DType::BF16, {T, C}, Device::CUDA);
+      if (src.defined()) copy_into(v, src);
+      return std::make_pair(std::move(buf), v);
+    };
+    auto xd = convert(k.x, DType::BF16, Device::CUDA),
+         dyd = convert(k.dy, DType::BF16, Device::CUDA);
+    auto [xb, x] = shifted(xd);
+    auto [dyb, dy] = shifted(dyd);
+    auto [yb, y] = shifted(Tensor());
+    auto [dxb, dx] = shifted(Tensor());
+    auto w = convert(k.w, DType::BF16, Device::CUDA), b = convert(k.b, DType::BF16, Device::CUDA),
+         s0 = convert(k.s0, DType::BF16, Device::CUDA),
+         dsN = convert(k.dsN, DType::BF16, Device::CUDA);
+    auto cu = convert(testing::i32_tensor(k.cu), DType::I32, Device::CUDA);
+    auto fin = poisoned(DType::BF16, {N, C, W - 1}), dinit = poisoned(DType::BF16, {N, C, W - 1});
+    auto dw = OwnedTensor::zeros(DType::F32, {C, W}, Device::CUDA),
+         db = OwnedTensor::zeros(DType::F32, {C}, Device::CUDA);
+    impl_table(impl).forward({x, w, b, cu, s0, y, fin, true});
+    impl_table(impl).backward({x, w, b, cu, s0, dy, dsN, dx, dw, db, dinit, true});
+    testing::expect_close(y, ref.y, kTol.fwd, "y (unaligned)");
+    EXPECT_EQ(to_f64_vector(fin), to_f64_vector(ref.fin)) << "final_state (unaligned)";
+    testing::expect_close(dx, ref.dx, kTol.bwd, "dx (unaligned)");
+    testing::expect_close(dw, ref.dw, kTol.bwd, "dweight (unaligned)");
+    testing::expect_close(db, ref.db, kTol.bwd, "dbias (unaligned)");
+    testing::expect_close(dinit, ref.dinit, kTol.bwd, "dinitial_state (unaligned)");
+  }
 }
 
 // SiLU saturates for any finite input (silu(z) -> 0 for z -> -inf, -> z for z -> +inf) without
-// inf / NaN in y or in the gradients.
+// inf / NaN in y or in the gradients. C = 1 and C = 8 (every channel the same; cuda.v2's own
+// kernels need C % 8 == 0).
 TEST_F(CausalConv1dCuda, ExtremeFiniteInputs) {
   const std::vector<double> xs = {-1e30, -3e38, -100, -88.5, -87, -20, 0, 20, 87, 88.5, 100, 1e30};
-  const int64_t T = static_cast<int64_t>(xs.size()), C = 1, W = 2;
-  Case k = make_case(C, W, {0, static_cast<int32_t>(T)}, 61);
-  k.silu = true;
-  k.x = testing::rounded(from_f64(xs, DType::F64, {T, C}), DType::BF16);
-  k.w = from_f64(std::vector<double>{0.0, 1.0}, DType::F64, {C, W});  // y = silu(x)
-  const Out ref = run(k, false), got = run(k, true);
-  const auto yr = to_f64_vector(ref.y), yc = to_f64_vector(got.y);
-  const auto dr = to_f64_vector(ref.dx), dc = to_f64_vector(got.dx);
-  for (size_t i = 0; i < xs.size(); ++i) {
-    EXPECT_NEAR(yc[i], yr[i], 4e-3 * std::abs(yr[i]) + 1e-30) << "y at x = " << xs[i];
-    EXPECT_NEAR(dc[i], dr[i], 4e-3 * std::abs(dr[i]) + 1e-30) << "dx at x = " << xs[i];
+  const int64_t T = static_cast<int64_t>(xs.size()), W = 2;
+  for (int64_t C : {1, 8}) {
+    Case k = make_case(C, W, {0, static_cast<int32_t>(T)}, 61);
+    k.silu = true;
+    std::vector<double> xv, wv;
+    for (double v : xs)
+      for (int64_t c = 0; c < C; ++c) xv.push_back(v);
+    for (int64_t c = 0; c < C; ++c) wv.insert(wv.end(), {0.0, 1.0});
+    k.x = testing::rounded(from_f64(xv, DType::F64, {T, C}), DType::BF16);
+    k.w = from_f64(wv, DType::F64, {C, W});  // y = silu(x)
+    const Out ref = run(k, "");
+    for (const std::string impl : kImpls) {
+      SCOPED_TRACE(fmt::format("{} C={}", impl, C));
+      const Out got = run(k, impl);
+      const auto yr = to_f64_vector(ref.y), yc = to_f64_vector(got.y);
+      const auto dr = to_f64_vector(ref.dx), dc = to_f64_vector(got.dx);
+      for (size_t i = 0; i < xv.size(); ++i) {
+        EXPECT_NEAR(yc[i], yr[i], 4e-3 * std::abs(yr[i]) + 1e-30) << "y at x = " << xv[i];
+        EXPECT_NEAR(dc[i], dr[i], 4e-3 * std::abs(dr[i]) + 1e-30) << "dx at x = " << xv[i];
+      }
+      testing::expect_close(got.dw, ref.dw, kTol.bwd, "dweight");
+    }
   }
-  testing::expect_close(got.dw, ref.dw, kTol.bwd, "dweight");
 }
 
 // Empty batches: T = 0 with zero-length documents (final state = initial state or zeros,
 // d initial state = d final state, dweight untouched), and T = 0 with no document.
 TEST_F(CausalConv1dCuda, EmptyBatches) {
-  for (auto cu : {std::vector<int32_t>{0, 0, 0}, std::vector<int32_t>{0}}) {
-    SCOPED_TRACE("documents: " + std::to_string(cu.size() - 1));
-    Case k = make_case(5, 4, cu, 71);
-    k.bias = k.silu = k.init = k.dfin = true;
-    const Out got = run(k, true);
-    EXPECT_EQ(to_f64_vector(got.fin), to_f64_vector(k.s0));
-    EXPECT_EQ(to_f64_vector(got.dinit), to_f64_vector(k.dsN));
-    EXPECT_EQ(to_f64_vector(got.dw), std::vector<double>(20, 0.0));
-    k.init = false;
-    const Out z = run(k, true);
-    for (double v : to_f64_vector(z.fin)) EXPECT_EQ(v, 0.0);
+  for (const std::string impl : kImpls) {
+    for (int64_t C : {5, 8}) {
+      for (auto cu : {std::vector<int32_t>{0, 0, 0}, std::vector<int32_t>{0}}) {
+        SCOPED_TRACE(fmt::format("{} C={} documents: {}", impl, C, cu.size() - 1));
+        Case k = make_case(C, 4, cu, 71);
+        k.bias = k.silu = k.init = k.dfin = true;
+        const Out got = run(k, impl);
+        EXPECT_EQ(to_f64_vector(got.fin), to_f64_vector(k.s0));
+        EXPECT_EQ(to_f64_vector(got.dinit), to_f64_vector(k.dsN));
+        EXPECT_EQ(to_f64_vector(got.dw), std::vector<double>(static_cast<size_t>(4 * C), 0.0));
+        k.init = false;
+        const Out z = run(k, impl);
+        for (double v : to_f64_vector(z.fin)) EXPECT_EQ(v, 0.0);
+      }
+    }
   }
 }
 
@@ -379,7 +458,7 @@ TEST_F(CausalConv1dCuda, ResolverChoosesCudaAndItPassesItsProbe) {
   const Resolution& r =
       Registry::global().resolve("causal_conv1d", OpQuery{Backend::Cuda, "", {{"W", 4}}});
   ASSERT_NE(r.impl, nullptr);
-  EXPECT_EQ(r.impl->name, "cuda.tiled");
+  EXPECT_EQ(r.impl->name, "cuda.v2");
   EXPECT_EQ(r.impl->backend, Backend::Cuda);
   EXPECT_LE(r.error.fwd, kTol.fwd);
   EXPECT_LE(r.error.bwd, kTol.bwd);
@@ -389,11 +468,12 @@ TEST_F(CausalConv1dCuda, ResolverChoosesCudaAndItPassesItsProbe) {
   EXPECT_TRUE(r.rejected.empty()) << r.rejected.front();
 }
 
-// Deliberately wrong CUDA implementations built from the real one: one that ignores the document
-// boundaries (reads across documents), one that drops the dweight accumulation.
+// Deliberately wrong CUDA implementations built from the real one (cuda.v2, the resolver's
+// choice): one that ignores the document boundaries (reads across documents), one that drops the
+// dweight accumulation.
 const CausalConv1dTable* real_cuda_table() {
   for (const ImplDesc* i : Registry::global().impls("causal_conv1d", Backend::Cuda))
-    if (i->name == "cuda.tiled") return static_cast<const CausalConv1dTable*>(i->table);
+    if (i->name == "cuda.v2") return static_cast<const CausalConv1dTable*>(i->table);
   return nullptr;
 }
 void leaky_forward(const CausalConv1dFwd& a) {
@@ -417,17 +497,17 @@ const CausalConv1dTable kLeaky{leaky_forward, real_backward};
 const CausalConv1dTable kNoDw{real_forward, no_dw_backward};
 
 TEST_F(CausalConv1dCuda, ProbeRejectsWrongCudaKernels) {
-  ASSERT_NE(real_cuda_table(), nullptr) << "cuda.tiled is not registered";
+  ASSERT_NE(real_cuda_table(), nullptr) << "cuda.v2 is not registered";
   Registry reg;  // private: the global registry is untouched
   reg.add_op(Registry::global().op("causal_conv1d"));
   reg.add_impl(Registry::global().ref("causal_conv1d"));
   for (const ImplDesc* i : Registry::global().impls("causal_conv1d", Backend::Cuda))
     reg.add_impl(*i);
-  reg.add_impl({"causal_conv1d", "cuda.leaky", Backend::Cuda, 20, nullptr, &kLeaky});
-  reg.add_impl({"causal_conv1d", "cuda.no_dw", Backend::Cuda, 30, nullptr, &kNoDw});
+  reg.add_impl({"causal_conv1d", "cuda.leaky", Backend::Cuda, 30, nullptr, &kLeaky});
+  reg.add_impl({"causal_conv1d", "cuda.no_dw", Backend::Cuda, 40, nullptr, &kNoDw});
   const Resolution& r = reg.resolve("causal_conv1d", OpQuery{Backend::Cuda, "", {{"W", 4}}});
   ASSERT_NE(r.impl, nullptr);
-  EXPECT_EQ(r.impl->name, "cuda.tiled");
+  EXPECT_EQ(r.impl->name, "cuda.v2");
   ASSERT_EQ(r.rejected.size(), 2u);
   EXPECT_NE(r.rejected[0].find("rejecting cuda.no_dw: probe error"), std::string::npos)
       << r.rejected[0];
@@ -439,7 +519,7 @@ TEST_F(CausalConv1dCuda, OpsRunOnCudaBackend) {
   const int64_t C = 40, W = 4;
   Case k = make_case(C, W, {0, 2, 2, 19, 30}, 81);
   k.bias = k.silu = k.init = k.dfin = true;
-  const Out ref = run(k, false);
+  const Out ref = run(k, "");
   namespace fs = std::filesystem;
   const fs::path dir = fs::temp_directory_path() / ("gdn_conv_cuda_" + std::to_string(getpid()));
   fs::create_directories(dir);
@@ -456,7 +536,7 @@ TEST_F(CausalConv1dCuda, OpsRunOnCudaBackend) {
                           {"dy", dy.view(), {}, {}, nullptr, 0},
                           {"dfinal_state", dsN.view(), {}, {}, nullptr, 0}});
   OpRunResult res = run_op_file("causal_conv1d", Backend::Cuda, inp, outp, true, {{"silu", 1}});
-  EXPECT_EQ(res.impl, "cuda.tiled");
+  EXPECT_EQ(res.impl, "cuda.v2");
   SafeTensorsFile f(outp);
   testing::expect_close(f.load("y", DType::F64), ref.y, kTol.fwd, "y (ops run)");
   testing::expect_close(f.load("final_state", DType::F64), ref.fin, 0.0, "final_state (ops run)");

@@ -43,6 +43,10 @@
 //
 // Bytes moved (the floor): forward reads x and writes y; backward reads x and dy and writes dx;
 // plus the halo rows (W-1 per 64 tokens, mostly L2 hits) and the partials (G (W+1) C fp32).
+//
+// The small kernels (final_state, dinitial_state, the dweight second pass) and the sigmoid live in
+// cuda_state.cuh, shared with cuda_v2.cu ("cuda.v2", priority 20, which runs this implementation
+// for the calls it does not cover).
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -51,6 +55,7 @@
 #include "backend/cuda/vec.cuh"
 #include "gdn/backend/cuda_check.h"
 #include "gdn/backend/registry.h"
+#include "ops/causal_conv1d/cuda_state.cuh"
 #include "ops/causal_conv1d/op.h"
 
 namespace gdn::ops {
@@ -192,8 +197,6 @@ __device__ __forceinline__ void store4(bf16_t* __restrict__ out, int64_t off, in
   }
 }
 
-__device__ __forceinline__ float to_f(bf16_t h) { return __bfloat162float(h); }
-
 // Column k of document n's [C, S] state slice for the lane's channels; zero when there is no
 // state or k is out of range (only a garbage cu_seqlens makes k negative).
 template <int S>
@@ -204,16 +207,6 @@ __device__ __forceinline__ void state_cols(const bf16_t* __restrict__ st, int n,
     f[v] = st != nullptr && k >= 0 && k < S && c + v < C
                ? to_f(st[(static_cast<int64_t>(n) * C + c + v) * S + k])
                : 0.f;
-}
-
-// 1 / (1 + exp(-z)) with the fast exp2 and reciprocal (the same values as
-// __fdividef(1.f, 1.f + __expf(-z))): ex2.approx.ftz flushes results below 2^-126 to zero where
-// __expf's non-ftz form keeps them denormal at three more instructions, and 1 + e rounds to 1 for
-// both.
-__device__ __forceinline__ float sigmoid(float z) {
-  float e;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(z * -1.4426950408889634f));
-  return __fdividef(1.f, 1.f + e);
 }
 
 // The extended-input values of the W taps of a token at document position q (document n):
@@ -368,38 +361,6 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<W>())
       }
     }
     __syncthreads();  // every warp is done with buffer b before the next iteration refills it
-  }
-}
-
-// final_state[n, c, k] = ext[L + k]: the last W-1 inputs of document n, the initial state (or
-// zeros) in front when L < W-1. Copies bits. One thread per (document, channel).
-template <int W>
-__global__ void __launch_bounds__(256)
-    conv_final_state_kernel(const bf16_t* __restrict__ x,     // [T, C]
-                            const int32_t* __restrict__ cu,   // [N+1] or null
-                            const bf16_t* __restrict__ init,  // [N, C, W-1] or null
-                            bf16_t* __restrict__ fin,         // [N, C, W-1]
-                            int64_t T, int64_t C, int N) {
-  constexpr int S = W - 1;
-  const int64_t total = static_cast<int64_t>(N) * C;
-  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int n = static_cast<int>(idx / C);
-    const int64_t c = idx % C;
-    const int64_t s = cu != nullptr ? __ldg(cu + n) : 0, e = cu != nullptr ? __ldg(cu + n + 1) : T;
-    const int64_t L = e > s ? e - s : 0;
-#pragma unroll
-    for (int k = 0; k < S; ++k) {
-      const int64_t m = L + k;  // extended index
-      bf16_t v = __float2bfloat16_rn(0.f);
-      if (m >= S) {
-        const int64_t p = s + m - S;
-        if (p >= 0 && p < T) v = x[p * C + c];
-      } else if (init != nullptr) {
-        v = init[idx * S + m];
-      }
-      fin[idx * S + k] = v;
-    }
   }
 }
 
@@ -631,90 +592,6 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<W>())
 #pragma unroll
       for (int k = 0; k < kWarps; ++k) sum += red[(k * (W + 1) + j) * kBC + col];
       partial[(static_cast<int64_t>(blockIdx.x) * (W + 1) + j) * C + c0 + col] = sum;
-    }
-  }
-}
-
-// dweight[c, j] += sum_b partial[b, j, c] (j < W), dbias[c] += sum_b partial[b, W, c], b in order.
-__global__ void __launch_bounds__(256)
-    conv_dw_reduce_kernel(const float* __restrict__ partial,  // [G, W+1, C]
-                          float* __restrict__ dw,             // [C, W]
-                          float* __restrict__ db,             // [C] or null
-                          int G, int W, int64_t C) {
-  const int64_t total = static_cast<int64_t>(W + 1) * C;
-  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int j = static_cast<int>(idx / C);
-    const int64_t c = idx % C;
-    if (j == W && db == nullptr) continue;
-    float sum = 0.f;
-    for (int b = 0; b < G; ++b) sum += partial[(static_cast<int64_t>(b) * (W + 1) + j) * C + c];
-    if (j < W)
-      dw[c * W + j] += sum;
-    else
-      db[c] += sum;
-  }
-}
-
-// dinitial_state[n, c, k] = dext[k] = sum_{j <= k, k-j < L} w[j] u[k-j] + dfinal_state[n, c, k-L]
-// (the last term for k >= L): u of the document's first min(L, W-1) tokens, recomputed. Zero-length
-// documents get dfinal_state (or zeros). One thread per (document, channel).
-template <int W>
-__global__ void __launch_bounds__(256)
-    conv_dinit_kernel(const bf16_t* __restrict__ x,     // [T, C]
-                      const bf16_t* __restrict__ w,     // [C, W]
-                      const bf16_t* __restrict__ bias,  // [C] or null
-                      const int32_t* __restrict__ cu,   // [N+1] or null
-                      const bf16_t* __restrict__ init,  // [N, C, W-1]
-                      const bf16_t* __restrict__ dy,    // [T, C]
-                      const bf16_t* __restrict__ dfin,  // [N, C, W-1] or null
-                      bf16_t* __restrict__ dinit,       // [N, C, W-1]
-                      int64_t T, int64_t C, int N, bool silu) {
-  constexpr int S = W - 1;
-  const int64_t total = static_cast<int64_t>(N) * C;
-  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t c = idx % C;
-    const int64_t s = cu != nullptr ? __ldg(cu + idx / C) : 0;
-    const int64_t e = cu != nullptr ? __ldg(cu + idx / C + 1) : T;
-    const int64_t L = e > s ? e - s : 0;
-    float wr[W], b = bias != nullptr ? to_f(bias[c]) : 0.f;
-#pragma unroll
-    for (int j = 0; j < W; ++j) wr[j] = to_f(w[c * W + j]);
-    float u[S];
-#pragma unroll
-    for (int q = 0; q < S; ++q) {
-      u[q] = 0.f;
-      if (q < L) {
-        float z = b;
-#pragma unroll
-        for (int j = 0; j < W; ++j) {
-          const int m = q + j;  // extended index
-          float v = 0.f;
-          if (m < S) {
-            if (init != nullptr) v = to_f(init[idx * S + m]);
-          } else {
-            const int64_t p = s + m - S;
-            if (p >= 0 && p < T) v = to_f(x[p * C + c]);
-          }
-          z = fmaf(wr[j], v, z);
-        }
-        const int64_t p = s + q;
-        float g = p >= 0 && p < T ? to_f(dy[p * C + c]) : 0.f;
-        if (silu) {
-          const float sg = sigmoid(z);
-          g *= sg * (1.f + z * (1.f - sg));
-        }
-        u[q] = g;
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < S; ++k) {
-      float v = 0.f;
-#pragma unroll
-      for (int j = 0; j <= k; ++j) v = fmaf(wr[j], u[k - j], v);
-      if (dfin != nullptr && k >= L) v += to_f(dfin[idx * S + (k - L)]);
-      dinit[idx * S + k] = __float2bfloat16_rn(v);
     }
   }
 }

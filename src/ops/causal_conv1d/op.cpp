@@ -110,15 +110,16 @@ OpQuery query_for(const CausalConv1dBwd& p) {
 // Probe: W = 4 over 13 channels and six documents of lengths 1, 0, 2, 8, 9 and 3 (a 1-token
 // document, a zero-length one, one shorter than W-1, one that reads all of its initial state),
 // with initial state, final state and its gradient, bias, SiLU on; then the plain variant
-// (no bias, no state, no SiLU) at W = 3.
+// (no bias, no state, no SiLU) at W = 3; then the first variant again over 136 channels (C % 8
+// == 0: the 16-byte paths, which cuda.v2 needs to run its own kernels rather than cuda.tiled's).
 ProbeError probe(const ImplDesc& impl, const OpQuery&) {
   const auto& cand = *static_cast<const CausalConv1dTable*>(impl.table);
   const auto& ref = *static_cast<const CausalConv1dTable*>(Registry::global().ref(kOp).table);
   const DType gt = causal_conv1d_grad_dtype(backend_dtype(impl.backend));
   ProbeError err;
-  for (int variant = 0; variant < 2; ++variant) {
-    const bool full = variant == 0;
-    const int64_t C = 13, W = full ? 4 : 3, S = W - 1;
+  for (int variant = 0; variant < 3; ++variant) {
+    const bool full = variant != 1;
+    const int64_t C = variant == 2 ? 136 : 13, W = full ? 4 : 3, S = W - 1;
     const std::vector<int64_t> cuv = {0, 1, 1, 3, 11, 20, 23};
     const int64_t T = cuv.back(), N = static_cast<int64_t>(cuv.size()) - 1;
     ProbeTensors p(impl.backend);

@@ -1,0 +1,699 @@
+// Causal conv1d on CUDA, "cuda.v2": bf16 x / weight / bias / states / y / dy / dx, fp32 dweight /
+// dbias, fp32 arithmetic (op.h has the contract). Covers W <= 4 with C % 8 == 0 and 16-byte
+// aligned activations (x, y, dy, dx); any other call runs "cuda.tiled" (cuda.cu) unchanged.
+//
+// Why a second kernel: cuda.tiled is limited by instruction issue, not memory (a binary search of
+// cu_seqlens per token per tile, per-token document tests, 4 channels a lane over 16-token runs
+// whose halo and recompute cost 20 %). Here the per-byte instruction count is cut instead:
+//
+// Work split: a warp owns 256 channels (8 a lane: one 16-byte pack per row) and one contiguous
+// segment of tokens [a, b): the T tokens of a channel column are cut into P equal segments, P =
+// the warps of the column's blocks (a persistent grid: as many blocks as fit at once, no fewer
+// than kMinSeg tokens a segment). A warp streams its rows once, in order, so the halo (the W-1
+// rows before a, and in backward the W-1 rows after b) is paid once per segment (~2 % at the
+// benchmark shape) instead of once per 16 tokens, and the W-tap window slides in registers.
+//
+// Streaming: each lane copies its own 16 bytes of every row into a per-warp ring of shared memory
+// with cp.async (16-byte, one commit group per kK = 8 rows, kStages groups in the ring), so there
+// is no block barrier in the main loop: a lane only ever reads the bytes it copied itself
+// (cp.async.wait_group makes them visible to it), and __syncwarp() orders its shared-memory reads
+// of a stage before the copies that refill it. Several stages of every warp are in flight at once
+// (see the constants), far more than the ~30 KB per multiprocessor that the H200's bandwidth x
+// latency needs.
+//
+// Documents: the warp finds the document of its first token with one binary search of cu_seqlens,
+// then walks forward (documents are sorted): the only per-token test is t >= e (the current
+// document's end), warp-uniform. At a document start the window's W-1 history rows are replaced
+// by the document's initial-state columns (or zeros), so no tap reads another document, and
+// nothing of a row is masked by multiplying with zero. Every chunk of kK tokens that needs no test
+// at all (inside one document and the segment, and in backward past the first W-1 tokens of both)
+// runs an unrolled loop without any; the others run the same arithmetic with the tests. Values
+// read from a device cu_seqlens are clamped (start in [0, t], end in [t+1, T]) before they address
+// memory, so a garbage cu_seqlens gives garbage values but no out-of-range access.
+//
+// Forward: y[t] = silu(bias + sum_j w[j] ext[t - S + j]) per token, 16-byte stores; final_state:
+// the small kernel of cuda_state.cuh, bits copied exactly.
+// Backward: per token t' of [a, min(b + S, T)) the warp recomputes z and u = dy * silu'(z) from the
+// window (Dao's causal-conv1d recomputes z the same way), adds u * ext taps to its dweight / dbias
+// register sums for t' < b, and emits dx[t' - S] = sum_j w[j] u[t' - j] once u of its W taps is
+// known (all of t's document, since t' < e). At a document end the last W-1 tokens still pending
+// are flushed with the taps of their own document plus dfinal_state. dweight / dbias: per-lane
+// fp32 sums over the warp's segment, summed over the block's warps in warp order through shared
+// memory into one fp32 partial row set per block ([G, W+1, C] in scratch), then the second kernel
+// of cuda_state.cuh adds the G partials in block order. No float atomics: the results depend only
+// on the shapes, the documents and the device's multiprocessor count. dinitial_state: the small
+// kernel of cuda_state.cuh.
+//
+// Bytes moved: forward x once (+ W-1 halo rows per segment, mostly L2 hits) and y once; backward x
+// and dy once (+ 2 (W-1) and W-1 halo rows per segment) and dx once; plus the partials.
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <type_traits>
+
+#include "backend/cuda/vec.cuh"
+#include "gdn/backend/cuda_check.h"
+#include "gdn/backend/registry.h"
+#include "ops/causal_conv1d/cuda_state.cuh"
+#include "ops/causal_conv1d/op.h"
+
+namespace gdn::ops {
+
+// The per-warp rings of the v2 kernels (dynamic shared memory).
+extern __shared__ __align__(16) unsigned char conv2_smem[];
+
+namespace {
+
+constexpr int kV = 8;         // channels per lane: one 16-byte pack of a row
+constexpr int kCB = 32 * kV;  // channels per warp (and per block column): 512 bytes of a row
+constexpr int kK = 8;         // rows per stage (one cp.async commit group)
+constexpr int kMaxW = 4;      // widths this kernel covers (W > 4 runs cuda.tiled)
+constexpr int kMinSeg = 64;   // shortest segment a warp is given (halo and setup amortise)
+
+// Forward: 4 warps a block, 3 stages a warp (2 in flight while one is computed, 8 KB a warp),
+// 12 KB of shared memory a warp; 4 blocks (16 warps) a multiprocessor, <= 128 registers.
+constexpr int kFwdWarps = 4, kFwdStages = 3, kFwdMinBlocks = 4;
+// Backward: 2 warps a block, 3 stages of (x, dy) a warp (2 in flight while one is computed,
+// 16 KB a warp), 24 KB a warp; 4 blocks (8 warps, 2 per scheduler) a multiprocessor, <= 255
+// registers: the window, the u window, the weights and the dweight sums are 8 channels x W fp32
+// each (~170 live at W = 4), and 3 warps per scheduler (<= 168) spill.
+constexpr int kBwdWarps = 2, kBwdStages = 3, kBwdMinBlocks = 4;
+
+constexpr int kRowU4 = 32;                      // uint4 per ring row (one per lane)
+constexpr int kStageU4 = kK * kRowU4;           // uint4 per stage of one tensor
+constexpr size_t kStageBytes = kStageU4 * 16u;  // 4 KB
+constexpr size_t fwd_smem() { return kFwdWarps * kFwdStages * kStageBytes; }      // 48 KB
+constexpr size_t bwd_smem() { return kBwdWarps * 2 * kBwdStages * kStageBytes; }  // 48 KB
+static_assert(fwd_smem() <= 48 * 1024, "the forward rings must fit the default 48 KiB");
+static_assert(kBwdWarps * (kMaxW + 1) * kCB * sizeof(float) <= bwd_smem(),
+              "the dweight reduction reuses the ring memory");
+
+// --- device helpers ----------------------------------------------------------------------------
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
+               "r"(src_bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// Waits until at most N of this thread's committed groups are pending.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void unpack8(const uint4& u, float (&f)[kV]) {
+  f[0] = cuda::bf16_lo(u.x);
+  f[1] = cuda::bf16_hi(u.x);
+  f[2] = cuda::bf16_lo(u.y);
+  f[3] = cuda::bf16_hi(u.y);
+  f[4] = cuda::bf16_lo(u.z);
+  f[5] = cuda::bf16_hi(u.z);
+  f[6] = cuda::bf16_lo(u.w);
+  f[7] = cuda::bf16_hi(u.w);
+}
+
+__device__ __forceinline__ uint4 pack8(const float (&f)[kV]) {
+  return make_uint4(cuda::pack2(f[0], f[1]), cuda::pack2(f[2], f[3]), cuda::pack2(f[4], f[5]),
+                    cuda::pack2(f[6], f[7]));
+}
+
+// The document of the warp's current token: index, first token, one past its last token.
+struct Doc {
+  int64_t s, e;
+  int n;
+};
+
+// The document n of token t (0 <= t < T): the largest n in [0, N-1] with cu[n] <= t (which skips
+// zero-length documents), then s, e clamped so that 0 <= s <= t < e <= T whatever cu holds.
+// Without cu_seqlens: one document [0, T).
+__device__ __forceinline__ Doc find_doc(const int32_t* __restrict__ cu, int N, int64_t T,
+                                        int64_t t) {
+  if (cu == nullptr) return {0, T, 0};
+  int lo = 0, hi = N - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (__ldg(cu + mid) <= t)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const int64_t s = __ldg(cu + lo), e = __ldg(cu + lo + 1);
+  return {std::clamp<int64_t>(s, 0, t), std::clamp<int64_t>(e, t + 1, T), lo};
+}
+
+// Moves d forward to the document of token t (t >= d.e, t < T): documents are sorted, so walk
+// (zero-length ones included) instead of searching. Same clamps as find_doc.
+__device__ __forceinline__ void advance_doc(Doc& d, const int32_t* __restrict__ cu, int N,
+                                            int64_t T, int64_t t) {
+  if (cu == nullptr) {  // unreachable for valid shapes (one document [0, T)): stay in range
+    d = {0, T, 0};
+    return;
+  }
+  int n = d.n;
+  while (n < N - 1 && __ldg(cu + n + 1) <= t) ++n;
+  const int64_t s = __ldg(cu + n), e = __ldg(cu + n + 1);
+  d = {std::clamp<int64_t>(s, 0, t), std::clamp<int64_t>(e, t + 1, T), n};
+}
+
+// Column k (0 <= k < S) of document n's [C, S] state slice for the lane's 8 channels; zeros
+// without a state or for an inactive lane.
+template <int S>
+__device__ __forceinline__ void state_cols(const bf16_t* __restrict__ st, int n, int k, int64_t c,
+                                           int64_t C, bool active, float (&f)[kV]) {
+#pragma unroll
+  for (int v = 0; v < kV; ++v)
+    f[v] = st != nullptr && active ? to_f(st[(static_cast<int64_t>(n) * C + c + v) * S + k]) : 0.f;
+}
+
+// The lane's 8 channels of row p of a [T, C] tensor, read directly (the halo rows of a segment).
+__device__ __forceinline__ void global_row(const bf16_t* __restrict__ a, int64_t p, int64_t c,
+                                           int64_t C, bool active, float (&f)[kV]) {
+  if (active) {
+    unpack8(__ldg(reinterpret_cast<const uint4*>(a + p * C + c)), f);
+  } else {
+#pragma unroll
+    for (int v = 0; v < kV; ++v) f[v] = 0.f;
+  }
+}
+
+template <int W>
+__device__ __forceinline__ void load_weights(const bf16_t* __restrict__ w,
+                                             const bf16_t* __restrict__ bias, int64_t c,
+                                             bool active, float (&wr)[W][kV], float (&br)[kV]) {
+#pragma unroll
+  for (int v = 0; v < kV; ++v) {
+#pragma unroll
+    for (int j = 0; j < W; ++j) wr[j][v] = active ? to_f(w[(c + v) * W + j]) : 0.f;
+    br[v] = active && bias != nullptr ? to_f(bias[c + v]) : 0.f;
+  }
+}
+
+// z = bias + sum_j w[j] e[j], taps in order (the order of cuda.tiled).
+template <int W>
+__device__ __forceinline__ void preact(const float (&wr)[W][kV], const float (&br)[kV],
+                                       const float (&e)[W][kV], float (&z)[kV]) {
+#pragma unroll
+  for (int v = 0; v < kV; ++v) {
+    z[v] = br[v];
+#pragma unroll
+    for (int j = 0; j < W; ++j) z[v] = fmaf(wr[j][v], e[j][v], z[v]);
+  }
+}
+
+// The window's S history rows become columns 0 .. S-1 of document n's initial state (or zeros):
+// ext[0 .. S-1] of a document that starts at the current token.
+template <int W>
+__device__ __forceinline__ void window_from_state(float (&win)[W][kV],
+                                                  const bf16_t* __restrict__ init, int n, int64_t c,
+                                                  int64_t C, bool active) {
+  constexpr int S = W - 1;
+#pragma unroll
+  for (int j = 0; j < S; ++j) state_cols<S>(init, n, j, c, C, active, win[j]);
+}
+
+// The window's S history rows for a segment starting at token a of document d: ext of tokens
+// a - S .. a - 1 (rows of x inside the document, initial-state columns before it).
+template <int W>
+__device__ __forceinline__ void window_at_start(float (&win)[W][kV], const bf16_t* __restrict__ x,
+                                                const bf16_t* __restrict__ init, const Doc& d,
+                                                int64_t a, int64_t c, int64_t C, bool active) {
+  constexpr int S = W - 1;
+#pragma unroll
+  for (int j = 0; j < S; ++j) {
+    const int64_t p = a - S + j;
+    if (p >= d.s) {  // d.s >= 0, so p is a row of x
+      global_row(x, p, c, C, active, win[j]);
+    } else {  // p - d.s + S in [0, S) since d.s <= a
+      state_cols<S>(init, d.n, static_cast<int>(p - d.s + S), c, C, active, win[j]);
+    }
+  }
+}
+
+template <int W>
+__device__ __forceinline__ void shift(float (&r)[W][kV]) {
+#pragma unroll
+  for (int j = 0; j + 1 < W; ++j)
+#pragma unroll
+    for (int v = 0; v < kV; ++v) r[j][v] = r[j + 1][v];
+}
+
+// --- forward -----------------------------------------------------------------------------------
+
+// grid (G, channel columns), kFwdWarps warps a block; warp q = blockIdx.x * kFwdWarps + warp of a
+// column owns tokens [T q / P, T (q+1) / P), P = G kFwdWarps.
+template <int W, bool kSilu>
+__global__ void __launch_bounds__(kFwdWarps * 32, kFwdMinBlocks)
+    conv2_fwd_kernel(const bf16_t* __restrict__ x,     // [T, C]
+                     const bf16_t* __restrict__ w,     // [C, W]
+                     const bf16_t* __restrict__ bias,  // [C] or null
+                     const int32_t* __restrict__ cu,   // [N+1] or null
+                     const bf16_t* __restrict__ init,  // [N, C, W-1] or null
+                     bf16_t* __restrict__ y,           // [T, C]
+                     int64_t T, int64_t C, int N) {
+  constexpr int S = W - 1;
+  constexpr int NS = kFwdStages;
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int64_t P = static_cast<int64_t>(gridDim.x) * kFwdWarps;
+  const int64_t q = static_cast<int64_t>(blockIdx.x) * kFwdWarps + warp;
+  const int64_t a = T * q / P, b = T * (q + 1) / P;
+  if (a >= b) return;  // warp-uniform; the kernel has no block barrier
+  const int64_t c = static_cast<int64_t>(blockIdx.y) * kCB + lane * kV;
+  const bool active = c < C;  // C % 8 == 0: all 8 channels of the lane or none
+  uint4* ring = reinterpret_cast<uint4*>(conv2_smem) + warp * NS * kStageU4 + lane;  // [NS, kK]
+  const int64_t nchunks = (b - a + kK - 1) / kK;
+  // Chunk k = rows a + k kK .. (< b) into stage k % NS; always one commit group.
+  auto issue = [&](int64_t k) {
+    if (k < nchunks) {
+      const int64_t r0 = a + k * kK;
+      uint4* dst = ring + static_cast<int>(k % NS) * kStageU4;
+#pragma unroll
+      for (int r = 0; r < kK; ++r)
+        if (r0 + r < b)
+          cp_async16(dst + r * kRowU4, active ? x + (r0 + r) * C + c : x, active ? 16 : 0);
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int k = 0; k < NS; ++k) issue(k);
+
+  float wr[W][kV], br[kV];
+  load_weights<W>(w, bias, c, active, wr, br);
+  Doc d = find_doc(cu, N, T, a);
+  float win[W][kV];  // win[j] = ext of token t - S + j, for the current token t
+  window_at_start<W>(win, x, init, d, a, c, C, active);
+
+  // Token t from ring row `row`: win[S] = x[t], y[t] = silu(z), then the window slides.
+  auto token = [&](const uint4* row, int64_t t) {
+    unpack8(*row, win[S]);
+    float z[kV];
+    preact<W>(wr, br, win, z);
+    if constexpr (kSilu) {
+#pragma unroll
+      for (int v = 0; v < kV; ++v) z[v] *= sigmoid(z[v]);
+    }
+    if (active) *reinterpret_cast<uint4*>(y + t * C + c) = pack8(z);
+    shift<W>(win);
+  };
+
+  for (int64_t k = 0; k < nchunks; ++k) {
+    cp_async_wait<NS - 1>();  // chunk k (this lane's copies) has landed
+    const uint4* st = ring + static_cast<int>(k % NS) * kStageU4;
+    const int64_t t0 = a + k * kK;
+    if (t0 + kK <= d.e && t0 + kK <= b) {  // one document, inside the segment: no test
+#pragma unroll
+      for (int i = 0; i < kK; ++i) token(st + i * kRowU4, t0 + i);
+    } else {
+#pragma unroll 1
+      for (int i = 0; i < kK; ++i) {
+        const int64_t t = t0 + i;
+        if (t >= b) break;
+        if (t >= d.e) {  // a document starts at t: its window is its initial state
+          advance_doc(d, cu, N, T, t);
+          window_from_state<W>(win, init, d.n, c, C, active);
+        }
+        token(st + i * kRowU4, t);
+      }
+    }
+    __syncwarp();  // this stage's shared-memory reads are performed before it is refilled
+    issue(k + NS);
+  }
+}
+
+// --- backward ----------------------------------------------------------------------------------
+
+// grid (G, channel columns), kBwdWarps warps a block, segments as in the forward. Writes dx rows
+// [a, b) of its segment and its block's dweight / dbias partial row set partial[blockIdx.x].
+template <int W, bool kSilu>
+__global__ void __launch_bounds__(kBwdWarps * 32, kBwdMinBlocks)
+    conv2_bwd_kernel(const bf16_t* __restrict__ x,     // [T, C]
+                     const bf16_t* __restrict__ w,     // [C, W]
+                     const bf16_t* __restrict__ bias,  // [C] or null
+                     const int32_t* __restrict__ cu,   // [N+1] or null
+                     const bf16_t* __restrict__ init,  // [N, C, W-1] or null
+                     const bf16_t* __restrict__ dy,    // [T, C]
+                     const bf16_t* __restrict__ dfin,  // [N, C, W-1] or null
+                     bf16_t* __restrict__ dx,          // [T, C]
+                     float* __restrict__ partial,      // [gridDim.x, W+1, C]
+                     int64_t T, int64_t C, int N) {
+  constexpr int S = W - 1;
+  constexpr int NS = kBwdStages;
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int64_t P = static_cast<int64_t>(gridDim.x) * kBwdWarps;
+  const int64_t q = static_cast<int64_t>(blockIdx.x) * kBwdWarps + warp;
+  const int64_t a = T * q / P, b = T * (q + 1) / P;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kCB;
+  const int64_t c = c0 + lane * kV;
+  const bool active = c < C;
+  float acc[W + 1][kV];  // dweight taps, then dbias: this lane's tokens of the segment
+#pragma unroll
+  for (int j = 0; j <= W; ++j)
+#pragma unroll
+    for (int v = 0; v < kV; ++v) acc[j][v] = 0.f;
+
+  if (a < b) {  // warp-uniform; an empty segment only joins the reduction
+    // Rows [a, rend) of x and dy: u of the S tokens after b is needed by dx of b - S .. b - 1.
+    const int64_t rend = std::min<int64_t>(b + S, T);
+    const int64_t nchunks = (rend - a + kK - 1) / kK;
+    uint4* ring_x = reinterpret_cast<uint4*>(conv2_smem) + warp * 2 * NS * kStageU4 + lane;
+    uint4* ring_dy = ring_x + NS * kStageU4;  // each [NS, kK] rows of the lane's 16 bytes
+    auto issue = [&](int64_t k) {
+      if (k < nchunks) {
+        const int64_t r0 = a + k * kK;
+        const int off = static_cast<int>(k % NS) * kStageU4;
+#pragma unroll
+        for (int r = 0; r < kK; ++r) {
+          if (r0 + r < rend) {
+            const int64_t g = (r0 + r) * C + c;
+            cp_async16(ring_x + off + r * kRowU4, active ? x + g : x, active ? 16 : 0);
+            cp_async16(ring_dy + off + r * kRowU4, active ? dy + g : dy, active ? 16 : 0);
+          }
+        }
+      }
+      cp_async_commit();
+    };
+#pragma unroll
+    for (int k = 0; k < NS; ++k) issue(k);
+
+    float wr[W][kV], br[kV];
+    load_weights<W>(w, bias, c, active, wr, br);
+    Doc d = find_doc(cu, N, T, a);
+    float win[W][kV];  // win[j] = ext of token t' - S + j, for the current token t'
+    float uw[W][kV];   // uw[m] = u(t' - S + m); only entries of tokens in [max(a, d.s), t'] are
+                       // ever read (dx of t reads u(t .. t + S))
+    window_at_start<W>(win, x, init, d, a, c, C, active);
+#pragma unroll
+    for (int j = 0; j < W; ++j)
+#pragma unroll
+      for (int v = 0; v < kV; ++v) uw[j][v] = 0.f;
+
+    // dx of the tokens e - S .. e - 1 of document d still pending when the walk reaches its end e
+    // (uw[m] = u(e - S + m)): the taps inside the document plus dfinal_state. Only tokens of
+    // [max(a, d.s), b) are written.
+    auto flush = [&]() {
+#pragma unroll
+      for (int i = 0; i < S; ++i) {
+        const int64_t t = d.e - S + i;
+        if (t < a || t < d.s || t >= b) continue;
+        float o[kV];
+        state_cols<S>(dfin, d.n, i, c, C, active, o);  // dext[L + i] = dfinal_state[i] + ...
+#pragma unroll
+        for (int j = i + 1; j < W; ++j)  // u(t + S - j) inside the document: t + S - j < e
+#pragma unroll
+          for (int v = 0; v < kV; ++v) o[v] = fmaf(wr[j][v], uw[i + S - j][v], o[v]);
+        if (active) *reinterpret_cast<uint4*>(dx + t * C + c) = pack8(o);
+      }
+    };
+
+    // Token t' from ring rows xr, dr: u(t'), its dweight / dbias terms when t' < b (kAcc), and
+    // dx of t = t' - S when kEmit (every u it reads is of t's document). Then the windows slide.
+    auto token = [&](const uint4* xr, const uint4* dr, int64_t tp, bool acc_on, bool emit) {
+      unpack8(*xr, win[S]);
+      float z[kV], g[kV];
+      preact<W>(wr, br, win, z);
+      unpack8(*dr, g);
+#pragma unroll
+      for (int v = 0; v < kV; ++v) {
+        float u = g[v];
+        if constexpr (kSilu) {
+          const float sg = sigmoid(z[v]);
+          u *= sg * (1.f + z[v] * (1.f - sg));
+        }
+        uw[S][v] = u;
+      }
+      if (acc_on) {
+#pragma unroll
+        for (int v = 0; v < kV; ++v) {
+#pragma unroll
+          for (int j = 0; j < W; ++j) acc[j][v] = fmaf(uw[S][v], win[j][v], acc[j][v]);
+          acc[W][v] += uw[S][v];
+        }
+      }
+      if (emit) {
+        float o[kV];
+#pragma unroll
+        for (int v = 0; v < kV; ++v) o[v] = 0.f;
+#pragma unroll
+        for (int j = 0; j < W; ++j)
+#pragma unroll
+          for (int v = 0; v < kV; ++v) o[v] = fmaf(wr[j][v], uw[S - j][v], o[v]);
+        if (active) *reinterpret_cast<uint4*>(dx + (tp - S) * C + c) = pack8(o);
+      }
+      shift<W>(win);
+      shift<W>(uw);
+    };
+
+    bool done = false;
+    for (int64_t k = 0; k < nchunks && !done; ++k) {
+      cp_async_wait<NS - 1>();  // chunk k (this lane's copies) has landed
+      const int off = static_cast<int>(k % NS) * kStageU4;
+      const int64_t t0 = a + k * kK;
+      if (t0 + kK <= d.e && t0 + kK <= b && t0 - S >= std::max(a, d.s)) {
+        // One document, every token of the segment, every dx of the document: no test.
+#pragma unroll
+        for (int i = 0; i < kK; ++i)
+          token(ring_x + off + i * kRowU4, ring_dy + off + i * kRowU4, t0 + i, true, true);
+      } else {
+#pragma unroll 1
+        for (int i = 0; i < kK; ++i) {
+          const int64_t tp = t0 + i;
+          if (tp >= d.e) {  // the walk leaves document d: flush it, then enter the next one
+            flush();
+            if (tp >= b) {
+              done = true;
+              break;
+            }
+            advance_doc(d, cu, N, T, tp);
+            window_from_state<W>(win, init, d.n, c, C, active);
+#pragma unroll
+            for (int j = 0; j < W; ++j)
+#pragma unroll
+              for (int v = 0; v < kV; ++v) uw[j][v] = 0.f;
+          }
+          if (tp >= rend) {  // tp = b + S < d.e: every dx of [a, b) is written
+            done = true;
+            break;
+          }
+          token(ring_x + off + i * kRowU4, ring_dy + off + i * kRowU4, tp, tp < b,
+                tp - S >= std::max(a, d.s));
+        }
+      }
+      __syncwarp();  // this stage's shared-memory reads are performed before it is refilled
+      issue(k + NS);
+    }
+    // The walk stopped at rend without reaching the step that ends the last document: when
+    // rend = T (or the document ends exactly at rend), flush it.
+    if (!done && rend >= d.e) flush();
+  }
+
+  // Sum the warps' partials in warp order (the rings are reused: wait for every copy first).
+  cp_async_wait<0>();
+  __syncthreads();
+  float* red = reinterpret_cast<float*>(conv2_smem);  // [kBwdWarps, W+1, kCB]
+#pragma unroll
+  for (int j = 0; j <= W; ++j)
+#pragma unroll
+    for (int v = 0; v < kV; ++v) red[(warp * (W + 1) + j) * kCB + lane * kV + v] = acc[j][v];
+  __syncthreads();
+  for (int idx = static_cast<int>(threadIdx.x); idx < (W + 1) * kCB; idx += kBwdWarps * 32) {
+    const int j = idx / kCB, col = idx % kCB;
+    if (c0 + col >= C) continue;
+    float sum = 0.f;
+#pragma unroll
+    for (int k = 0; k < kBwdWarps; ++k) sum += red[(k * (W + 1) + j) * kCB + col];
+    partial[(static_cast<int64_t>(blockIdx.x) * (W + 1) + j) * C + c0 + col] = sum;
+  }
+}
+
+// --- host side ---------------------------------------------------------------------------------
+
+const bf16_t* dev_in(const Tensor& t) {
+  return t.defined() ? reinterpret_cast<const bf16_t*>(t.ptr<bf16>()) : nullptr;
+}
+bf16_t* dev_out(const Tensor& t) { return const_cast<bf16_t*>(dev_in(t)); }
+
+bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data()) % 16 == 0; }
+
+// The calls this kernel covers: W <= 4, C % 8 == 0 (whole 16-byte packs per lane), 16-byte
+// aligned activations, at most 65535 channel columns.
+bool covered(const Tensor& x, const Tensor& weight, const Tensor& a, const Tensor& b,
+             const Tensor& c) {
+  const int64_t C = x.size(1);
+  bool ok = weight.size(1) <= kMaxW && C % 8 == 0 && (C + kCB - 1) / kCB <= 65535;
+  for (const Tensor* t : {&x, &a, &b, &c})
+    if (t->defined()) ok = ok && aligned16(*t);
+  return ok;
+}
+
+// The old implementation, for the calls this one does not cover.
+const CausalConv1dTable& tiled() {
+  static const CausalConv1dTable* t = [] {
+    for (const ImplDesc* i : Registry::global().impls("causal_conv1d", Backend::Cuda))
+      if (i->name == "cuda.tiled") return static_cast<const CausalConv1dTable*>(i->table);
+    return static_cast<const CausalConv1dTable*>(nullptr);
+  }();
+  GDN_CHECK(t != nullptr, "causal_conv1d (cuda.v2): the fallback cuda.tiled is not registered");
+  return *t;
+}
+
+// Calls f(std::integral_constant<int, W>) for W in 1..kMaxW.
+template <class F>
+void with_width(int64_t W, F&& f) {
+  switch (W) {
+    case 1:
+      f(std::integral_constant<int, 1>{});
+      break;
+    case 2:
+      f(std::integral_constant<int, 2>{});
+      break;
+    case 3:
+      f(std::integral_constant<int, 3>{});
+      break;
+    case 4:
+      f(std::integral_constant<int, 4>{});
+      break;
+    default:
+      GDN_FAIL("causal_conv1d (cuda.v2): width W = {} is outside 1..{}", W, kMaxW);
+  }
+}
+
+unsigned small_grid(int64_t items) {
+  return static_cast<unsigned>(std::clamp<int64_t>((items + 255) / 256, 1, 65536));
+}
+
+struct Shape {
+  int64_t T, C, W, N, ncb;
+  const int32_t* cu;  // [N+1] or null
+};
+
+Shape shape_of(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens) {
+  Shape k;
+  k.T = x.size(0);
+  k.C = x.size(1);
+  k.W = weight.size(1);
+  k.N = causal_conv1d_num_docs(cu_seqlens);
+  k.cu = cu_seqlens.defined() ? cu_seqlens.ptr<int32_t>() : nullptr;
+  GDN_CHECK(k.T == 0 || k.N >= 1,
+            "causal_conv1d: tensor 'cu_seqlens' has no document but 'x' has {} rows", k.T);
+  GDN_CHECK(k.N <= INT_MAX, "causal_conv1d (cuda.v2): {} documents is too many", k.N);
+  k.ncb = (k.C + kCB - 1) / kCB;
+  return k;
+}
+
+// Blocks per channel column: the blocks that fit at once split over the columns, but no more
+// than give every warp kMinSeg tokens.
+int64_t blocks_per_column(const void* kernel, int warps, size_t smem, const Shape& k) {
+  GDN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(smem)));
+  GDN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                      cudaSharedmemCarveoutMaxShared));
+  int per_sm = 0;
+  GDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, warps * 32, smem));
+  const int64_t fit = static_cast<int64_t>(cuda::Context::get().sm_count()) * std::max(per_sm, 1);
+  const int64_t segs = (k.T + kMinSeg - 1) / kMinSeg;
+  const int64_t useful = std::max<int64_t>((segs + warps - 1) / warps, 1);
+  return std::clamp<int64_t>(fit / k.ncb, 1, std::min<int64_t>(useful, 65535));
+}
+
+void forward(const CausalConv1dFwd& a) {
+  if (!covered(a.x, a.weight, a.y, Tensor(), Tensor())) {
+    tiled().forward(a);
+    return;
+  }
+  const Shape k = shape_of(a.x, a.weight, a.cu_seqlens);
+  if (k.C == 0) return;
+  const bf16_t* x = dev_in(a.x);                 // [T, C]
+  const bf16_t* w = dev_in(a.weight);            // [C, W]
+  const bf16_t* bias = dev_in(a.bias);           // [C] or null
+  const bf16_t* init = dev_in(a.initial_state);  // [N, C, W-1] or null
+  bf16_t* y = dev_out(a.y);                      // [T, C]
+  bf16_t* fin = dev_out(a.final_state);          // [N, C, W-1] or null
+  const int N = static_cast<int>(k.N), S = static_cast<int>(k.W) - 1;
+  cudaStream_t s = cuda::stream();
+  with_width(k.W, [&](auto wc) {
+    constexpr int W = decltype(wc)::value;
+    if (k.T > 0) {
+      auto launch = [&](auto kernel) {
+        const int64_t G =
+            blocks_per_column(reinterpret_cast<const void*>(kernel), kFwdWarps, fwd_smem(), k);
+        const dim3 grid(static_cast<unsigned>(G), static_cast<unsigned>(k.ncb));
+        kernel<<<grid, kFwdWarps * 32, fwd_smem(), s>>>(x, w, bias, k.cu, init, y, k.T, k.C, N);
+        GDN_CUDA_LAUNCH_CHECK("conv2_fwd_kernel");
+      };
+      if (a.silu)
+        launch(conv2_fwd_kernel<W, true>);
+      else
+        launch(conv2_fwd_kernel<W, false>);
+    }
+    if (fin != nullptr && S > 0 && N > 0) {
+      conv_final_state_kernel<W>
+          <<<small_grid(k.N * k.C), 256, 0, s>>>(x, k.cu, init, fin, k.T, k.C, N);
+      GDN_CUDA_LAUNCH_CHECK("conv_final_state_kernel");
+    }
+  });
+}
+
+void backward(const CausalConv1dBwd& a) {
+  if (!covered(a.x, a.weight, a.dy, a.dx, Tensor())) {
+    tiled().backward(a);
+    return;
+  }
+  const Shape k = shape_of(a.x, a.weight, a.cu_seqlens);
+  if (k.C == 0) return;
+  const bf16_t* x = dev_in(a.x);                                   // [T, C]
+  const bf16_t* w = dev_in(a.weight);                              // [C, W]
+  const bf16_t* bias = dev_in(a.bias);                             // [C] or null
+  const bf16_t* init = dev_in(a.initial_state);                    // [N, C, W-1] or null
+  const bf16_t* dy = dev_in(a.dy);                                 // [T, C]
+  const bf16_t* dfin = dev_in(a.dfinal_state);                     // [N, C, W-1] or null
+  bf16_t* dx = dev_out(a.dx);                                      // [T, C]
+  bf16_t* dinit = dev_out(a.dinitial_state);                       // [N, C, W-1] or null
+  float* dw = a.dweight.ptr<float>();                              // [C, W]
+  float* db = a.dbias.defined() ? a.dbias.ptr<float>() : nullptr;  // [C] or null
+  const int N = static_cast<int>(k.N);
+  cuda::Context& ctx = cuda::Context::get();
+  cudaStream_t s = ctx.stream();
+  with_width(k.W, [&](auto wc) {
+    constexpr int W = decltype(wc)::value;
+    if (k.T > 0) {
+      auto launch = [&](auto kernel) {
+        const int64_t G =
+            blocks_per_column(reinterpret_cast<const void*>(kernel), kBwdWarps, bwd_smem(), k);
+        float* partial = static_cast<float*>(  // [G, W+1, C]
+            ctx.scratch(static_cast<size_t>(G * (W + 1) * k.C) * sizeof(float)));
+        const dim3 grid(static_cast<unsigned>(G), static_cast<unsigned>(k.ncb));
+        kernel<<<grid, kBwdWarps * 32, bwd_smem(), s>>>(x, w, bias, k.cu, init, dy, dfin, dx,
+                                                        partial, k.T, k.C, N);
+        GDN_CUDA_LAUNCH_CHECK("conv2_bwd_kernel");
+        conv_dw_reduce_kernel<<<small_grid((W + 1) * k.C), 256, 0, s>>>(
+            partial, dw, db, static_cast<int>(G), W, k.C);
+        GDN_CUDA_LAUNCH_CHECK("conv_dw_reduce_kernel");
+      };
+      if (a.silu)
+        launch(conv2_bwd_kernel<W, true>);
+      else
+        launch(conv2_bwd_kernel<W, false>);
+    }
+    if constexpr (W > 1) {  // W = 1: the state has no columns
+      if (dinit == nullptr || N == 0) return;
+      conv_dinit_kernel<W><<<small_grid(k.N * k.C), 256, 0, s>>>(x, w, bias, k.cu, init, dy, dfin,
+                                                                 dinit, k.T, k.C, N, a.silu);
+      GDN_CUDA_LAUNCH_CHECK("conv_dinit_kernel");
+    }
+  });
+}
+
+const CausalConv1dTable kTable{forward, backward};
+
+}  // namespace
+
+GDN_REGISTER(causal_conv1d_cuda_v2) {
+  Registry::global().add_impl({"causal_conv1d", "cuda.v2", Backend::Cuda, 20, nullptr, &kTable});
+}
+
+}  // namespace gdn::ops
