@@ -1,10 +1,7 @@
-// L2 normalisation on CUDA (label gpu): EVERY cuda implementation ("cuda.rowwise", "cuda.staged")
-// vs ref over swept shapes (forward, and the backward from cuda's own y and rstd), rows of very
-// different scales including all-zero rows, the 16-byte and the scalar paths, rows wider than the
-// register-held part, the staged layouts (one and two packs per thread, partial row groups, long
-// row walks that wrap the staged ring), unaligned and 16-byte-offset views, determinism; the
-// resolver's choice and probe, `ops run` on the cuda backend, and bad input. Tolerances come from
-// src/backend/tolerances.h.
+// L2 normalisation on CUDA (label gpu): cuda vs ref over swept shapes (forward, and the backward
+// from cuda's own y and rstd), rows of very different scales including all-zero rows, the 16-byte
+// and the scalar paths, rows wider than the register-held part, the resolver's choice and probe,
+// `ops run` on the cuda backend, and bad input. Tolerances come from src/backend/tolerances.h.
 #include <algorithm>
 #include <cmath>
 
@@ -20,18 +17,6 @@ using namespace gdn::testing;  // NOLINT: test helpers
 constexpr ProbeError kTol = bf16_tolerance("l2norm");
 
 class L2NormCuda : public CudaOpTest {};
-
-// The cuda implementations under test, called through their tables (the resolver would pick only
-// one per process). "cuda.staged" defers to "cuda.rowwise" for what it does not stage (odd
-// widths, unaligned views, D > 8192), so those shapes check its dispatch.
-const char* const kImpls[] = {"cuda.rowwise", "cuda.staged"};
-
-// The table of cuda implementation `name`; a gdn::Error (a test failure) when it is not registered.
-const L2NormTable& impl_table(const std::string& name) {
-  const L2NormTable* t = cuda_table<L2NormTable>("l2norm", name);
-  if (t == nullptr) GDN_FAIL("l2norm implementation '{}' is not registered on cuda", name);
-  return *t;
-}
 
 // Rows of scale 10^((i % 5) - 2); every 7th row all zero (rstd = 1 / sqrt(eps)); bf16 values.
 OwnedTensor scaled_rows(int64_t R, int64_t D, uint64_t seed) {
@@ -56,12 +41,11 @@ Out run_ref(const Tensor& x, const Tensor& dy) {
   return o;
 }
 
-Out run_cuda(const Tensor& x, const Tensor& dy, const std::string& impl) {
+Out run_cuda(const Tensor& x, const Tensor& dy) {
   const int64_t R = x.size(0), D = x.size(1);
-  const L2NormTable& t = impl_table(impl);
   Out o{poisoned(DType::BF16, {R, D}), poisoned(DType::F32, {R}), poisoned(DType::BF16, {R, D})};
-  t.forward({x, o.y, o.rstd, 1e-6});
-  t.backward({o.y, o.rstd, dy, o.dx});
+  l2norm_forward({x, o.y, o.rstd, 1e-6});
+  l2norm_backward({o.y, o.rstd, dy, o.dx});
   return o;
 }
 
@@ -84,11 +68,10 @@ struct Shape {
 void PrintTo(const Shape& s, std::ostream* os) { *os << "[" << s.R << ", " << s.D << "]"; }
 // One row; odd and tiny widths (scalar path); D % 8 == 0 from one pack per row (tpr = 1) to the
 // register limit (D = 4096: tpr = 256) and past it (12288, re-read); scalar rows past their limit
-// (D = 2053, 9001); many rows; the GDN width 128. Staged: partial row groups (D = 1000, 2056), two
-// packs per thread (4104: only lane 0 has a second pack; 8192), a partial last batch (R = 4099).
-const Shape kShapes[] = {{1, 1},      {1, 7},      {3, 97},     {1, 8},      {5, 16},    {9, 128},
-                         {4099, 128}, {33, 1000},  {257, 1031}, {5, 4096},   {3, 12288}, {4, 2053},
-                         {2, 9001},   {70000, 64}, {9, 2056},   {300, 4104}, {6, 8192}};
+// (D = 2053, 9001); many rows; the GDN width 128.
+const Shape kShapes[] = {{1, 1},     {1, 7},      {3, 97},    {1, 8},      {5, 16},
+                         {9, 128},   {4099, 128}, {33, 1000}, {257, 1031}, {5, 4096},
+                         {3, 12288}, {4, 2053},   {2, 9001},  {70000, 64}};
 
 class L2NormCudaSweep : public L2NormCuda, public ::testing::WithParamInterface<Shape> {};
 
@@ -97,12 +80,8 @@ TEST_P(L2NormCudaSweep, MatchesRef) {
   OwnedTensor x = scaled_rows(s.R, s.D, 100 + static_cast<uint64_t>(s.D));
   OwnedTensor dy = randn_as({s.R, s.D}, 200 + static_cast<uint64_t>(s.D), DType::BF16);
   Out ref = run_ref(x, dy);
-  OwnedTensor xd = to_dev(x, DType::BF16), dyd = to_dev(dy, DType::BF16);
-  for (const char* impl : kImpls) {
-    SCOPED_TRACE(impl);
-    Out c = run_cuda(xd, dyd, impl);
-    compare(c, ref, dy);
-  }
+  Out c = run_cuda(to_dev(x, DType::BF16), to_dev(dy, DType::BF16));
+  compare(c, ref, dy);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, L2NormCudaSweep, ::testing::ValuesIn(kShapes),
@@ -112,67 +91,34 @@ INSTANTIATE_TEST_SUITE_P(Shapes, L2NormCudaSweep, ::testing::ValuesIn(kShapes),
                          });
 
 TEST_F(L2NormCuda, ZeroRowGivesZeroAndTheEpsRstd) {
-  for (const char* impl : kImpls) {
-    SCOPED_TRACE(impl);
-    OwnedTensor x = OwnedTensor::zeros(DType::BF16, {2, 128}, Device::CUDA);
-    OwnedTensor y = poisoned(DType::BF16, {2, 128}), r = poisoned(DType::F32, {2});
-    impl_table(impl).forward({x, y, r, 1e-6});
-    for (double v : to_f64_vector(y)) ASSERT_EQ(v, 0.0);
-    for (double v : to_f64_vector(r)) EXPECT_NEAR(v, 1000.0, 1000.0 * 1e-6);  // 1 / sqrt(1e-6)
-  }
+  OwnedTensor x = OwnedTensor::zeros(DType::BF16, {2, 128}, Device::CUDA);
+  OwnedTensor y = poisoned(DType::BF16, {2, 128}), r = poisoned(DType::F32, {2});
+  l2norm_forward({x, y, r, 1e-6});
+  for (double v : to_f64_vector(y)) ASSERT_EQ(v, 0.0);
+  for (double v : to_f64_vector(r)) EXPECT_NEAR(v, 1000.0, 1000.0 * 1e-6);  // 1 / sqrt(1e-6)
 }
 
-TEST_F(L2NormCuda, LongRowWalksWrapTheStagedRing) {
-  // [65536, 128]: 2048 batches of 32 rows, ~7.8 per block in the forward (2 blocks of 512 threads
-  // per multiprocessor, 132 on an H200) and ~15.5 in the backward (1 per multiprocessor), against
-  // rings of 6 and 8 slots; [2000, 4104]: 2000 single-row batches with two packs per thread
-  // (rings of 4 slots). Then a second run of each: bit-identical outputs.
-  for (const Shape s : {Shape{65536, 128}, Shape{2000, 4104}}) {
-    SCOPED_TRACE(::testing::PrintToString(s));
-    OwnedTensor x = scaled_rows(s.R, s.D, 61), dy = randn_as({s.R, s.D}, 62, DType::BF16);
-    Out ref = run_ref(x, dy);
-    OwnedTensor xd = to_dev(x, DType::BF16), dyd = to_dev(dy, DType::BF16);
-    for (const char* impl : kImpls) {
-      SCOPED_TRACE(impl);
-      Out c = run_cuda(xd, dyd, impl);
-      compare(c, ref, dy);
-      Out again = run_cuda(xd, dyd, impl);
-      expect_bitwise_equal(again.y, c.y, "y (second run)");
-      expect_bitwise_equal(again.rstd, c.rstd, "rstd (second run)");
-      expect_bitwise_equal(again.dx, c.dx, "dx (second run)");
-    }
-  }
-}
-
-TEST_F(L2NormCuda, UnalignedAndOffsetViews) {
-  // D % 8 == 0; the views start 2 bytes past a 16-byte boundary (the scalar path; "cuda.staged"
-  // defers to "cuda.rowwise") or 16 bytes past the allocation (aligned: the staged path).
-  const int64_t R = 9, D = 256;
+TEST_F(L2NormCuda, UnalignedTensorsTakeTheScalarPath) {
+  const int64_t R = 9, D = 256;  // D % 8 == 0: only the 2-byte offset forces the scalar path
   OwnedTensor x = scaled_rows(R, D, 31), dy = randn_as({R, D}, 32, DType::BF16);
   Out ref = run_ref(x, dy);
+  std::vector<OwnedTensor> keep;
   OwnedTensor xd = to_dev(x, DType::BF16), dyd = to_dev(dy, DType::BF16);
-  for (const char* impl : kImpls) {
-    for (int offset : {2, 16}) {
-      SCOPED_TRACE(std::string(impl) + ", offset " + std::to_string(offset));
-      std::vector<OwnedTensor> keep;
-      Tensor xu = unaligned_copy(xd, offset, keep), dyu = unaligned_copy(dyd, offset, keep);
-      Tensor yu = unaligned_copy(poisoned(DType::BF16, {R, D}), offset, keep);
-      Tensor dxu = unaligned_copy(poisoned(DType::BF16, {R, D}), offset, keep);
-      Out c{OwnedTensor(), poisoned(DType::F32, {R}), OwnedTensor()};
-      impl_table(impl).forward({xu, yu, c.rstd, 1e-6});
-      impl_table(impl).backward({yu, c.rstd, dyu, dxu});
-      expect_close(yu, ref.y, kTol.fwd, "y (offset view)");
-      expect_close(c.rstd, ref.rstd, kTol.fwd, "rstd (offset view)");
-      OwnedTensor y64 = to_f64(yu), r64 = to_f64(c.rstd);
-      OwnedTensor dx = OwnedTensor::zeros(DType::F64, {R, D});
-      l2norm_backward({y64, r64, dy, dx});
-      expect_close(dxu, dx, kTol.bwd, "dx (offset view)");
-    }
-  }
+  Tensor xu = unaligned_copy(xd, 2, keep), dyu = unaligned_copy(dyd, 2, keep);
+  Tensor yu = unaligned_copy(poisoned(DType::BF16, {R, D}), 2, keep);
+  Tensor dxu = unaligned_copy(poisoned(DType::BF16, {R, D}), 2, keep);
+  Out c{OwnedTensor(), poisoned(DType::F32, {R}), OwnedTensor()};
+  l2norm_forward({xu, yu, c.rstd, 1e-6});
+  l2norm_backward({yu, c.rstd, dyu, dxu});
+  expect_close(yu, ref.y, kTol.fwd, "y (unaligned)");
+  expect_close(c.rstd, ref.rstd, kTol.fwd, "rstd (unaligned)");
+  OwnedTensor y64 = to_f64(yu), r64 = to_f64(c.rstd), dx = OwnedTensor::zeros(DType::F64, {R, D});
+  l2norm_backward({y64, r64, dy, dx});
+  expect_close(dxu, dx, kTol.bwd, "dx (unaligned)");
 }
 
 TEST_F(L2NormCuda, ResolverChoosesCudaAndItPassesItsProbe) {
-  expect_resolves_to_cuda("l2norm", "cuda.staged", kTol, true, true);
+  expect_resolves_to_cuda("l2norm", "cuda.rowwise", kTol, true, true);
 }
 
 // Deliberately wrong CUDA implementations built from the real one: eps 1e4 times too large
@@ -195,7 +141,7 @@ const L2NormTable kWrongBwd{real_forward, swapped_backward};
 
 TEST_F(L2NormCuda, ProbeRejectsWrongCudaKernels) {
   ASSERT_NE(real_table(), nullptr) << "cuda.rowwise is not registered";
-  expect_probe_rejects("l2norm", "cuda.staged",
+  expect_probe_rejects("l2norm", "cuda.rowwise",
                        {{"cuda.wrong_eps", &kWrongFwd}, {"cuda.wrong_dx", &kWrongBwd}});
 }
 
@@ -205,7 +151,7 @@ TEST_F(L2NormCuda, OpsRunOnCudaBackend) {
   Out ref = run_ref(x, dy);
   OwnedTensor xf = convert(x, DType::F32), dyf = convert(dy, DType::F32);
   OpsRunOnCuda run("l2norm", {{"x", xf}, {"dy", dyf}}, true);
-  EXPECT_EQ(run.result().impl, "cuda.staged");
+  EXPECT_EQ(run.result().impl, "cuda.rowwise");
   expect_close(run.load("y"), ref.y, kTol.fwd, "y (ops run)");
   expect_close(run.load("rstd"), ref.rstd, kTol.fwd, "rstd (ops run)");
   expect_close(run.load("dx"), ref.dx, kTol.bwd, "dx (ops run)");

@@ -1,9 +1,7 @@
-// RMSNorm on CUDA (label gpu): EVERY cuda implementation ("cuda.rowwise", "cuda.staged") vs ref
-// over swept shapes (forward and both gradients, both flavours, both the 16-byte and the scalar
-// paths, rows wider than the register-held part, the staged layouts with one and two packs per
-// thread, long row walks that wrap the staged ring many times), dw accumulation and determinism,
-// unaligned and 16-byte-offset views; the resolver's choice and probe, deliberately wrong CUDA
-// implementations rejected by the probe, `ops run` on the cuda backend, and bad input.
+// RMSNorm on CUDA (label gpu): cuda vs ref over swept shapes (forward and both gradients, both
+// flavours, both the 16-byte and the scalar paths, rows wider than the register-held part), dw
+// accumulation and determinism, the resolver's choice and probe, a deliberately wrong CUDA
+// implementation rejected by the probe, `ops run` on the cuda backend, and bad input.
 // Tolerances come from the one table, src/backend/tolerances.h.
 #include <unistd.h>
 
@@ -25,18 +23,6 @@ namespace {
 using testing::randn;
 
 constexpr ProbeError kTol = bf16_tolerance("rmsnorm");
-
-// The cuda implementations under test: the sweeps call each one's table directly (the resolver
-// would pick only one per process). "cuda.staged" defers to "cuda.rowwise" for what it does not
-// stage (odd widths, unaligned views, D > 8192), so those shapes check its dispatch.
-const char* const kImpls[] = {"cuda.rowwise", "cuda.staged"};
-
-// The table of cuda implementation `name`; a gdn::Error (a test failure) when it is not registered.
-const RmsNormTable& impl_table(const std::string& name) {
-  for (const ImplDesc* i : Registry::global().impls("rmsnorm", Backend::Cuda))
-    if (i->name == name) return *static_cast<const RmsNormTable*>(i->table);
-  GDN_FAIL("rmsnorm implementation '{}' is not registered on cuda", name);
-}
 
 // Every test needs the device; say plainly when there is none instead of failing obscurely.
 class RmsNormCuda : public ::testing::Test {
@@ -98,12 +84,9 @@ Dev to_device(const Inputs& in, const Tensor* dw0 = nullptr) {
   return d;
 }
 
-// Forward then backward through implementation `impl` (its table: no resolver, no validation; the
-// inputs are valid by construction).
-void run_cuda(Dev& d, bool zc, const std::string& impl) {
-  const RmsNormTable& t = impl_table(impl);
-  t.forward({d.x, d.w, d.y, d.rstd, 1e-6, zc});
-  t.backward({d.x, d.w, d.rstd, d.dy, d.dx, d.dw, zc});
+void run_cuda(Dev& d, bool zc) {
+  rmsnorm_forward({d.x, d.w, d.y, d.rstd, 1e-6, zc});
+  rmsnorm_backward({d.x, d.w, d.rstd, d.dy, d.dx, d.dw, zc});
 }
 
 // y is x * r * gw computed in fp32 and rounded once to bf16: within half a bf16 ulp of the fp64
@@ -139,19 +122,14 @@ void compare(const Dev& d, const Ref& r, const Tensor& dy64) {
 // (R, D): one row, odd and tiny widths (scalar path), widths with D % 8 == 0 (16-byte path) from
 // one warp per row up to the register limit (D = 8192) and past it (D = 12288 with 16-byte packs,
 // D = 9001 / 4100 scalar: re-read tail and dw accumulated in the partial rows), many rows (the
-// backward's grid-stride walk takes several turns), and the benchmark's width. For the staged
-// layout: one pack per row (D = 8: 512 one-thread row groups), partial row groups (D = 1000: 125
-// packs in groups of 128; D = 2056: 257 packs in one group of 512), two packs per thread
-// (D = 4104: only lane 0 has a second pack; 6144; 8192), and a last batch with one row of two
-// (R = 4099 at D = 2048).
+// backward's grid-stride walk takes several turns), and the benchmark's width.
 struct Shape {
   int64_t R, D;
 };
 void PrintTo(const Shape& s, std::ostream* os) { *os << "[" << s.R << ", " << s.D << "]"; }
-const Shape kShapes[] = {{1, 1},      {1, 7},     {3, 97},    {1, 128},    {64, 128},
-                         {5, 8},      {1000, 16}, {33, 1000}, {257, 1031}, {5, 4096},
-                         {130, 4096}, {2, 4100},  {9, 2056},  {300, 4104}, {7, 6144},
-                         {16, 8192},  {3, 12288}, {7, 9001},  {70000, 64}, {4099, 2048}};
+const Shape kShapes[] = {{1, 1},     {1, 7},      {3, 97},   {1, 128},    {64, 128},
+                         {33, 1000}, {257, 1031}, {5, 4096}, {130, 4096}, {2, 4100},
+                         {16, 8192}, {3, 12288},  {7, 9001}, {70000, 64}, {4099, 2048}};
 
 class RmsNormCudaSweep : public RmsNormCuda,
                          public ::testing::WithParamInterface<std::tuple<Shape, bool>> {};
@@ -160,12 +138,9 @@ TEST_P(RmsNormCudaSweep, MatchesRef) {
   auto [shape, zc] = GetParam();
   Inputs in = make_inputs(shape.R, shape.D, zc, 100 + static_cast<uint64_t>(shape.D));
   Ref ref = run_ref(in, zc);
-  for (const char* impl : kImpls) {
-    SCOPED_TRACE(impl);
-    Dev d = to_device(in);
-    run_cuda(d, zc, impl);
-    compare(d, ref, in.dy);
-  }
+  Dev d = to_device(in);
+  run_cuda(d, zc);
+  compare(d, ref, in.dy);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, RmsNormCudaSweep,
@@ -186,42 +161,20 @@ TEST_F(RmsNormCuda, ZeroCentredFormsOnePlusWInFp32) {
   std::vector<double> wv(static_cast<size_t>(D), 1e-3);
   in.w = testing::rounded(from_f64(wv, DType::F64, {D}), DType::BF16);
   Ref ref = run_ref(in, true);
-  for (const char* impl : kImpls) {
-    SCOPED_TRACE(impl);
-    Dev d = to_device(in);
-    run_cuda(d, true, impl);
-    compare(d, ref, in.dy);
-    auto g = to_f64_vector(d.y), w = to_f64_vector(ref.y);
-    double bias = 0;
-    int n = 0;
-    for (size_t i = 0; i < g.size(); ++i) {
-      if (std::abs(w[i]) < 1e-6) continue;
-      bias += (g[i] - w[i]) / w[i];
-      ++n;
-    }
-    bias /= std::max(n, 1);
-    EXPECT_LT(std::abs(bias), 2e-4)
-        << "y is biased by " << bias << " relative: (1 + w) was not formed in fp32";
+  Dev d = to_device(in);
+  run_cuda(d, true);
+  compare(d, ref, in.dy);
+  auto g = to_f64_vector(d.y), w = to_f64_vector(ref.y);
+  double bias = 0;
+  int n = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    if (std::abs(w[i]) < 1e-6) continue;
+    bias += (g[i] - w[i]) / w[i];
+    ++n;
   }
-}
-
-TEST_F(RmsNormCuda, LongRowWalksWrapTheStagedRing) {
-  // Many more row batches than blocks, so that every block's ring of slots wraps: [8192, 1024] has
-  // 2048 batches of 4 rows (~7.8 per block in the forward: 2 blocks of 512 threads per
-  // multiprocessor, 132 on an H200; ~15.5 in the backward: 1 per multiprocessor; rings of 6 and 8
-  // slots); [2000, 4104] has 2000 single-row batches with two packs per thread (rings of 4 slots).
-  for (const Shape s : {Shape{8192, 1024}, Shape{2000, 4104}}) {
-    const bool zc = s.D == 4104;
-    SCOPED_TRACE(::testing::PrintToString(s));
-    Inputs in = make_inputs(s.R, s.D, zc, 50 + static_cast<uint64_t>(s.D));
-    Ref ref = run_ref(in, zc);
-    for (const char* impl : kImpls) {
-      SCOPED_TRACE(impl);
-      Dev d = to_device(in);
-      run_cuda(d, zc, impl);
-      compare(d, ref, in.dy);
-    }
-  }
+  bias /= std::max(n, 1);
+  EXPECT_LT(std::abs(bias), 2e-4) << "y is biased by " << bias
+                                  << " relative: (1 + w) was not formed in fp32";
 }
 
 TEST_F(RmsNormCuda, BackwardAccumulatesDwAndIsDeterministic) {
@@ -229,73 +182,56 @@ TEST_F(RmsNormCuda, BackwardAccumulatesDwAndIsDeterministic) {
   Inputs in = make_inputs(R, D, false, 21);
   Ref ref = run_ref(in, false);
   OwnedTensor dw0 = randn({D}, 24, 5.0);
-  for (const char* impl : kImpls) {
-    SCOPED_TRACE(impl);
-    Dev d = to_device(in, &dw0.view());
-    run_cuda(d, false, impl);
-    // dw = dw0 + ref
-    auto got = to_f64_vector(d.dw), base = to_f64_vector(dw0), add = to_f64_vector(ref.dw);
-    double num = 0, den = 0;
-    for (size_t i = 0; i < got.size(); ++i) {
-      const double want = static_cast<double>(static_cast<float>(base[i])) + add[i];
-      num += (got[i] - want) * (got[i] - want);
-      den += add[i] * add[i];
-    }
-    EXPECT_LE(std::sqrt(num / den), kTol.bwd) << "dw after += (error relative to the added part)";
-    // The same forward and backward again from the same dw0: bit-identical y, rstd, dx and dw.
-    auto y1 = to_f64_vector(d.y), r1 = to_f64_vector(d.rstd);
-    auto dx1 = to_f64_vector(d.dx), dw1 = to_f64_vector(d.dw);
-    for (int rep = 0; rep < 3; ++rep) {
-      OwnedTensor dw = convert(dw0, DType::F32, Device::CUDA);
-      OwnedTensor y = poisoned(DType::BF16, {R, D}), dx = poisoned(DType::BF16, {R, D});
-      OwnedTensor rstd = poisoned(DType::F32, {R});
-      impl_table(impl).forward({d.x, d.w, y, rstd, 1e-6, false});
-      impl_table(impl).backward({d.x, d.w, d.rstd, d.dy, dx, dw, false});
-      EXPECT_EQ(to_f64_vector(y), y1) << "y differs between identical runs (rep " << rep << ")";
-      EXPECT_EQ(to_f64_vector(rstd), r1)
-          << "rstd differs between identical runs (rep " << rep << ")";
-      EXPECT_EQ(to_f64_vector(dx), dx1) << "dx differs between identical runs (rep " << rep << ")";
-      EXPECT_EQ(to_f64_vector(dw), dw1) << "dw differs between identical runs (rep " << rep << ")";
-    }
+  Dev d = to_device(in, &dw0.view());
+  run_cuda(d, false);
+  // dw = dw0 + ref
+  auto got = to_f64_vector(d.dw), base = to_f64_vector(dw0), add = to_f64_vector(ref.dw);
+  double num = 0, den = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double want = static_cast<double>(static_cast<float>(base[i])) + add[i];
+    num += (got[i] - want) * (got[i] - want);
+    den += add[i] * add[i];
+  }
+  EXPECT_LE(std::sqrt(num / den), kTol.bwd) << "dw after += (error relative to the added part)";
+  // The same backward again from the same dw0: bit-identical dx and dw.
+  auto dx1 = to_f64_vector(d.dx), dw1 = to_f64_vector(d.dw);
+  for (int rep = 0; rep < 3; ++rep) {
+    OwnedTensor dw = convert(dw0, DType::F32, Device::CUDA);
+    OwnedTensor dx = poisoned(DType::BF16, {R, D});
+    rmsnorm_backward({d.x, d.w, d.rstd, d.dy, dx, dw, false});
+    EXPECT_EQ(to_f64_vector(dx), dx1) << "dx differs between identical runs (rep " << rep << ")";
+    EXPECT_EQ(to_f64_vector(dw), dw1) << "dw differs between identical runs (rep " << rep << ")";
   }
 }
 
-TEST_F(RmsNormCuda, UnalignedAndOffsetViews) {
-  // D % 8 == 0 but x, y, dy, dx start `offset` bytes past a 256-byte allocation boundary: 2 bytes
-  // (not 16-byte aligned: the scalar path, and "cuda.staged" defers to "cuda.rowwise") and 16
-  // bytes (16-byte aligned but not where an allocation starts: the staged path).
+TEST_F(RmsNormCuda, UnalignedTensorsTakeTheScalarPath) {
+  // D % 8 == 0 but x, y, dy, dx start 2 bytes past a 16-byte boundary.
   const int64_t R = 9, D = 512;
   Inputs in = make_inputs(R, D, false, 31);
   Ref ref = run_ref(in, false);
-  for (const char* impl : kImpls) {
-    for (int offset : {2, 16}) {
-      SCOPED_TRACE(std::string(impl) + ", offset " + std::to_string(offset));
-      Dev d = to_device(in);
-      auto shifted = [&](const Tensor& src) {
-        OwnedTensor buf = OwnedTensor::zeros(DType::BF16, {R * D + 8}, Device::CUDA);
-        Tensor v(static_cast<char*>(buf.view().data()) + offset, DType::BF16, {R, D}, Device::CUDA);
-        copy_into(v, src);
-        return std::make_pair(std::move(buf), v);
-      };
-      auto [xb, x] = shifted(d.x);
-      auto [dyb, dy] = shifted(d.dy);
-      auto [yb, y] = shifted(d.y);
-      auto [dxb, dx] = shifted(d.dx);
-      impl_table(impl).forward({x, d.w, y, d.rstd, 1e-6, false});
-      impl_table(impl).backward({x, d.w, d.rstd, dy, dx, d.dw, false});
-      testing::expect_close(y, ref.y, kTol.fwd, "y (offset view)");
-      expect_y_within_half_ulp(y, ref.y);
-      testing::expect_close(d.rstd, ref.rstd, 1e-5, "rstd (offset view)");
-      testing::expect_close(dx, ref.dx, kTol.bwd, "dx (offset view)");
-      testing::expect_close(d.dw, ref.dw, 1e-4, "dw (offset view)");
-    }
-  }
+  Dev d = to_device(in);
+  auto shifted = [&](const Tensor& src) {
+    OwnedTensor buf = OwnedTensor::zeros(DType::BF16, {R * D + 8}, Device::CUDA);
+    Tensor v(static_cast<char*>(buf.view().data()) + 2, DType::BF16, {R, D}, Device::CUDA);
+    copy_into(v, src);
+    return std::make_pair(std::move(buf), v);
+  };
+  auto [xb, x] = shifted(d.x);
+  auto [dyb, dy] = shifted(d.dy);
+  auto [yb, y] = shifted(d.y);
+  auto [dxb, dx] = shifted(d.dx);
+  rmsnorm_forward({x, d.w, y, d.rstd, 1e-6, false});
+  rmsnorm_backward({x, d.w, d.rstd, dy, dx, d.dw, false});
+  testing::expect_close(y, ref.y, kTol.fwd, "y (unaligned)");
+  expect_y_within_half_ulp(y, ref.y);
+  testing::expect_close(dx, ref.dx, kTol.bwd, "dx (unaligned)");
+  testing::expect_close(d.dw, ref.dw, kTol.bwd, "dw (unaligned)");
 }
 
 TEST_F(RmsNormCuda, ResolverChoosesCudaAndItPassesItsProbe) {
   const Resolution& r = Registry::global().resolve("rmsnorm", OpQuery{Backend::Cuda, "", {}});
   ASSERT_NE(r.impl, nullptr);
-  EXPECT_EQ(r.impl->name, "cuda.staged");
+  EXPECT_EQ(r.impl->name, "cuda.rowwise");
   EXPECT_EQ(r.impl->backend, Backend::Cuda);
   EXPECT_LE(r.error.fwd, kTol.fwd);
   EXPECT_LE(r.error.bwd, kTol.bwd);
@@ -336,11 +272,11 @@ TEST_F(RmsNormCuda, ProbeRejectsWrongCudaKernels) {
   reg.add_op(Registry::global().op("rmsnorm"));
   reg.add_impl(Registry::global().ref("rmsnorm"));
   for (const ImplDesc* i : Registry::global().impls("rmsnorm", Backend::Cuda)) reg.add_impl(*i);
-  reg.add_impl({"rmsnorm", "cuda.wrong_fwd", Backend::Cuda, 30, nullptr, &kWrongFwd});
-  reg.add_impl({"rmsnorm", "cuda.wrong_dw", Backend::Cuda, 40, nullptr, &kWrongBwd});
+  reg.add_impl({"rmsnorm", "cuda.wrong_fwd", Backend::Cuda, 20, nullptr, &kWrongFwd});
+  reg.add_impl({"rmsnorm", "cuda.wrong_dw", Backend::Cuda, 30, nullptr, &kWrongBwd});
   const Resolution& r = reg.resolve("rmsnorm", OpQuery{Backend::Cuda, "", {}});
   ASSERT_NE(r.impl, nullptr);
-  EXPECT_EQ(r.impl->name, "cuda.staged");
+  EXPECT_EQ(r.impl->name, "cuda.rowwise");
   ASSERT_EQ(r.rejected.size(), 2u);
   // Highest priority first; each line names the implementation and the failing direction.
   EXPECT_NE(r.rejected[0].find("rejecting cuda.wrong_dw: probe error"), std::string::npos)
@@ -364,7 +300,7 @@ TEST_F(RmsNormCuda, OpsRunOnCudaBackend) {
                           {"w", w.view(), {}, {}, nullptr, 0},
                           {"dy", dy.view(), {}, {}, nullptr, 0}});
   OpRunResult res = run_op_file("rmsnorm", Backend::Cuda, inp, out, true, {{"zero_centred", 1}});
-  EXPECT_EQ(res.impl, "cuda.staged");
+  EXPECT_EQ(res.impl, "cuda.rowwise");
   SafeTensorsFile f(out);
   testing::expect_close(f.load("y", DType::F64), ref.y, kTol.fwd, "y (ops run)");
   testing::expect_close(f.load("rstd", DType::F64), ref.rstd, kTol.fwd, "rstd (ops run)");
