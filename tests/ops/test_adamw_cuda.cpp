@@ -2,7 +2,8 @@
 // (more than one kernel-argument list, sizes around the 4096-element unit and the 16-byte groups,
 // empty tensors, decay on and off, clipping on and off, zero gradients), the fused bf16 copy equal
 // bit for bit to the masters rounded to nearest even, tensors that are not 16-byte aligned, the
-// global gradient norm against an fp64 sum and bitwise reproducible, refresh_bf16, the resolver's
+// global gradient norm against an fp64 sum and bitwise reproducible (also over more units than
+// resident blocks and more tensors than one list), refresh_bf16, the resolver's
 // choice and probe, `ops run` on the cuda backend, and bad input. The tolerance comes from
 // src/backend/tolerances.h.
 #include <cmath>
@@ -189,6 +190,33 @@ TEST_F(AdamWCuda, GlobalNormIsBitwiseReproducible) {
   for (int rep = 0; rep < 5; ++rep) EXPECT_EQ(grad_global_norm(g), first) << "rep " << rep;
   const std::vector<Tensor> none;
   EXPECT_EQ(grad_global_norm(none), 0.0);
+}
+
+TEST_F(AdamWCuda, GlobalNormOverManyUnitsAndLists) {
+  // One tensor of 2^23 + 5 elements (2049 units of 4096: more than the blocks resident at once, so
+  // the persistent grid's blocks walk several units each, prefetching the next), 700 small ones
+  // (two grad_sumsq lists of <= 512 tensors), one of them unaligned (the per-element path between
+  // vector units). Against the fp64 sum on the host, and bitwise reproducible.
+  std::vector<OwnedTensor> keep;
+  std::vector<Tensor> g;
+  double want = 0.0;
+  auto add = [&](int64_t n, uint64_t seed, int offset) {
+    const Vec x = values(n, seed, 1.0);
+    for (double v : x) want += v * v;
+    OwnedTensor t = from_f64(x, DType::F32, {n}, Device::CUDA);
+    if (offset == 0) {
+      g.push_back(t.view());
+      keep.push_back(std::move(t));
+    } else {
+      g.push_back(unaligned_copy(t, offset, keep));
+    }
+  };
+  add((int64_t{1} << 23) + 5, 1, 0);
+  for (int k = 0; k < 700; ++k)
+    add((k * 7919) % 5000 + 1, 100 + static_cast<uint64_t>(k), k == 350 ? 4 : 0);
+  const double got = grad_global_norm(g);
+  EXPECT_NEAR(got, std::sqrt(want), 1e-12 * std::sqrt(want));
+  for (int rep = 0; rep < 3; ++rep) EXPECT_EQ(grad_global_norm(g), got) << "rep " << rep;
 }
 
 TEST_F(AdamWCuda, RefreshBf16RoundsToNearestEven) {

@@ -1,10 +1,12 @@
-// Embedding on CUDA (label gpu): cuda vs ref over swept shapes, both id dtypes and id
-// distributions that exercise every case of the sorted-window backward (all ids distinct, a few
-// ids repeated everywhere, one id over all tokens, runs of lengths around the window size, the
-// 248320-token vocabulary), an exact-copy forward, dW accumulated (+=) and bitwise deterministic,
-// out-of-range device ids (NaN rows forward, dropped backward, no out-of-bounds access), the
-// scalar path, the resolver's choice and probe, `ops run` on the cuda backend, and bad input.
-// Tolerances come from src/backend/tolerances.h.
+// Embedding on CUDA (label gpu), every registered cuda implementation (cuda.sorted_windows, and
+// cuda.v2 with its window-8 and window-32 variants): cuda vs ref over swept shapes, both id dtypes
+// and id distributions that exercise every case of the sorted-window backwards (all ids distinct,
+// a few ids repeated everywhere, one id over all tokens, runs of lengths around the window sizes,
+// the 248320-token vocabulary, sequences past each implementation's single-kernel sort), an
+// exact-copy forward, dW accumulated (+=) and bitwise deterministic, out-of-range device ids (NaN
+// rows forward, dropped backward, no out-of-bounds access) also at window boundaries, the scalar
+// path, each implementation's probe, the resolver's choice, `ops run` on the cuda backend, and bad
+// input. Tolerances come from src/backend/tolerances.h.
 #include <cmath>
 #include <limits>
 
@@ -21,6 +23,18 @@ using namespace gdn::testing;  // NOLINT: test helpers
 constexpr ProbeError kTol = bf16_tolerance("embedding");
 
 class EmbeddingCuda : public CudaOpTest {};
+
+// Every cuda implementation, called through its table (the sweep checks each one, not only the
+// resolver's choice). cuda.v2 is the one the resolver picks.
+const std::vector<std::string> kImpls = {"cuda.sorted_windows", "cuda.v2", "cuda.v2.w8",
+                                         "cuda.v2.w32"};
+const std::string kChosen = "cuda.v2";
+
+const EmbeddingTable& table_of(const std::string& impl) {
+  const EmbeddingTable* t = cuda_table<EmbeddingTable>("embedding", impl);
+  if (t == nullptr) throw std::runtime_error("embedding implementation " + impl + " is missing");
+  return *t;
+}
 
 enum class Ids { Uniform, Few, Same, Runs };
 const char* ids_name(Ids p) {
@@ -80,24 +94,35 @@ Out run_ref(const Tensor& ids, const Tensor& w, const Tensor& dy, const Tensor& 
   return o;
 }
 
-Out run_cuda(const Tensor& ids, const Tensor& w, const Tensor& dy, const Tensor& dw0) {
+Out run_cuda(const std::string& impl, const Tensor& ids, const Tensor& w, const Tensor& dy,
+             const Tensor& dw0) {
   Out o{poisoned(DType::BF16, {ids.size(0), w.size(1)}), to_dev(dw0, DType::F32)};
-  embedding_forward({ids, w, o.y});
-  embedding_backward({ids, dy, o.dw});
+  const EmbeddingTable& t = table_of(impl);
+  t.forward({ids, w, o.y});
+  t.backward({ids, dy, o.dw});
   return o;
 }
 
-// ref and cuda from the same host values (w, dy bf16; dw0 fp32, nonzero: += is checked).
-void check(int64_t T, int64_t V, int64_t D, Ids pattern, DType idt, uint64_t seed) {
-  OwnedTensor ids = make_ids(T, V, pattern, idt, seed);
+// ref and every cuda implementation from the same host values (w, dy bf16; dw0 fp32, nonzero: +=
+// is checked).
+void check_ids(const OwnedTensor& ids, int64_t V, int64_t D, uint64_t seed) {
+  const int64_t T = ids.view().size(0);
   OwnedTensor w = randn_as({V, D}, seed + 1, DType::BF16);
   OwnedTensor dy = randn_as({T, D}, seed + 2, DType::BF16);
   OwnedTensor dw0 = randn_as({V, D}, seed + 3, DType::F32);
   Out ref = run_ref(ids, w, dy, dw0);
-  Out c = run_cuda(convert(ids, idt, Device::CUDA), to_dev(w, DType::BF16), to_dev(dy, DType::BF16),
-                   dw0);
-  expect_close(c.y, ref.y, kTol.fwd, "y");
-  expect_close(c.dw, ref.dw, kTol.bwd, "dw");
+  OwnedTensor idd = convert(ids, ids.view().dtype(), Device::CUDA);
+  OwnedTensor wd = to_dev(w, DType::BF16), dyd = to_dev(dy, DType::BF16);
+  for (const std::string& impl : kImpls) {
+    SCOPED_TRACE(impl);
+    Out c = run_cuda(impl, idd, wd, dyd, dw0);
+    expect_close(c.y, ref.y, kTol.fwd, impl + " y");
+    expect_close(c.dw, ref.dw, kTol.bwd, impl + " dw");
+  }
+}
+
+void check(int64_t T, int64_t V, int64_t D, Ids pattern, DType idt, uint64_t seed) {
+  check_ids(make_ids(T, V, pattern, idt, seed), V, D, seed);
 }
 
 using Param = std::tuple<int64_t, int64_t, int64_t, Ids, DType>;
@@ -115,8 +140,8 @@ std::string case_name(const ::testing::TestParamInfo<Param>& info) {
          std::string(dtype_name(std::get<4>(p)));
 }
 
-// T: one token, less than / exactly / just over one 32-position window, many windows. D: the
-// scalar path (1, 17) and 16-byte packs (64).
+// T: one token, less than / exactly / just over one 32-position window (8- and 16-position windows
+// too: 31, 32, 33 cross them), many windows. D: the scalar paths (1, 17) and the vector ones (64).
 INSTANTIATE_TEST_SUITE_P(Shapes, EmbeddingCudaSweep,
                          ::testing::Combine(::testing::Values(1, 31, 32, 33, 300, 2000),
                                             ::testing::Values(1, 7, 1000),
@@ -132,16 +157,19 @@ INSTANTIATE_TEST_SUITE_P(IdsI64, EmbeddingCudaSweep,
                          case_name);
 
 TEST_F(EmbeddingCuda, WideRowsSpanSeveralColumnChunks) {
-  // A backward block covers 1024 columns with 16-byte packs, a forward block 4096: D = 4096 + 8
-  // gives both a partial last chunk.
+  // A backward block covers 1024 columns with vector accesses, a forward block 4096: D = 4096 + 8
+  // gives both a partial last chunk (and cuda.v2 a thread whose second column group is outside).
   check(300, 100, 4104, Ids::Runs, DType::I32, 6);
   check(70, 100, 4104, Ids::Uniform, DType::I64, 5);
+  check(40, 100, 1540, Ids::Few, DType::I32, 4);
 }
 
 TEST_F(EmbeddingCuda, OneIdOverEveryToken) {
-  // One segment over 157 windows: step 3 sums the owner's tail and 156 heads.
+  // One segment over 157 windows of 32 (625 of 8): the combine sums the owner's tail and every
+  // later window's head, in window order.
   check(5000, 50, 256, Ids::Same, DType::I32, 7);
   check(33, 50, 8, Ids::Same, DType::I64, 8);
+  check(17, 50, 12, Ids::Same, DType::I32, 9);
 }
 
 TEST_F(EmbeddingCuda, ModelVocabulary) {
@@ -151,24 +179,93 @@ TEST_F(EmbeddingCuda, ModelVocabulary) {
 }
 
 TEST_F(EmbeddingCuda, LongSequencesTakeTheDeviceWideSort) {
-  // Up to 8192 tokens one block sorts the ids; past that the device-wide radix sort does, with
-  // the same order (both stable on the same keys).
+  // cuda.sorted_windows sorts in one block up to 8192 tokens, cuda.v2 ranks in one kernel up to
+  // 16384; past that both take the device-wide radix sort, with the same order (stable, same
+  // keys).
   check(8193, 248320, 8, Ids::Uniform, DType::I32, 11);
   check(12000, 1000, 8, Ids::Runs, DType::I64, 12);
   check(9000, 7, 16, Ids::Few, DType::I32, 13);
+  check(16384, 248320, 4, Ids::Runs, DType::I32, 14);
+  check(16385, 248320, 4, Ids::Uniform, DType::I32, 15);
+  check(20000, 3, 8, Ids::Few, DType::I64, 16);
+}
+
+TEST_F(EmbeddingCuda, SkewedIdsLikeText) {
+  // id = V * u^4 (the benchmark's skewed case): a few ids over hundreds of tokens, spanning many
+  // windows, next to ids seen once; the rank kernel's buckets of the small ids are crowded.
+  const int64_t T = 4000, V = 248320, D = 8;
+  OwnedTensor ids = OwnedTensor::empty(DType::I32, {T});
+  for (int64_t t = 0; t < T; ++t) {
+    const double u =
+        static_cast<double>(rng::bits(31, 5, static_cast<uint64_t>(t)) >> 11) * 0x1p-53;
+    ids.ptr<int32_t>()[t] = static_cast<int32_t>(
+        std::min<double>(V - 1, std::floor(static_cast<double>(V) * u * u * u * u)));
+  }
+  check_ids(ids, V, D, 32);
 }
 
 TEST_F(EmbeddingCuda, BackwardIsBitwiseDeterministic) {
-  const int64_t T = 3000, V = 50, D = 520;
-  OwnedTensor ids = convert(make_ids(T, V, Ids::Few, DType::I32, 11), DType::I32, Device::CUDA);
-  OwnedTensor dy = to_dev(randn_as({T, D}, 12, DType::BF16, 10.0), DType::BF16);
-  OwnedTensor dw0 = randn_as({V, D}, 13, DType::F32);
-  OwnedTensor first = to_dev(dw0, DType::F32);
-  embedding_backward({ids, dy, first});
-  for (int rep = 0; rep < 3; ++rep) {
-    OwnedTensor dw = to_dev(dw0, DType::F32);
-    embedding_backward({ids, dy, dw});
-    expect_bitwise_equal(dw, first, "dw (rep " + std::to_string(rep) + ")");
+  // Few ids (long segments over many windows, combined by whichever block arrives last) and
+  // uniform ids (mostly single tokens), D = 520 (vector path) and 1037 (scalar path).
+  for (auto [pattern, D] :
+       {std::pair{Ids::Few, int64_t{520}}, std::pair{Ids::Uniform, int64_t{1037}}}) {
+    const int64_t T = 3000, V = pattern == Ids::Few ? 50 : 400;
+    OwnedTensor ids = convert(make_ids(T, V, pattern, DType::I32, 11), DType::I32, Device::CUDA);
+    OwnedTensor dy = to_dev(randn_as({T, D}, 12, DType::BF16, 10.0), DType::BF16);
+    OwnedTensor dw0 = randn_as({V, D}, 13, DType::F32);
+    for (const std::string& impl : kImpls) {
+      const EmbeddingTable& t = table_of(impl);
+      OwnedTensor first = to_dev(dw0, DType::F32);
+      t.backward({ids, dy, first});
+      for (int rep = 0; rep < 3; ++rep) {
+        OwnedTensor dw = to_dev(dw0, DType::F32);
+        t.backward({ids, dy, dw});
+        expect_bitwise_equal(
+            dw, first, impl + " dw (" + ids_name(pattern) + ", rep " + std::to_string(rep) + ")");
+      }
+    }
+  }
+}
+
+// Every implementation on host ids that hold out-of-range values: NaN rows forward, no gradient
+// for those tokens backward, everything else as ref on the valid tokens.
+void check_out_of_range(const OwnedTensor& ids, int64_t V, int64_t D) {
+  const int64_t T = ids.view().size(0);
+  const DType idt = ids.view().dtype();
+  std::vector<int64_t> bad_pos;
+  OwnedTensor ids_ok = convert(ids, DType::I64);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t id = ids_ok.ptr<int64_t>()[t];
+    if (id < 0 || id >= V) {
+      bad_pos.push_back(t);
+      ids_ok.ptr<int64_t>()[t] = 0;
+    }
+  }
+  ASSERT_FALSE(bad_pos.empty());
+  OwnedTensor w = randn_as({V, D}, 15, DType::BF16), dy = randn_as({T, D}, 16, DType::BF16);
+  OwnedTensor dw0 = randn_as({V, D}, 17, DType::F32);
+  // Reference: the valid tokens only (bad ones have zero dy; their y rows are checked apart).
+  std::vector<double> dyv = to_f64_vector(dy);
+  for (int64_t p : bad_pos)
+    for (int64_t j = 0; j < D; ++j) dyv[static_cast<size_t>(p * D + j)] = 0.0;
+  Out ref = run_ref(ids_ok, w, from_f64(dyv, DType::F64, {T, D}), dw0);
+  auto ry = to_f64_vector(ref.y);
+  for (int64_t p : bad_pos)
+    for (int64_t j = 0; j < D; ++j) ry[static_cast<size_t>(p * D + j)] = 0.0;
+  for (const std::string& impl : kImpls) {
+    SCOPED_TRACE(impl);
+    Out c = run_cuda(impl, convert(ids, idt, Device::CUDA), to_dev(w, DType::BF16),
+                     to_dev(dy, DType::BF16), dw0);
+    std::vector<double> yv = to_f64_vector(c.y);
+    for (int64_t p : bad_pos) {
+      for (int64_t j = 0; j < D; ++j) {
+        EXPECT_TRUE(std::isnan(yv[static_cast<size_t>(p * D + j)]))
+            << impl << ": y[" << p << ", " << j << "] for an out-of-range id should be NaN";
+        yv[static_cast<size_t>(p * D + j)] = 0.0;
+      }
+    }
+    EXPECT_EQ(rel_l2_error(yv, ry), 0.0) << impl << ": rows of valid ids are exact copies";
+    expect_close(c.dw, ref.dw, kTol.bwd, impl + " dw with out-of-range ids dropped");
   }
 }
 
@@ -187,29 +284,18 @@ TEST_F(EmbeddingCuda, OutOfRangeDeviceIdsGiveNanRowsAndNoGradient) {
         ids.ptr<int64_t>()[bad_pos[k]] = bad_val[k];
       }
     }
-    OwnedTensor w = randn_as({V, D}, 15, DType::BF16), dy = randn_as({T, D}, 16, DType::BF16);
-    OwnedTensor dw0 = randn_as({V, D}, 17, DType::F32);
-    Out c = run_cuda(convert(ids, idt, Device::CUDA), to_dev(w, DType::BF16),
-                     to_dev(dy, DType::BF16), dw0);
-    // Reference: the valid tokens only (bad ones have zero dy; their y rows are checked apart).
-    std::vector<double> dyv = to_f64_vector(dy), yv = to_f64_vector(c.y);
-    OwnedTensor ids_ok = convert(ids, DType::I64);
-    for (int64_t p : bad_pos) {
-      ids_ok.ptr<int64_t>()[p] = 0;
-      for (int64_t j = 0; j < D; ++j) {
-        dyv[static_cast<size_t>(p * D + j)] = 0.0;
-        EXPECT_TRUE(std::isnan(yv[static_cast<size_t>(p * D + j)]))
-            << "y[" << p << ", " << j << "] for an out-of-range id should be NaN";
-        yv[static_cast<size_t>(p * D + j)] = 0.0;
-      }
-    }
-    Out ref = run_ref(ids_ok, w, from_f64(dyv, DType::F64, {T, D}), dw0);
-    auto ry = to_f64_vector(ref.y);
-    for (int64_t p : bad_pos)
-      for (int64_t j = 0; j < D; ++j) ry[static_cast<size_t>(p * D + j)] = 0.0;
-    EXPECT_EQ(rel_l2_error(yv, ry), 0.0) << "rows of valid ids are exact copies";
-    expect_close(c.dw, ref.dw, kTol.bwd, "dw with out-of-range ids dropped");
+    check_out_of_range(ids, V, D);
   }
+}
+
+TEST_F(EmbeddingCuda, OutOfRangeIdsFillWholeWindows) {
+  // Sorted last, invalid ids fill the last windows and share windows with valid segments that
+  // span window boundaries: 40 of 100 tokens invalid, the valid ones 3 ids (long segments).
+  const int64_t T = 100, V = 3, D = 8;
+  OwnedTensor ids = make_ids(T, V, Ids::Few, DType::I32, 19);
+  for (int64_t t = 0; t < T; t += 5) ids.ptr<int32_t>()[t] = t % 2 ? -7 : 3;
+  for (int64_t t = 1; t < T; t += 5) ids.ptr<int32_t>()[t] = 1000;
+  check_out_of_range(ids, V, D);
 }
 
 TEST_F(EmbeddingCuda, UnalignedTensorsTakeTheScalarPath) {
@@ -225,22 +311,43 @@ TEST_F(EmbeddingCuda, UnalignedTensorsTakeTheScalarPath) {
          dwu = unaligned_copy(dwd, 4, keep);
   Tensor yu = unaligned_copy(poisoned(DType::BF16, {T, D}), 2, keep);
   OwnedTensor idd = convert(ids, DType::I32, Device::CUDA);
-  embedding_forward({idd, wu, yu});
-  embedding_backward({idd, dyu, dwu});
-  expect_close(yu, ref.y, kTol.fwd, "y (unaligned)");
-  expect_close(dwu, ref.dw, kTol.bwd, "dw (unaligned)");
+  for (const std::string& impl : kImpls) {
+    copy_into(dwu, dw0);
+    const EmbeddingTable& t = table_of(impl);
+    t.forward({idd, wu, yu});
+    t.backward({idd, dyu, dwu});
+    expect_close(yu, ref.y, kTol.fwd, impl + " y (unaligned)");
+    expect_close(dwu, ref.dw, kTol.bwd, impl + " dw (unaligned)");
+  }
+}
+
+TEST_F(EmbeddingCuda, OddWidthAlignedTakesTheScalarPath) {
+  // D % 4 != 0 with aligned pointers: cuda.v2's scalar path over several column chunks (256
+  // columns each) with a partial last one.
+  check(77, 20, 601, Ids::Runs, DType::I32, 23);
+}
+
+TEST_F(EmbeddingCuda, EveryImplementationPassesItsProbe) {
+  const OpDesc& op = Registry::global().op("embedding");
+  for (const std::string& impl : kImpls) {
+    const ImplDesc* desc = nullptr;
+    for (const ImplDesc* i : Registry::global().impls("embedding", Backend::Cuda))
+      if (i->name == impl) desc = i;
+    ASSERT_NE(desc, nullptr) << impl;
+    const ProbeError e = op.probe(*desc, OpQuery{Backend::Cuda, "", {}});
+    EXPECT_LE(e.fwd, kTol.fwd) << impl << " probe forward error";
+    EXPECT_LE(e.bwd, kTol.bwd) << impl << " probe backward error";
+  }
 }
 
 TEST_F(EmbeddingCuda, ResolverChoosesCudaAndItPassesItsProbe) {
   // The forward is an exact copy (error 0); dW is fp32 (its error may be 0 too).
-  expect_resolves_to_cuda("embedding", "cuda.sorted_windows", kTol, false, false);
+  expect_resolves_to_cuda("embedding", kChosen, kTol, false, false);
 }
 
-// Deliberately wrong CUDA implementations built from the real one: every id shifted by one row,
-// and a backward that overwrites dW with the sums instead of accumulating into it.
-const EmbeddingTable* real_table() {
-  return cuda_table<EmbeddingTable>("embedding", "cuda.sorted_windows");
-}
+// Deliberately wrong CUDA implementations built from the chosen one: every id shifted by one
+// row, and a backward that overwrites dW with the sums instead of accumulating into it.
+const EmbeddingTable* real_table() { return cuda_table<EmbeddingTable>("embedding", kChosen); }
 void real_forward(const EmbeddingFwd& a) { real_table()->forward(a); }
 void real_backward(const EmbeddingBwd& a) { real_table()->backward(a); }
 void shifted_forward(const EmbeddingFwd& a) {
@@ -265,8 +372,8 @@ const EmbeddingTable kWrongFwd{shifted_forward, real_backward};
 const EmbeddingTable kWrongBwd{real_forward, overwriting_backward};
 
 TEST_F(EmbeddingCuda, ProbeRejectsWrongCudaKernels) {
-  ASSERT_NE(real_table(), nullptr) << "cuda.sorted_windows is not registered";
-  expect_probe_rejects("embedding", "cuda.sorted_windows",
+  ASSERT_NE(real_table(), nullptr) << kChosen << " is not registered";
+  expect_probe_rejects("embedding", kChosen,
                        {{"cuda.wrong_rows", &kWrongFwd}, {"cuda.wrong_dw", &kWrongBwd}});
 }
 
@@ -277,7 +384,7 @@ TEST_F(EmbeddingCuda, OpsRunOnCudaBackend) {
   Out ref = run_ref(ids, w, dy, OwnedTensor::zeros(DType::F64, {V, D}));
   OwnedTensor wf = convert(w, DType::F32), dyf = convert(dy, DType::F32);
   OpsRunOnCuda run("embedding", {{"ids", ids}, {"w", wf}, {"dy", dyf}}, true);
-  EXPECT_EQ(run.result().impl, "cuda.sorted_windows");
+  EXPECT_EQ(run.result().impl, kChosen);
   expect_close(run.load("y"), ref.y, kTol.fwd, "y (ops run)");
   expect_close(run.load("dw"), ref.dw, kTol.bwd, "dw (ops run)");
 }

@@ -19,7 +19,10 @@
 // cuda: a stable radix sort of (id, t) pairs, then fixed windows of the sorted positions summed in
 // t order, windows combined in window order (src/ops/embedding/cuda.cu): the order depends on the
 // ids alone, bitwise reproducible, no float atomics; it may differ from the ascending-t serial
-// order in rounding.
+// order in rounding. cuda.v2 (src/ops/embedding/cuda_v2.cu) has the same order semantics with
+// 16-position windows (its .w8 / .w32 variants 8 and 32): the sorted positions come from exact
+// ranks, and a spanning segment is combined by whichever of its windows' blocks finishes last,
+// still in window order.
 #pragma once
 
 #include "gdn/core/tensor.h"
