@@ -24,11 +24,7 @@
 // grad_sumsq: each unit's squares summed in fp64 (per thread, then a butterfly and the 8 warps in
 // order) into one fp64 partial per unit; one block then adds the partials in a fixed order. The
 // units depend only on the tensors' sizes, so the sum is bitwise reproducible and independent of
-// the device and of the grid; it differs from cpu's (64K-element chunks) only by fp64 rounding.
-// The kernel is a persistent grid (the blocks resident at once, each walking units u, u + grid,
-// ...) that issues the next unit's loads before it reduces the current one, so a multiprocessor
-// always has a unit per block in flight instead of idling through each block's reduction, launch
-// and tensor lookup; its lists hold up to kNormTensors = 512 tensors (one launch for a model).
+// the device; it differs from cpu's (64K-element chunks) only by fp64 rounding.
 // Bytes moved (the floor): step 16 read + 12 written (+ 2 for the bf16 copy) per element;
 // grad_sumsq 4 per element; refresh_bf16 4 read + 2 written per element.
 #include <algorithm>
@@ -49,7 +45,6 @@ namespace {
 using cuda::bf16_t;
 
 constexpr int kMaxTensors = 128;
-constexpr int kNormTensors = 512;  // grad_sumsq's lists: one pointer per tensor
 constexpr int kThreads = 256;
 constexpr int kGroups = 4;                                  // 16-byte groups per thread per stream
 constexpr int64_t kUnit = int64_t{kThreads} * kGroups * 4;  // elements per block: 4096
@@ -57,25 +52,23 @@ constexpr int64_t kUnit = int64_t{kThreads} * kGroups * 4;  // elements per bloc
 // Up to kMaxTensors tensors of one launch; kPtrs pointers per tensor (adamw: p, g, m, v, p_bf16;
 // grad_sumsq: g; refresh: master, copy). Tensors with no element are never added, so first_unit
 // is strictly increasing.
-template <int kPtrs, int kMax = kMaxTensors>
+template <int kPtrs>
 struct TensorList {
   int n = 0;
-  int64_t first_unit[kMax + 1];  // prefix sums of ceil(numel / kUnit); [n] = units in all
-  int64_t numel[kMax];
-  void* ptr[kPtrs][kMax];
-  uint8_t decay[kMax];  // adamw only
-  uint8_t vec[kMax];    // 16-byte groups allowed
+  int64_t first_unit[kMaxTensors + 1];  // prefix sums of ceil(numel / kUnit); [n] = units in all
+  int64_t numel[kMaxTensors];
+  void* ptr[kPtrs][kMaxTensors];
+  uint8_t decay[kMaxTensors];  // adamw only
+  uint8_t vec[kMaxTensors];    // 16-byte groups allowed
 };
 
 // Kernel parameters may take 32764 bytes (CUDA 12.1+, Volta and later); the largest list plus the
 // step's scalars stays well inside.
 static_assert(sizeof(TensorList<5>) <= 16 * 1024, "TensorList too large for kernel parameters");
-static_assert(sizeof(TensorList<1, kNormTensors>) <= 16 * 1024,
-              "TensorList too large for kernel parameters");
 
 // The tensor of unit u: the largest i with first_unit[i] <= u.
-template <int kPtrs, int kMax>
-__device__ __forceinline__ int find_tensor(const TensorList<kPtrs, kMax>& l, int64_t u) {
+template <int kPtrs>
+__device__ __forceinline__ int find_tensor(const TensorList<kPtrs>& l, int64_t u) {
   int lo = 0, hi = l.n - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
@@ -164,129 +157,64 @@ __global__ void __launch_bounds__(kThreads)
   if (tail + threadIdx.x < end) scalar(tail + threadIdx.x);
 }
 
-// Unit u of a grad_sumsq list: its tensor's elements [begin, end).
-struct NormUnit {
-  const float* g;  // [end] the tensor
-  int64_t begin, end;
-  bool vec;
-};
-
-__device__ __forceinline__ NormUnit norm_unit(const TensorList<1, kNormTensors>& l, int64_t u) {
-  const int i = find_tensor(l, u);
-  const int64_t begin = (u - l.first_unit[i]) * kUnit;
-  return {static_cast<const float*>(l.ptr[0][i]), begin,
-          std::min<int64_t>(l.numel[i], begin + kUnit), l.vec[i] != 0};
-}
-
-// The unit's 16-byte groups (none on the per-element path).
-__device__ __forceinline__ void norm_loads(const NormUnit& nu, float4 (&gv)[kGroups]) {
-  if (!nu.vec) return;
-#pragma unroll
-  for (int k = 0; k < kGroups; ++k) {
-    const int64_t j = nu.begin + (static_cast<int64_t>(k) * kThreads + threadIdx.x) * 4;
-    if (j + 4 <= nu.end) gv[k] = __ldcs(reinterpret_cast<const float4*>(nu.g + j));
-  }
-}
-
-// The unit's 16-byte groups towards L2 (a hint: no register, no effect on results).
-__device__ __forceinline__ void norm_prefetch(const NormUnit& nu) {
-  if (!nu.vec) return;
-#pragma unroll
-  for (int k = 0; k < kGroups; ++k) {
-    const int64_t j = nu.begin + (static_cast<int64_t>(k) * kThreads + threadIdx.x) * 4;
-    if (j + 4 <= nu.end) asm volatile("prefetch.global.L2 [%0];" ::"l"(nu.g + j));
-  }
-}
-
-// This thread's fp64 sum of squares over the unit: its groups in order, then its element of the
-// unit's last (end - begin) % 4; or its elements j = begin + tid, + kThreads, ... on the
-// per-element path.
-__device__ __forceinline__ double norm_thread_sum(const NormUnit& nu, const float4 (&gv)[kGroups]) {
+// partial[u] = sum of g^2 over unit u, in fp64 (a fixed order inside the unit).
+__global__ void __launch_bounds__(kThreads)
+    grad_sumsq_kernel(const __grid_constant__ TensorList<1> list,
+                      double* __restrict__ partial) {  // [units of this list]
+  __shared__ double warp_sums[kThreads / 32];
+  const int64_t u = blockIdx.x;
+  const int i = find_tensor(list, u);
+  const int64_t begin = (u - list.first_unit[i]) * kUnit;
+  const int64_t end = std::min<int64_t>(list.numel[i], begin + kUnit);
+  const float* g = static_cast<const float*>(list.ptr[0][i]);  // [n]
   double acc = 0.0;
-  if (nu.vec) {
+  if (list.vec[i]) {
+    float4 gv[kGroups];
 #pragma unroll
     for (int k = 0; k < kGroups; ++k) {
-      const int64_t j = nu.begin + (static_cast<int64_t>(k) * kThreads + threadIdx.x) * 4;
-      if (j + 4 <= nu.end) {
+      const int64_t j = begin + (static_cast<int64_t>(k) * kThreads + threadIdx.x) * 4;
+      if (j + 4 <= end) gv[k] = __ldcs(reinterpret_cast<const float4*>(g + j));
+    }
+#pragma unroll
+    for (int k = 0; k < kGroups; ++k) {
+      const int64_t j = begin + (static_cast<int64_t>(k) * kThreads + threadIdx.x) * 4;
+      if (j + 4 <= end) {
         const double a = gv[k].x, b = gv[k].y, c = gv[k].z, d = gv[k].w;
         acc += a * a + b * b + c * c + d * d;
       }
     }
-    const int64_t tail = nu.begin + ((nu.end - nu.begin) & ~int64_t{3});
-    if (tail + threadIdx.x < nu.end) {
-      const double a = nu.g[tail + threadIdx.x];
+    const int64_t tail = begin + ((end - begin) & ~int64_t{3});
+    if (tail + threadIdx.x < end) {
+      const double a = g[tail + threadIdx.x];
       acc += a * a;
     }
   } else {
-    for (int64_t j = nu.begin + threadIdx.x; j < nu.end; j += kThreads) {
-      const double a = nu.g[j];
+    for (int64_t j = begin + threadIdx.x; j < end; j += kThreads) {
+      const double a = g[j];
       acc += a * a;
     }
   }
-  return acc;
-}
-
-// partial[u] = sum of g^2 over unit u, in fp64 (a fixed order inside the unit), for every unit u
-// of the list: a persistent grid, block b taking units b, b + grid, ..., loading the next one (and
-// prefetching the one after to L2) before reducing the current one.
-__global__ void __launch_bounds__(kThreads)
-    grad_sumsq_kernel(const __grid_constant__ TensorList<1, kNormTensors> list,
-                      double* __restrict__ partial) {  // [units of this list]
-  __shared__ double warp_sums[2][kThreads / 32];       // by unit parity: one barrier per unit
-  const int64_t units = list.first_unit[list.n];
-  const int64_t stride = gridDim.x;
-  int64_t u = blockIdx.x;
-  if (u >= units) return;
-  NormUnit cur = norm_unit(list, u);
-  float4 gv[kGroups];
-  norm_loads(cur, gv);
-  for (int parity = 0; u < units; u += stride, parity ^= 1) {
-    const int64_t un = u + stride;
-    NormUnit next = cur;
-    float4 gn[kGroups];
-    if (un < units) {
-      next = norm_unit(list, un);
-      norm_loads(next, gn);
-      if (un + stride < units) norm_prefetch(norm_unit(list, un + stride));
-    }
-    double acc = norm_thread_sum(cur, gv);
 #pragma unroll
-    for (int mask = 16; mask > 0; mask >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, mask);
-    // warp_sums[parity] was last read by thread 0 two units ago, before the barrier of the
-    // previous unit that every warp has passed since.
-    if ((threadIdx.x & 31) == 0) warp_sums[parity][threadIdx.x >> 5] = acc;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      double s = 0.0;
+  for (int mask = 16; mask > 0; mask >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, mask);
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double s = 0.0;
 #pragma unroll
-      for (int w = 0; w < kThreads / 32; ++w) s += warp_sums[parity][w];  // warp order
-      partial[u] = s;
-    }
-    cur = next;
-#pragma unroll
-    for (int k = 0; k < kGroups; ++k) gv[k] = gn[k];
+    for (int w = 0; w < kThreads / 32; ++w) s += warp_sums[w];  // warp order
+    partial[u] = s;
   }
 }
 
-// out[0] = sum of partial[0 .. count): thread t adds t, t + 1024, ... in order (loaded kSumBatch
-// at a time: one block has to keep many loads in flight for ~2e5 partials), then a fixed
+// out[0] = sum of partial[0 .. count): thread t adds t, t + 1024, ... in order, then a fixed
 // shared-memory tree. One block.
 constexpr int kSumThreads = 1024;
-constexpr int kSumBatch = 8;
 __global__ void __launch_bounds__(kSumThreads)
     sum_partials_kernel(const double* __restrict__ partial,  // [count]
                         int64_t count, double* __restrict__ out) {
   __shared__ double s[kSumThreads];
   double acc = 0.0;
-  int64_t j = threadIdx.x;
-  for (; j + (kSumBatch - 1) * kSumThreads < count; j += kSumBatch * kSumThreads) {
-    double v[kSumBatch];
-#pragma unroll
-    for (int b = 0; b < kSumBatch; ++b) v[b] = partial[j + b * kSumThreads];
-#pragma unroll
-    for (int b = 0; b < kSumBatch; ++b) acc += v[b];
-  }
-  for (; j < count; j += kSumThreads) acc += partial[j];
+  for (int64_t j = threadIdx.x; j < count; j += kSumThreads) acc += partial[j];
   s[threadIdx.x] = acc;
   __syncthreads();
   for (int half = kSumThreads / 2; half > 0; half >>= 1) {
@@ -334,7 +262,7 @@ bool aligned(const void* p, uintptr_t to) { return reinterpret_cast<uintptr_t>(p
 
 // Fills TensorLists of kPtrs pointers and calls launch(list, units, first_global_unit) whenever
 // one is full and once at the end (if not empty).
-template <int kPtrs, class Launch, int kMax = kMaxTensors>
+template <int kPtrs, class Launch>
 class ListBatcher {
  public:
   explicit ListBatcher(Launch launch) : launch_(launch) {}
@@ -348,7 +276,7 @@ class ListBatcher {
     list_.vec[i] = vec ? 1 : 0;
     units_ += units_of(numel);
     list_.n = i + 1;
-    if (list_.n == kMax) flush();
+    if (list_.n == kMaxTensors) flush();
   }
   void flush() {
     if (list_.n == 0) return;
@@ -362,7 +290,7 @@ class ListBatcher {
 
  private:
   Launch launch_;
-  TensorList<kPtrs, kMax> list_;
+  TensorList<kPtrs> list_;
   int64_t units_ = 0;  // in the current list
   int64_t done_ = 0;   // in the lists already launched
 };
@@ -407,16 +335,11 @@ double grad_sumsq(std::span<const Tensor> grads) {
   double* partial = static_cast<double*>(  // [total + 1]: the unit sums, then the result
       ctx.scratch(static_cast<size_t>(total + 1) * sizeof(double)));
   cudaStream_t stream = ctx.stream();
-  int per_sm = 0;
-  GDN_CUDA_CHECK(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, grad_sumsq_kernel, kThreads, 0));
-  const int64_t resident = static_cast<int64_t>(ctx.sm_count()) * std::max(per_sm, 1);
-  auto launch = [&](const TensorList<1, kNormTensors>& l, int64_t units, int64_t first) {
-    const auto grid = static_cast<unsigned>(std::min(units, resident));
-    grad_sumsq_kernel<<<grid, kThreads, 0, stream>>>(l, partial + first);
+  auto launch = [&](const TensorList<1>& l, int64_t units, int64_t first) {
+    grad_sumsq_kernel<<<static_cast<unsigned>(units), kThreads, 0, stream>>>(l, partial + first);
     GDN_CUDA_LAUNCH_CHECK("grad_sumsq_kernel");
   };
-  ListBatcher<1, decltype(launch), kNormTensors> batch(launch);
+  ListBatcher<1, decltype(launch)> batch(launch);
   for (const Tensor& g : grads) batch.add(g.numel(), {g.data()}, false, cuda::aligned16(g.data()));
   batch.flush();
   sum_partials_kernel<<<1, kSumThreads, 0, stream>>>(partial, total, partial + total);

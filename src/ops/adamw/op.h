@@ -35,12 +35,10 @@
 // cuda: the same in 4096-element units (a fixed order that depends on the tensor sizes only).
 //
 // cuda launches (src/ops/adamw/cuda.cu): the tensors of one call go to the kernels in lists of up
-// to 128 (512 for grad_sumsq) passed as kernel arguments (no device table to build, nothing
-// allocated or copied): a call over a whole model (hundreds of tensors) is a handful of launches,
-// balanced over 4096-element units whatever the tensor sizes (grad_sumsq: a persistent grid over
-// the units, plus one block adding the unit sums). step and refresh_bf16 never synchronise with
-// the host; grad_sumsq synchronises once, to return its host double (call it once per optimizer
-// step).
+// to 128 passed as kernel arguments (no device table to build, nothing allocated or copied): a
+// call over a whole model (hundreds of tensors) is a handful of launches, balanced over 4096-
+// element units whatever the tensor sizes. step and refresh_bf16 never synchronise with the host;
+// grad_sumsq synchronises once, to return its host double (call it once per optimizer step).
 // Pointers that are not 16-byte aligned (8-byte for the bf16 copy) are handled, on a slower
 // per-element path.
 #pragma once

@@ -38,8 +38,8 @@
 //     the number of windows the segment spans adds the first window's tail and the later windows'
 //     heads, in window order, to dW (no waiting on other blocks, no third launch).
 // Every dW element thus receives its terms in an order fixed by the ids alone: bitwise
-// reproducible. The window size is a kernel argument (impls cuda.v2 = 16, and cuda.v2.w8 /
-// cuda.v2.w32 for A/B timing only, priority 5): it changes the rounding, not the determinism.
+// reproducible. The window size is a kernel argument (16; windows of 8 and 32 measured the same or
+// slower on the H200, PERF.md run 10): it changes the rounding, not the determinism.
 // Bytes moved (the floor): dy, ids, and the touched dW rows read and written; plus ~20 bytes per
 // token of ranks and the partials of spanning segments.
 #include <cub/device/device_radix_sort.cuh>
@@ -776,18 +776,13 @@ void backward(const EmbeddingBwd& a) {
 }
 
 const EmbeddingTable kTable16{forward, backward<16>};
-const EmbeddingTable kTable8{forward, backward<8>};
-const EmbeddingTable kTable32{forward, backward<32>};
 
 }  // namespace
 
-// cuda.v2 (window 16) replaces cuda.sorted_windows (priority 10, kept for A/B timing). The
-// window-8 and window-32 variants exist only to be forced (GDN_OP_EMBEDDING=cuda.v2.w8) when
-// timing; priority 5 keeps them out of the resolver's normal order.
+// cuda.v2 (window 16) is chosen before cuda.sorted_windows (priority 10, kept for A/B timing:
+// GDN_OP_EMBEDDING=cuda.sorted_windows).
 GDN_REGISTER(embedding_cuda_v2) {
   Registry::global().add_impl({"embedding", "cuda.v2", Backend::Cuda, 20, nullptr, &kTable16});
-  Registry::global().add_impl({"embedding", "cuda.v2.w8", Backend::Cuda, 5, nullptr, &kTable8});
-  Registry::global().add_impl({"embedding", "cuda.v2.w32", Backend::Cuda, 5, nullptr, &kTable32});
 }
 
 }  // namespace gdn::ops

@@ -20,7 +20,7 @@
 // t order, windows combined in window order (src/ops/embedding/cuda.cu): the order depends on the
 // ids alone, bitwise reproducible, no float atomics; it may differ from the ascending-t serial
 // order in rounding. cuda.v2 (src/ops/embedding/cuda_v2.cu) has the same order semantics with
-// 16-position windows (its .w8 / .w32 variants 8 and 32): the sorted positions come from exact
+// 16-position windows: the sorted positions come from exact
 // ranks, and a spanning segment is combined by whichever of its windows' blocks finishes last,
 // still in window order.
 #pragma once
