@@ -31,10 +31,12 @@ void add_train_command(CLI::App& app, Commands& cmds) {
   sub->add_option("--device", o->device, "auto | cpu | cuda | ref (same as train.device)")
       ->check(CLI::IsMember({"auto", "cpu", "cuda", "ref"}));
   sub->add_option("--init-from", o->init_from, "Start from an HF checkpoint directory");
-  sub->add_option("--steps", o->steps, "Number of optimizer steps (same as train.steps)");
+  sub->add_option("--steps", o->steps, "Number of optimizer steps (same as train.steps)")
+      ->check(CLI::PositiveNumber);
   sub->add_flag("--resume", o->resume, "Continue from the latest complete checkpoint");
   sub->add_option("--stop-after", o->stop_after,
-                  "Stop (with a checkpoint) after this many steps; --resume continues");
+                  "Stop (with a checkpoint) after this many steps; --resume continues")
+      ->check(CLI::PositiveNumber);
   sub->add_option("--profile-step", o->profile_step,
                   "Time this step (1-based) op by op (CUDA events on the GPU): a table in the log "
                   "and RUN_DIR/profile_step<N>.json")

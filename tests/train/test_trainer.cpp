@@ -284,5 +284,26 @@ TEST(Trainer, ConfigurationErrorsAreClear) {
   fs::remove_all(a);
 }
 
+// Counts on the command line must be positive: `--steps 0` once meant "the configured default"
+// (600 steps) without a word. CLI11 now refuses it, naming the option, and no run starts.
+TEST(Trainer, CliRefusesNonPositiveCounts) {
+  fs::path a = temp_dir("cli_counts");
+  for (const char* opt : {"--steps 0", "--stop-after 0", "--steps -3", "--profile-step 0"}) {
+    const fs::path err = a / "stderr";
+    const std::string cmd = std::string(GDN_GDNTRAIN_BIN) + " train --device cpu " + opt +
+                            " --run-dir " + (a / "run").string() + " > /dev/null 2> " +
+                            err.string();
+    const int st = std::system(cmd.c_str());
+    ASSERT_TRUE(WIFEXITED(st)) << opt;
+    EXPECT_NE(WEXITSTATUS(st), 0) << opt;
+    std::ifstream in(err);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const std::string name = std::string(opt).substr(0, std::string(opt).find(' '));
+    EXPECT_NE(text.find(name), std::string::npos) << opt << ": " << text;
+    EXPECT_FALSE(fs::exists(a / "run" / "metrics.jsonl")) << opt;
+  }
+  fs::remove_all(a);
+}
+
 }  // namespace
 }  // namespace gdn::train
