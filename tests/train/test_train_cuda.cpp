@@ -46,14 +46,20 @@ TEST(TrainCuda, TracksTheCpuRunFromTheSameInitialisation) {
   ASSERT_EQ(cpu.losses.size(), 200u);
   // Step 1 runs the same weights on the same batch: bf16 activations vs fp32 only.
   EXPECT_NEAR(gpu.losses[0], cpu.losses[0], 2e-2 * cpu.losses[0]);
-  // Afterwards the two runs drift apart by rounding. Until the recall phase transition (seen on
-  // the H200, 2026-11-29, between steps 80 and 100 on cuda and later on cpu: its timing is chaotic)
-  // their 20-step means agree to 2% (seen: <= 0.7%); past it, both must keep learning.
+  // Then the runs drift apart by rounding, and this model's training amplifies rounding: on the
+  // CPU alone, rounding the weights to bf16 once after step 1 (scripts/round_checkpoint_bf16.py,
+  // then --resume; docs/TRAINING.md) moves the 20-step means by 0.7% at steps 21-40, 1.6%, 2.2%
+  // and 2.8% at steps 41-100, and brings the recall phase transition 60 steps earlier (-81% at
+  // steps 181-200). The GPU rounds activations and its weight copy to bf16 at every step, so past
+  // step 40 its distance from the CPU run (seen 2026-11-29: 3.0% to 6.4% at steps 41-100) is that
+  // chaos, not a defect: the test holds the 20-step means to 1% over the first 40 steps only
+  // (seen: 0.02% and 0.05%), and past that asks both runs to keep learning.
   for (size_t w = 0; w < 200; w += 20) {
     const double g = window_mean(gpu.losses, w, w + 20), c = window_mean(cpu.losses, w, w + 20);
-    std::printf("steps %3zu-%3zu: cuda %.4f cpu %.4f\n", w + 1, w + 20, g, c);
-    if (w < 80) {
-      EXPECT_NEAR(g, c, 0.02 * c) << "steps " << w + 1 << "-" << w + 20;
+    std::printf("steps %3zu-%3zu: cuda %.4f cpu %.4f (%+.2f%%)\n", w + 1, w + 20, g, c,
+                100.0 * (g - c) / c);
+    if (w < 40) {
+      EXPECT_NEAR(g, c, 0.01 * c) << "steps " << w + 1 << "-" << w + 20;
     }
   }
   for (const auto* l : {&gpu.losses, &cpu.losses})
