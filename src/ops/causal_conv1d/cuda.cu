@@ -598,69 +598,16 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<W>())
 
 // --- host side ---------------------------------------------------------------------------------
 
-template <class T>
-const bf16_t* dev(const Tensor& t) {
-  return t.defined() ? reinterpret_cast<const bf16_t*>(t.ptr<T>()) : nullptr;
-}
-bf16_t* dev_out(const Tensor& t) { return const_cast<bf16_t*>(dev<bf16>(t)); }
-
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
-// Calls f(std::integral_constant<int, W>) for the run-time width W in 1..8 (validated by op.cpp).
-template <class F>
-void with_width(int64_t W, F&& f) {
-  switch (W) {
-    case 1:
-      f(std::integral_constant<int, 1>{});
-      break;
-    case 2:
-      f(std::integral_constant<int, 2>{});
-      break;
-    case 3:
-      f(std::integral_constant<int, 3>{});
-      break;
-    case 4:
-      f(std::integral_constant<int, 4>{});
-      break;
-    case 5:
-      f(std::integral_constant<int, 5>{});
-      break;
-    case 6:
-      f(std::integral_constant<int, 6>{});
-      break;
-    case 7:
-      f(std::integral_constant<int, 7>{});
-      break;
-    case 8:
-      f(std::integral_constant<int, 8>{});
-      break;
-    default:
-      GDN_FAIL("causal_conv1d (cuda): width W = {} is outside 1..8", W);
-  }
-}
-
-// Grid of a one-thread-per-item kernel (grid-stride beyond 65536 blocks).
-unsigned small_grid(int64_t items) {
-  return static_cast<unsigned>(std::clamp<int64_t>((items + 255) / 256, 1, 65536));
-}
-
-struct Common {
-  int64_t T, C, W, N;
-  const int32_t* cu;  // [N+1] or null
+// The shared checks plus this kernel's tiling.
+struct Common : ConvDims {
   int64_t ntiles, ncb;
 };
 
 Common common(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens) {
   Common k;
-  k.T = x.size(0);
-  k.C = x.size(1);
-  k.W = weight.size(1);
-  k.N = causal_conv1d_num_docs(cu_seqlens);
-  k.cu = cu_seqlens.defined() ? cu_seqlens.ptr<int32_t>() : nullptr;
-  // A host cu_seqlens was validated by op.cpp; a device one with no document cannot end at T > 0.
-  GDN_CHECK(k.T == 0 || k.N >= 1,
-            "causal_conv1d: tensor 'cu_seqlens' has no document but 'x' has {} rows", k.T);
-  GDN_CHECK(k.N <= INT_MAX, "causal_conv1d (cuda): {} documents is too many", k.N);
+  static_cast<ConvDims&>(k) = conv_dims(x, weight, cu_seqlens, "cuda");
   k.ntiles = (k.T + kBT - 1) / kBT;
   k.ncb = (k.C + kBC - 1) / kBC;
   GDN_CHECK(k.ncb <= 65535, "causal_conv1d (cuda): {} channels is too many (at most {})", k.C,
@@ -672,17 +619,17 @@ Common common(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens) {
 void forward(const CausalConv1dFwd& a) {
   const Common k = common(a.x, a.weight, a.cu_seqlens);
   if (k.C == 0) return;
-  const bf16_t* x = dev<bf16>(a.x);                 // [T, C]
-  const bf16_t* w = dev<bf16>(a.weight);            // [C, W]
-  const bf16_t* bias = dev<bf16>(a.bias);           // [C] or null
-  const bf16_t* init = dev<bf16>(a.initial_state);  // [N, C, W-1] or null
-  bf16_t* y = dev_out(a.y);                         // [T, C]
-  bf16_t* fin = dev_out(a.final_state);             // [N, C, W-1] or null
+  const bf16_t* x = dev_in(a.x);                 // [T, C]
+  const bf16_t* w = dev_in(a.weight);            // [C, W]
+  const bf16_t* bias = dev_in(a.bias);           // [C] or null
+  const bf16_t* init = dev_in(a.initial_state);  // [N, C, W-1] or null
+  bf16_t* y = dev_out(a.y);                      // [T, C]
+  bf16_t* fin = dev_out(a.final_state);          // [N, C, W-1] or null
   const bool vec_load = k.C % 8 == 0 && aligned(x, 16);
   const bool vec_store = k.C % 4 == 0 && aligned(y, 8);
   const int N = static_cast<int>(k.N), S = static_cast<int>(k.W) - 1;
   cudaStream_t s = cuda::stream();
-  with_width(k.W, [&](auto wc) {
+  with_width<8>(k.W, "cuda", [&](auto wc) {
     constexpr int W = decltype(wc)::value;
     if (k.T > 0) {
       // Persistent grid: the blocks that fit at once, split over the channel blocks.
@@ -713,12 +660,12 @@ void forward(const CausalConv1dFwd& a) {
 void backward(const CausalConv1dBwd& a) {
   const Common k = common(a.x, a.weight, a.cu_seqlens);
   if (k.C == 0) return;
-  const bf16_t* x = dev<bf16>(a.x);                                // [T, C]
-  const bf16_t* w = dev<bf16>(a.weight);                           // [C, W]
-  const bf16_t* bias = dev<bf16>(a.bias);                          // [C] or null
-  const bf16_t* init = dev<bf16>(a.initial_state);                 // [N, C, W-1] or null
-  const bf16_t* dy = dev<bf16>(a.dy);                              // [T, C]
-  const bf16_t* dfin = dev<bf16>(a.dfinal_state);                  // [N, C, W-1] or null
+  const bf16_t* x = dev_in(a.x);                                   // [T, C]
+  const bf16_t* w = dev_in(a.weight);                              // [C, W]
+  const bf16_t* bias = dev_in(a.bias);                             // [C] or null
+  const bf16_t* init = dev_in(a.initial_state);                    // [N, C, W-1] or null
+  const bf16_t* dy = dev_in(a.dy);                                 // [T, C]
+  const bf16_t* dfin = dev_in(a.dfinal_state);                     // [N, C, W-1] or null
   bf16_t* dx = dev_out(a.dx);                                      // [T, C]
   bf16_t* dinit = dev_out(a.dinitial_state);                       // [N, C, W-1] or null
   float* dw = a.dweight.ptr<float>();                              // [C, W]
@@ -728,7 +675,7 @@ void backward(const CausalConv1dBwd& a) {
   const int N = static_cast<int>(k.N);
   cuda::Context& ctx = cuda::Context::get();
   cudaStream_t s = ctx.stream();
-  with_width(k.W, [&](auto wc) {
+  with_width<8>(k.W, "cuda", [&](auto wc) {
     constexpr int W = decltype(wc)::value;
     if (k.T > 0) {
       // Persistent grid: the blocks that fit at once, split over the channel blocks.

@@ -1,13 +1,20 @@
 // Pieces shared by the causal conv1d CUDA implementations (cuda.cu "cuda.tiled" and cuda_v2.cu
-// "cuda.v2"): the fp32 sigmoid both use (so their SiLU values agree), and the small kernels over
+// "cuda.v2"): the fp32 sigmoid both use (so their SiLU values agree), the small kernels over
 // (document, channel) for the states plus the deterministic second pass of the dweight / dbias
-// reduction. Included by those two translation units only; each gets its own copy (unnamed
+// reduction, and the host-side helpers (tensor pointers, the width dispatch, the common shape
+// checks). Included by those two translation units only; each gets its own copy (unnamed
 // namespace), so the kernels need no exported symbols.
 #pragma once
 
+#include <algorithm>
+#include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "backend/cuda/vec.cuh"
+#include "gdn/core/error.h"
+#include "gdn/core/tensor.h"
+#include "ops/causal_conv1d/op.h"
 
 namespace gdn::ops {
 namespace {
@@ -140,6 +147,54 @@ __global__ void __launch_bounds__(256)
       dinit[idx * S + k] = __float2bfloat16_rn(v);
     }
   }
+}
+
+// --- host side ---------------------------------------------------------------------------------
+
+// A bf16 tensor's device pointer, or null when the tensor is absent.
+inline const bf16_t* dev_in(const Tensor& t) {
+  return t.defined() ? reinterpret_cast<const bf16_t*>(t.ptr<bf16>()) : nullptr;
+}
+inline bf16_t* dev_out(const Tensor& t) { return const_cast<bf16_t*>(dev_in(t)); }
+
+// Calls f(std::integral_constant<int, W>) for the run-time width W in 1..MaxW (op.cpp validates
+// W <= 8; an implementation covering fewer widths passes its own MaxW). `impl` names it in the
+// error.
+template <int MaxW, int W = 1, class F>
+void with_width(int64_t w, const char* impl, F&& f) {
+  if constexpr (W > MaxW) {
+    GDN_FAIL("causal_conv1d ({}): width W = {} is outside 1..{}", impl, w, MaxW);
+  } else if (w == W) {
+    f(std::integral_constant<int, W>{});
+  } else {
+    with_width<MaxW, W + 1>(w, impl, std::forward<F>(f));
+  }
+}
+
+// Grid of a one-thread-per-item kernel (grid-stride beyond 65536 blocks).
+inline unsigned small_grid(int64_t items) {
+  return static_cast<unsigned>(std::clamp<int64_t>((items + 255) / 256, 1, 65536));
+}
+
+// The sizes every implementation reads off its arguments, checked the same way.
+struct ConvDims {
+  int64_t T, C, W, N;
+  const int32_t* cu;  // [N+1] or null
+};
+
+inline ConvDims conv_dims(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens,
+                          const char* impl) {
+  ConvDims k;
+  k.T = x.size(0);
+  k.C = x.size(1);
+  k.W = weight.size(1);
+  k.N = causal_conv1d_num_docs(cu_seqlens);
+  k.cu = cu_seqlens.defined() ? cu_seqlens.ptr<int32_t>() : nullptr;
+  // A host cu_seqlens was validated by op.cpp; a device one with no document cannot end at T > 0.
+  GDN_CHECK(k.T == 0 || k.N >= 1,
+            "causal_conv1d: tensor 'cu_seqlens' has no document but 'x' has {} rows", k.T);
+  GDN_CHECK(k.N <= INT_MAX, "causal_conv1d ({}): {} documents is too many", impl, k.N);
+  return k;
 }
 
 }  // namespace

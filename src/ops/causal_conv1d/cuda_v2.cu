@@ -426,11 +426,6 @@ __global__ void __launch_bounds__(kBwdWarps * 32, kBwdMinBlocks)
 
 // --- host side ---------------------------------------------------------------------------------
 
-const bf16_t* dev_in(const Tensor& t) {
-  return t.defined() ? reinterpret_cast<const bf16_t*>(t.ptr<bf16>()) : nullptr;
-}
-bf16_t* dev_out(const Tensor& t) { return const_cast<bf16_t*>(dev_in(t)); }
-
 bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data()) % 16 == 0; }
 
 // The calls this kernel covers: W <= 4, C % 8 == 0 (whole 16-byte packs per lane), 16-byte
@@ -455,46 +450,14 @@ const CausalConv1dTable& tiled() {
   return *t;
 }
 
-// Calls f(std::integral_constant<int, W>) for W in 1..kMaxW.
-template <class F>
-void with_width(int64_t W, F&& f) {
-  switch (W) {
-    case 1:
-      f(std::integral_constant<int, 1>{});
-      break;
-    case 2:
-      f(std::integral_constant<int, 2>{});
-      break;
-    case 3:
-      f(std::integral_constant<int, 3>{});
-      break;
-    case 4:
-      f(std::integral_constant<int, 4>{});
-      break;
-    default:
-      GDN_FAIL("causal_conv1d (cuda.v2): width W = {} is outside 1..{}", W, kMaxW);
-  }
-}
-
-unsigned small_grid(int64_t items) {
-  return static_cast<unsigned>(std::clamp<int64_t>((items + 255) / 256, 1, 65536));
-}
-
-struct Shape {
-  int64_t T, C, W, N, ncb;
-  const int32_t* cu;  // [N+1] or null
+// The shared checks plus this kernel's channel columns.
+struct Shape : ConvDims {
+  int64_t ncb;
 };
 
 Shape shape_of(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens) {
   Shape k;
-  k.T = x.size(0);
-  k.C = x.size(1);
-  k.W = weight.size(1);
-  k.N = causal_conv1d_num_docs(cu_seqlens);
-  k.cu = cu_seqlens.defined() ? cu_seqlens.ptr<int32_t>() : nullptr;
-  GDN_CHECK(k.T == 0 || k.N >= 1,
-            "causal_conv1d: tensor 'cu_seqlens' has no document but 'x' has {} rows", k.T);
-  GDN_CHECK(k.N <= INT_MAX, "causal_conv1d (cuda.v2): {} documents is too many", k.N);
+  static_cast<ConvDims&>(k) = conv_dims(x, weight, cu_seqlens, "cuda.v2");
   k.ncb = (k.C + kCB - 1) / kCB;
   return k;
 }
@@ -539,7 +502,7 @@ void backward(const CausalConv1dBwd& a) {
   const int N = static_cast<int>(k.N);
   cuda::Context& ctx = cuda::Context::get();
   cudaStream_t s = ctx.stream();
-  with_width(k.W, [&](auto wc) {
+  with_width<kMaxW>(k.W, "cuda.v2", [&](auto wc) {
     constexpr int W = decltype(wc)::value;
     if (k.T > 0) {
       auto launch = [&](auto kernel) {
