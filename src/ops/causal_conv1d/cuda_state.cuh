@@ -12,6 +12,7 @@
 #include <type_traits>
 
 #include "backend/cuda/vec.cuh"
+#include "gdn/backend/cuda_check.h"
 #include "gdn/core/error.h"
 #include "gdn/core/tensor.h"
 #include "ops/causal_conv1d/op.h"
@@ -195,6 +196,54 @@ inline ConvDims conv_dims(const Tensor& x, const Tensor& weight, const Tensor& c
             "causal_conv1d: tensor 'cu_seqlens' has no document but 'x' has {} rows", k.T);
   GDN_CHECK(k.N <= INT_MAX, "causal_conv1d ({}): {} documents is too many", impl, k.N);
   return k;
+}
+
+// The backward's tensors as device pointers (null where absent).
+struct ConvBwdPtrs {
+  const bf16_t* x;     // [T, C]
+  const bf16_t* w;     // [C, W]
+  const bf16_t* bias;  // [C] or null
+  const bf16_t* init;  // [N, C, W-1] or null
+  const bf16_t* dy;    // [T, C]
+  const bf16_t* dfin;  // [N, C, W-1] or null
+  bf16_t* dx;          // [T, C]
+  bf16_t* dinit;       // [N, C, W-1] or null
+  float* dw;           // [C, W]
+  float* db;           // [C] or null
+};
+
+inline ConvBwdPtrs conv_bwd_ptrs(const CausalConv1dBwd& a) {
+  return {dev_in(a.x),
+          dev_in(a.weight),
+          dev_in(a.bias),
+          dev_in(a.initial_state),
+          dev_in(a.dy),
+          dev_in(a.dfinal_state),
+          dev_out(a.dx),
+          dev_out(a.dinitial_state),
+          a.dweight.ptr<float>(),
+          a.dbias.defined() ? a.dbias.ptr<float>() : nullptr};
+}
+
+// dweight / dbias += the sum of a backward kernel's G partial row sets, in block order.
+template <int W>
+void launch_dw_reduce(const ConvBwdPtrs& p, const ConvDims& k, const float* partial, int64_t G,
+                      cudaStream_t s) {
+  conv_dw_reduce_kernel<<<small_grid((W + 1) * k.C), 256, 0, s>>>(partial, p.dw, p.db,
+                                                                  static_cast<int>(G), W, k.C);
+  GDN_CUDA_LAUNCH_CHECK("conv_dw_reduce_kernel");
+}
+
+// dinitial_state, when asked for (W = 1: the state has no columns).
+template <int W>
+void launch_dinit(const ConvBwdPtrs& p, const ConvDims& k, bool silu, cudaStream_t s) {
+  if constexpr (W > 1) {
+    if (p.dinit == nullptr || k.N == 0) return;
+    conv_dinit_kernel<W><<<small_grid(k.N * k.C), 256, 0, s>>>(p.x, p.w, p.bias, k.cu, p.init, p.dy,
+                                                               p.dfin, p.dinit, k.T, k.C,
+                                                               static_cast<int>(k.N), silu);
+    GDN_CUDA_LAUNCH_CHECK("conv_dinit_kernel");
+  }
 }
 
 }  // namespace

@@ -489,16 +489,9 @@ void backward(const CausalConv1dBwd& a) {
   }
   const Shape k = shape_of(a.x, a.weight, a.cu_seqlens);
   if (k.C == 0) return;
-  const bf16_t* x = dev_in(a.x);                                   // [T, C]
-  const bf16_t* w = dev_in(a.weight);                              // [C, W]
-  const bf16_t* bias = dev_in(a.bias);                             // [C] or null
-  const bf16_t* init = dev_in(a.initial_state);                    // [N, C, W-1] or null
-  const bf16_t* dy = dev_in(a.dy);                                 // [T, C]
-  const bf16_t* dfin = dev_in(a.dfinal_state);                     // [N, C, W-1] or null
-  bf16_t* dx = dev_out(a.dx);                                      // [T, C]
-  bf16_t* dinit = dev_out(a.dinitial_state);                       // [N, C, W-1] or null
-  float* dw = a.dweight.ptr<float>();                              // [C, W]
-  float* db = a.dbias.defined() ? a.dbias.ptr<float>() : nullptr;  // [C] or null
+  const ConvBwdPtrs p = conv_bwd_ptrs(a);
+  const bf16_t *x = p.x, *w = p.w, *bias = p.bias, *init = p.init, *dy = p.dy, *dfin = p.dfin;
+  bf16_t* dx = p.dx;
   const int N = static_cast<int>(k.N);
   cuda::Context& ctx = cuda::Context::get();
   cudaStream_t s = ctx.stream();
@@ -514,21 +507,14 @@ void backward(const CausalConv1dBwd& a) {
         kernel<<<grid, kBwdWarps * 32, bwd_smem(), s>>>(x, w, bias, k.cu, init, dy, dfin, dx,
                                                         partial, k.T, k.C, N);
         GDN_CUDA_LAUNCH_CHECK("conv2_bwd_kernel");
-        conv_dw_reduce_kernel<<<small_grid((W + 1) * k.C), 256, 0, s>>>(
-            partial, dw, db, static_cast<int>(G), W, k.C);
-        GDN_CUDA_LAUNCH_CHECK("conv_dw_reduce_kernel");
+        launch_dw_reduce<W>(p, k, partial, G, s);
       };
       if (a.silu)
         launch(conv2_bwd_kernel<W, true>);
       else
         launch(conv2_bwd_kernel<W, false>);
     }
-    if constexpr (W > 1) {  // W = 1: the state has no columns
-      if (dinit == nullptr || N == 0) return;
-      conv_dinit_kernel<W><<<small_grid(k.N * k.C), 256, 0, s>>>(x, w, bias, k.cu, init, dy, dfin,
-                                                                 dinit, k.T, k.C, N, a.silu);
-      GDN_CUDA_LAUNCH_CHECK("conv_dinit_kernel");
-    }
+    launch_dinit<W>(p, k, a.silu, s);
   });
 }
 
