@@ -60,10 +60,6 @@ namespace gdn::ops {
 namespace {
 
 using cuda::bf16_t;
-using cuda::Pack;
-
-constexpr int kFwdThreads = 256;
-constexpr int kFwdUnroll = 2;  // packs per thread: a block covers 4096 bf16 columns
 
 constexpr int kRankThreads = 1024;
 constexpr int kRankTokens = 256;  // tokens ranked per block (8 per warp)
@@ -90,45 +86,6 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-}
-
-// --- forward (the kernel of cuda.sorted_windows) -----------------------------------------------
-
-template <int V>
-__device__ __forceinline__ Pack<V> nan_pack() {
-  Pack<V> r;
-  if constexpr (V == 8) {
-    r.u = make_uint4(0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u);  // bf16 quiet NaNs
-  } else {
-    r.u = 0x7fc0u;
-  }
-  return r;
-}
-
-// grid (T, column chunks of kFwdThreads * kFwdUnroll packs).
-template <class Id, int V>
-__global__ void __launch_bounds__(kFwdThreads)
-    emb2_fwd_kernel(const Id* __restrict__ ids,    // [T]
-                    const bf16_t* __restrict__ w,  // [Vocab, D]
-                    bf16_t* __restrict__ y,        // [T, D]
-                    int64_t vocab, int D) {
-  const int64_t t = blockIdx.x;
-  const int64_t id = static_cast<int64_t>(ids[t]);
-  const bool valid = id >= 0 && id < vocab;
-  const int npacks = D / V;
-  const int first = static_cast<int>(blockIdx.y) * kFwdThreads * kFwdUnroll + threadIdx.x;
-  Pack<V> p[kFwdUnroll];
-#pragma unroll
-  for (int k = 0; k < kFwdUnroll; ++k) {
-    const int c = first + k * kFwdThreads;
-    if (c < npacks)
-      p[k] = valid ? cuda::load_pack<V>(w, id * D + static_cast<int64_t>(c) * V) : nan_pack<V>();
-  }
-#pragma unroll
-  for (int k = 0; k < kFwdUnroll; ++k) {
-    const int c = first + k * kFwdThreads;
-    if (c < npacks) cuda::store_pack<V>(y, t * D + static_cast<int64_t>(c) * V, p[k]);
-  }
 }
 
 // --- step 1: ranks ---------------------------------------------------------------------------
@@ -604,32 +561,15 @@ __global__ void __launch_bounds__(kDwThreads, 8) emb2_dw_kernel(const DwArgs a) 
 
 size_t align256(size_t n) { return (n + 255) & ~size_t{255}; }
 
-template <class Id>
-void forward_ids(const Id* ids, const EmbeddingFwd& a) {
-  const int64_t T = a.ids.size(0), vocab = a.w.size(0), D = a.w.size(1);
-  const bf16_t* w = reinterpret_cast<const bf16_t*>(a.w.ptr<bf16>());  // [Vocab, D]
-  bf16_t* y = reinterpret_cast<bf16_t*>(a.y.ptr<bf16>());              // [T, D]
-  const int V = D % 8 == 0 && cuda::aligned16(w) && cuda::aligned16(y) ? 8 : 1;
-  const int64_t chunks = (D / V + kFwdThreads * kFwdUnroll - 1) / (kFwdThreads * kFwdUnroll);
-  GDN_CHECK(T <= INT_MAX && chunks <= 65535 && D <= INT_MAX / 2,
-            "embedding (cuda): [{}, {}] is too large", T, D);
-  const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(chunks));
-  cudaStream_t s = cuda::stream();
-  if (V == 8) {
-    emb2_fwd_kernel<Id, 8><<<grid, kFwdThreads, 0, s>>>(ids, w, y, vocab, static_cast<int>(D));
-  } else {
-    emb2_fwd_kernel<Id, 1><<<grid, kFwdThreads, 0, s>>>(ids, w, y, vocab, static_cast<int>(D));
-  }
-  GDN_CUDA_LAUNCH_CHECK("emb2_fwd_kernel");
-}
-
+// The forward is cuda.sorted_windows' (a gather; this implementation changes the backward only).
 void forward(const EmbeddingFwd& a) {
-  if (a.ids.size(0) == 0 || a.w.size(1) == 0) return;
-  if (a.ids.dtype() == DType::I32) {
-    forward_ids(a.ids.ptr<int32_t>(), a);
-  } else {
-    forward_ids(a.ids.ptr<int64_t>(), a);
-  }
+  static const EmbeddingTable* t = [] {
+    for (const ImplDesc* i : Registry::global().impls("embedding", Backend::Cuda))
+      if (i->name == "cuda.sorted_windows") return static_cast<const EmbeddingTable*>(i->table);
+    return static_cast<const EmbeddingTable*>(nullptr);
+  }();
+  GDN_CHECK(t != nullptr, "embedding (cuda.v2): cuda.sorted_windows is not registered");
+  t->forward(a);
 }
 
 // Raises the rank kernel's dynamic shared-memory limit once per process (every instantiation).
