@@ -41,6 +41,7 @@
 #include "backend/cuda/memory_bound.cuh"
 #include "gdn/backend/cuda_check.h"
 #include "gdn/backend/registry.h"
+#include "ops/embedding/cuda_keys.cuh"
 #include "ops/embedding/op.h"
 
 namespace gdn::ops {
@@ -95,19 +96,6 @@ __global__ void __launch_bounds__(kFwdThreads)
     const int c = first + k * kFwdThreads;
     if (c < npacks) cuda::store_pack<V>(y, t * D + static_cast<int64_t>(c) * V, p[k]);
   }
-}
-
-// Step 1 input: sort keys (invalid ids -> vocab, sorted last) and token indices.
-template <class Id>
-__global__ void __launch_bounds__(256) embedding_keys_kernel(const Id* __restrict__ ids,   // [T]
-                                                             uint32_t* __restrict__ keys,  // [T]
-                                                             uint32_t* __restrict__ vals,  // [T]
-                                                             int T, int64_t vocab) {
-  const int t = static_cast<int>(blockIdx.x) * 256 + static_cast<int>(threadIdx.x);
-  if (t >= T) return;
-  const int64_t id = static_cast<int64_t>(ids[t]);
-  keys[t] = id >= 0 && id < vocab ? static_cast<uint32_t>(id) : static_cast<uint32_t>(vocab);
-  vals[t] = static_cast<uint32_t>(t);
 }
 
 // Step 1 for T <= kSortMax in one block: keys (invalid ids -> vocab) and token indices formed in

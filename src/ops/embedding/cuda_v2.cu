@@ -53,6 +53,7 @@
 #include "backend/cuda/memory_bound.cuh"
 #include "gdn/backend/cuda_check.h"
 #include "gdn/backend/registry.h"
+#include "ops/embedding/cuda_keys.cuh"
 #include "ops/embedding/op.h"
 
 namespace gdn::ops {
@@ -217,20 +218,6 @@ __global__ void __launch_bounds__(kRankThreads)
         r.win_info[w].y = seg + eq;
     }
   }
-}
-
-// Step 1 for long sequences, input of cub::DeviceRadixSort: keys (invalid ids -> vocab) and
-// token indices.
-template <class Id>
-__global__ void __launch_bounds__(256) emb2_keys_kernel(const Id* __restrict__ ids,   // [T]
-                                                        uint32_t* __restrict__ keys,  // [T]
-                                                        uint32_t* __restrict__ vals,  // [T]
-                                                        int T, int64_t vocab) {
-  const int t = static_cast<int>(blockIdx.x) * 256 + static_cast<int>(threadIdx.x);
-  if (t >= T) return;
-  const int64_t id = static_cast<int64_t>(ids[t]);
-  keys[t] = id >= 0 && id < vocab ? static_cast<uint32_t>(id) : static_cast<uint32_t>(vocab);
-  vals[t] = static_cast<uint32_t>(t);
 }
 
 // After the device-wide sort: each window's head segment start and tail segment end by binary
@@ -679,13 +666,13 @@ void backward(const EmbeddingBwd& a) {
     void* cub_tmp = sort_base + 2 * tok_bytes;                               // [cub_bytes]
     const auto kblocks = static_cast<unsigned>((n + 255) / 256);
     if (i32) {
-      emb2_keys_kernel<int32_t>
+      embedding_keys_kernel<int32_t>
           <<<kblocks, 256, 0, s>>>(a.ids.ptr<int32_t>(), keys_in, vals_in, n, vocab);
     } else {
-      emb2_keys_kernel<int64_t>
+      embedding_keys_kernel<int64_t>
           <<<kblocks, 256, 0, s>>>(a.ids.ptr<int64_t>(), keys_in, vals_in, n, vocab);
     }
-    GDN_CUDA_LAUNCH_CHECK("emb2_keys_kernel");
+    GDN_CUDA_LAUNCH_CHECK("embedding_keys_kernel");
     GDN_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(cub_tmp, cub_bytes, keys_in, r.keys, vals_in,
                                                    r.toks, n, 0, bits, s));
     GDN_CUDA_LAUNCH_CHECK("cub::DeviceRadixSort::SortPairs");
