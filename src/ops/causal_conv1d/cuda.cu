@@ -52,6 +52,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "backend/cuda/cp_async.cuh"
 #include "backend/cuda/vec.cuh"
 #include "gdn/backend/cuda_check.h"
 #include "gdn/backend/registry.h"
@@ -112,25 +113,9 @@ static_assert(bwd_smem(kConvMaxWidth) + 2 * kDocSlots * sizeof(DocSlot) <= 200 *
 
 // --- device helpers ----------------------------------------------------------------------------
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
-               "r"(src_bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-// Waits for every committed group but the most recent one.
-__device__ __forceinline__ void cp_async_wait_prior() {
-  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-}
-
 // Rows [r0, r0 + rows) x channels [c0, c0 + kBC) of a [T, C] tensor into tile [rows, kBC]; rows
 // outside [0, T) and channels >= C become zeros. vec: C % 8 == 0 and `a` 16-byte aligned, so that
-// every 8-channel chunk is one aligned 16-byte copy. Completes at cp_async_wait_all().
+// every 8-channel chunk is one aligned 16-byte copy. The caller commits and waits.
 __device__ __forceinline__ void load_tile(bf16_t* tile, const bf16_t* __restrict__ a, int64_t r0,
                                           int rows, int64_t c0, int64_t T, int64_t C, bool vec) {
   if (vec) {
@@ -139,7 +124,7 @@ __device__ __forceinline__ void load_tile(bf16_t* tile, const bf16_t* __restrict
       const int row = i / kChunks, ch = i % kChunks;
       const int64_t p = r0 + row, c = c0 + ch * 8;
       const bool ok = p >= 0 && p < T && c < C;
-      cp_async16(tile + row * kBC + ch * 8, ok ? a + p * C + c : a, ok ? 16 : 0);
+      cuda::cp_async16_zfill(tile + row * kBC + ch * 8, ok ? a + p * C + c : a, ok ? 16 : 0);
     }
   } else {
     for (int i = static_cast<int>(threadIdx.x); i < rows * kBC; i += kThreads) {
@@ -312,15 +297,15 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<W>())
     find_docs(docs[b], cu, N, T, t0, kBT);
   };
   issue(blockIdx.x, 0);  // gridDim.x <= ntiles
-  cp_async_commit();
+  cuda::cp_async_commit();
   float wr[W][kCV], br[kCV];
   load_weights<W>(w, bias, c, C, wr, br);
 
   int b = 0;
   for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x, b ^= 1) {
     if (tile + gridDim.x < ntiles) issue(tile + gridDim.x, b ^ 1);
-    cp_async_commit();  // possibly empty: one group per iteration either way
-    cp_async_wait_prior();
+    cuda::cp_async_commit();  // possibly empty: one group per iteration either way
+    cuda::cp_async_wait<1>();
     __syncthreads();  // tile `tile` and its documents are visible to every warp
 
     const bf16_t* cur = tiles + b * kRows * kBC;  // [kRows, kBC]
@@ -541,7 +526,7 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<W>())
     find_docs(doc_stages[b], cu, N, T, t0, kBT + S);
   };
   issue(blockIdx.x, 0);  // gridDim.x <= ntiles
-  cp_async_commit();
+  cuda::cp_async_commit();
   float wr[W][kCV], br[kCV];
   load_weights<W>(w, bias, c, C, wr, br);
   float acc[W + 1][kCV];  // dweight taps, then dbias: this thread's tokens, all its tiles
@@ -554,8 +539,8 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<W>())
   for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x, b ^= 1) {
     const int64_t t0 = tile * kBT;
     if (tile + gridDim.x < ntiles) issue(tile + gridDim.x, b ^ 1);
-    cp_async_commit();  // possibly empty: one group per iteration either way
-    cp_async_wait_prior();
+    cuda::cp_async_commit();  // possibly empty: one group per iteration either way
+    cuda::cp_async_wait<1>();
     __syncthreads();  // tile `tile` and its documents are visible to every warp
     const bf16_t* tile_x = stages + b * kStage;     // [kXRows, kBC] from t0 - S
     const bf16_t* tile_dy = tile_x + kXRows * kBC;  // [kDyRows, kBC] from t0

@@ -51,6 +51,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "backend/cuda/cp_async.cuh"
 #include "backend/cuda/vec.cuh"
 #include "gdn/backend/cuda_check.h"
 #include "gdn/backend/registry.h"
@@ -84,23 +85,6 @@ static_assert(kBwdWarps * (kMaxW + 1) * kCB * sizeof(float) <= bwd_smem(),
               "the dweight reduction reuses the ring memory");
 
 // --- device helpers ----------------------------------------------------------------------------
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
-               "r"(src_bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-// Waits until at most N of this thread's committed groups are pending.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 
 __device__ __forceinline__ void unpack8(const uint4& u, float (&f)[kV]) {
   f[0] = cuda::bf16_lo(u.x);
@@ -284,12 +268,13 @@ __global__ void __launch_bounds__(kBwdWarps * 32, kBwdMinBlocks)
         for (int r = 0; r < kK; ++r) {
           if (r0 + r < rend) {
             const int64_t g = (r0 + r) * C + c;
-            cp_async16(ring_x + off + r * kRowU4, active ? x + g : x, active ? 16 : 0);
-            cp_async16(ring_dy + off + r * kRowU4, active ? dy + g : dy, active ? 16 : 0);
+            cuda::cp_async16_zfill(ring_x + off + r * kRowU4, active ? x + g : x, active ? 16 : 0);
+            cuda::cp_async16_zfill(ring_dy + off + r * kRowU4, active ? dy + g : dy,
+                                   active ? 16 : 0);
           }
         }
       }
-      cp_async_commit();
+      cuda::cp_async_commit();
     };
 #pragma unroll
     for (int k = 0; k < NS; ++k) issue(k);
@@ -364,7 +349,7 @@ __global__ void __launch_bounds__(kBwdWarps * 32, kBwdMinBlocks)
 
     bool done = false;
     for (int64_t k = 0; k < nchunks && !done; ++k) {
-      cp_async_wait<NS - 1>();  // chunk k (this lane's copies) has landed
+      cuda::cp_async_wait<NS - 1>();  // chunk k (this lane's copies) has landed
       const int off = static_cast<int>(k % NS) * kStageU4;
       const int64_t t0 = a + k * kK;
       if (t0 + kK <= d.e && t0 + kK <= b && t0 - S >= std::max(a, d.s)) {
@@ -406,7 +391,7 @@ __global__ void __launch_bounds__(kBwdWarps * 32, kBwdMinBlocks)
   }
 
   // Sum the warps' partials in warp order (the rings are reused: wait for every copy first).
-  cp_async_wait<0>();
+  cuda::cp_async_wait<0>();
   __syncthreads();
   float* red = reinterpret_cast<float*>(conv2_smem);  // [kBwdWarps, W+1, kCB]
 #pragma unroll

@@ -50,6 +50,7 @@
 #include <cstdint>
 #include <mutex>
 
+#include "backend/cuda/cp_async.cuh"
 #include "backend/cuda/memory_bound.cuh"
 #include "gdn/backend/cuda_check.h"
 #include "gdn/backend/registry.h"
@@ -338,16 +339,6 @@ struct alignas(16) Stage {
 
 // 16-byte asynchronous global -> shared copy through L2 only (.cg): the sources were written by
 // the previous kernel, so no L1 line of this multiprocessor may serve them.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  const auto d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
 
 // Adds the partials of the segment of key k spanning windows [w0, w1] to dW: the tail of w0, then
 // the heads of w0 + 1 .. w1 in window order. Called by the block that arrived last.
@@ -521,16 +512,16 @@ __global__ void __launch_bounds__(kDwThreads, 8) emb2_dw_kernel(const DwArgs a) 
   // thread the window's info. Committed as one group.
   auto stage_window = [&](int it, Stage& dst) {
     const int w = it / a.chunks, s = w * a.win, pieces = (min(a.T - s, a.win) + 3) / 4;
-    if (tid < pieces) cp_async16(&dst.key[4 * tid], a.keys + s + 4 * tid);
+    if (tid < pieces) cuda::cp_async16(&dst.key[4 * tid], a.keys + s + 4 * tid);
     if (tid >= 32 && tid - 32 < pieces)
-      cp_async16(&dst.tok[4 * (tid - 32)], a.toks + s + 4 * (tid - 32));
-    if (tid == kDwThreads - 1) cp_async16(&dst.head, a.win_info + w);
-    cp_async_commit();
+      cuda::cp_async16(&dst.tok[4 * (tid - 32)], a.toks + s + 4 * (tid - 32));
+    if (tid == kDwThreads - 1) cuda::cp_async16(&dst.head, a.win_info + w);
+    cuda::cp_async_commit();
   };
   int item = static_cast<int>(blockIdx.x);
   if (item >= nitems) return;  // uniform over the block
   stage_window(item, stage[0]);
-  cp_async_wait_all();
+  cuda::cp_async_wait<0>();
   __syncthreads();
   for (int buf = 0; item < nitems; item += static_cast<int>(gridDim.x), buf ^= 1) {
     // The next item's window lands in the other buffer while this item runs (that buffer was last
@@ -539,7 +530,7 @@ __global__ void __launch_bounds__(kDwThreads, 8) emb2_dw_kernel(const DwArgs a) 
     if (next < nitems) stage_window(next, stage[buf ^ 1]);
     const int w = item / a.chunks;
     dw_item<V>(a, stage[buf], w, item - w * a.chunks, s_last);
-    cp_async_wait_all();
+    cuda::cp_async_wait<0>();
     __syncthreads();
   }
 }

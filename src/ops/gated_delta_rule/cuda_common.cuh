@@ -24,10 +24,15 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "backend/cuda/cp_async.cuh"
+
 namespace gdn::ops::gdr {
 
 namespace wmma = nvcuda::wmma;
 using bf16_t = __nv_bfloat16;
+using cuda::cp_async16;
+using cuda::cp_async_commit;
+using cuda::cp_async_wait;
 
 constexpr int kC = 64;         // chunk rows (kGdrChunk)
 constexpr int kLd64 = kC + 8;  // leading dimension of 64-wide tiles (bf16 and fp32)
@@ -76,20 +81,6 @@ struct SmemCarver {
 __device__ __forceinline__ float bf(bf16_t x) { return __bfloat162float(x); }
 __device__ __forceinline__ bf16_t tobf(float x) { return __float2bfloat16_rn(x); }
 __device__ __forceinline__ bf16_t bf16_zero() { return __ushort_as_bfloat16(0); }
-
-// --- cp.async ----------------------------------------------------------------------------------
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-// Waits until at most N of this thread's committed groups are still in flight.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 
 // --- staging -----------------------------------------------------------------------------------
 // dst[r][c] (shared, leading dimension ld) = src[r * stride + c] for r < rows and c < cols, and 0
