@@ -212,18 +212,6 @@ __device__ __forceinline__ void taps(const float (&win)[W][kCV], int64_t q, int 
   }
 }
 
-// z = bias + sum_j w[j] e[j], taps in order (the same order in every kernel).
-template <int W>
-__device__ __forceinline__ void preact(const float (&wr)[W][kCV], const float (&br)[kCV],
-                                       const float (&e)[W][kCV], float (&z)[kCV]) {
-#pragma unroll
-  for (int v = 0; v < kCV; ++v) {
-    z[v] = br[v];
-#pragma unroll
-    for (int j = 0; j < W; ++j) z[v] = fmaf(wr[j][v], e[j][v], z[v]);
-  }
-}
-
 template <int W>
 __device__ __forceinline__ void load_weights(const bf16_t* __restrict__ w,
                                              const bf16_t* __restrict__ bias, int64_t c, int64_t C,

@@ -34,6 +34,19 @@ __device__ __forceinline__ float sigmoid(float z) {
   return __fdividef(1.f, 1.f + e);
 }
 
+// z = bias + sum_j w[j] e[j] over a lane's NC channels, taps in order: every kernel of both
+// implementations forms the pre-activation in this one order, so their outputs agree bit for bit.
+template <int W, int NC>
+__device__ __forceinline__ void preact(const float (&wr)[W][NC], const float (&br)[NC],
+                                       const float (&e)[W][NC], float (&z)[NC]) {
+#pragma unroll
+  for (int v = 0; v < NC; ++v) {
+    z[v] = br[v];
+#pragma unroll
+    for (int j = 0; j < W; ++j) z[v] = fmaf(wr[j][v], e[j][v], z[v]);
+  }
+}
+
 // final_state[n, c, k] = ext[L + k]: the last W-1 inputs of document n, the initial state (or
 // zeros) in front when L < W-1. Copies bits. One thread per (document, channel).
 template <int W>

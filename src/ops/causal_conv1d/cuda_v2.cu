@@ -173,18 +173,6 @@ __device__ __forceinline__ void load_weights(const bf16_t* __restrict__ w,
   }
 }
 
-// z = bias + sum_j w[j] e[j], taps in order (the order of cuda.tiled).
-template <int W>
-__device__ __forceinline__ void preact(const float (&wr)[W][kV], const float (&br)[kV],
-                                       const float (&e)[W][kV], float (&z)[kV]) {
-#pragma unroll
-  for (int v = 0; v < kV; ++v) {
-    z[v] = br[v];
-#pragma unroll
-    for (int j = 0; j < W; ++j) z[v] = fmaf(wr[j][v], e[j][v], z[v]);
-  }
-}
-
 // The window's S history rows become columns 0 .. S-1 of document n's initial state (or zeros):
 // ext[0 .. S-1] of a document that starts at the current token.
 template <int W>
