@@ -606,16 +606,8 @@ void forward(const CausalConv1dFwd& a) {
     constexpr int W = decltype(wc)::value;
     if (k.T > 0) {
       // Persistent grid: the blocks that fit at once, split over the channel blocks.
-      // The grid assumes the residency the occupancy query reports, which needs the largest
-      // shared-memory carveout: ask for it (a hint the driver follows when the kernel needs it).
-      GDN_CUDA_CHECK(cudaFuncSetAttribute(conv_fwd_kernel<W>,
-                                          cudaFuncAttributePreferredSharedMemoryCarveout,
-                                          cudaSharedmemCarveoutMaxShared));
-      int per_sm = 0;
-      GDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, conv_fwd_kernel<W>,
-                                                                   kThreads, fwd_smem(W)));
       const int64_t fit =
-          static_cast<int64_t>(cuda::Context::get().sm_count()) * std::max(per_sm, 1);
+          resident_blocks(reinterpret_cast<const void*>(conv_fwd_kernel<W>), kThreads, fwd_smem(W));
       const int64_t G = std::clamp<int64_t>(fit / k.ncb, 1, k.ntiles);
       const dim3 grid(static_cast<unsigned>(G), static_cast<unsigned>(k.ncb));
       conv_fwd_kernel<W><<<grid, kThreads, fwd_smem(W), s>>>(x, w, bias, k.cu, init, y, k.T, k.C, N,
@@ -644,20 +636,10 @@ void backward(const CausalConv1dBwd& a) {
   with_width<8>(k.W, "cuda", [&](auto wc) {
     constexpr int W = decltype(wc)::value;
     if (k.T > 0) {
-      // Persistent grid: the blocks that fit at once, split over the channel blocks.
-      // Two stages exceed the default 48 KB of dynamic shared memory: raise the kernel's limit
-      // (a host-side attribute of the current device, no synchronisation; set on every call so
-      // that each device a process uses gets it).
-      GDN_CUDA_CHECK(cudaFuncSetAttribute(conv_bwd_kernel<W>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(bwd_smem(W))));
-      GDN_CUDA_CHECK(cudaFuncSetAttribute(conv_bwd_kernel<W>,
-                                          cudaFuncAttributePreferredSharedMemoryCarveout,
-                                          cudaSharedmemCarveoutMaxShared));
-      int per_sm = 0;
-      GDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, conv_bwd_kernel<W>,
-                                                                   kThreads, bwd_smem(W)));
-      const int64_t fit = static_cast<int64_t>(ctx.sm_count()) * std::max(per_sm, 1);
+      // Persistent grid: the blocks that fit at once, split over the channel blocks (two stages
+      // exceed the default 48 KB of dynamic shared memory: resident_blocks raises the limit).
+      const int64_t fit =
+          resident_blocks(reinterpret_cast<const void*>(conv_bwd_kernel<W>), kThreads, bwd_smem(W));
       const int64_t G = std::clamp<int64_t>(fit / k.ncb, 1, k.ntiles);
       float* partial = static_cast<float*>(  // [G, W+1, C]
           ctx.scratch(static_cast<size_t>(G * (W + 1) * k.C) * sizeof(float)));

@@ -13,6 +13,7 @@
 
 #include "backend/cuda/vec.cuh"
 #include "gdn/backend/cuda_check.h"
+#include "gdn/backend/cuda_context.h"
 #include "gdn/core/error.h"
 #include "gdn/core/tensor.h"
 #include "ops/causal_conv1d/op.h"
@@ -209,6 +210,21 @@ inline ConvDims conv_dims(const Tensor& x, const Tensor& weight, const Tensor& c
             "causal_conv1d: tensor 'cu_seqlens' has no document but 'x' has {} rows", k.T);
   GDN_CHECK(k.N <= INT_MAX, "causal_conv1d ({}): {} documents is too many", impl, k.N);
   return k;
+}
+
+// The blocks of `kernel` (`threads` threads, `smem` bytes of dynamic shared memory) that fit on
+// the device at once: the size of a persistent grid. Raises the kernel's dynamic shared-memory
+// limit to `smem` and asks for the largest carveout first (host-side attributes of the current
+// device, no synchronisation; set on every call so that each device a process uses gets them):
+// the grid assumes the residency the occupancy query reports.
+inline int64_t resident_blocks(const void* kernel, int threads, size_t smem) {
+  GDN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(smem)));
+  GDN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                      cudaSharedmemCarveoutMaxShared));
+  int per_sm = 0;
+  GDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  return static_cast<int64_t>(cuda::Context::get().sm_count()) * std::max(per_sm, 1);
 }
 
 // The backward's tensors as device pointers (null where absent).

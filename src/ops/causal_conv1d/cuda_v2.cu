@@ -438,13 +438,7 @@ Shape shape_of(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens) 
 // Blocks per channel column: the blocks that fit at once split over the columns, but no more
 // than give every warp kMinSeg tokens.
 int64_t blocks_per_column(const void* kernel, int warps, size_t smem, const Shape& k) {
-  GDN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(smem)));
-  GDN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                      cudaSharedmemCarveoutMaxShared));
-  int per_sm = 0;
-  GDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, warps * 32, smem));
-  const int64_t fit = static_cast<int64_t>(cuda::Context::get().sm_count()) * std::max(per_sm, 1);
+  const int64_t fit = resident_blocks(kernel, warps * 32, smem);
   const int64_t segs = (k.T + kMinSeg - 1) / kMinSeg;
   const int64_t useful = std::max<int64_t>((segs + warps - 1) / warps, 1);
   return std::clamp<int64_t>(fit / k.ncb, 1, std::min<int64_t>(useful, 65535));
