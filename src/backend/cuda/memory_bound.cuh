@@ -84,25 +84,30 @@ __device__ __forceinline__ float group_allreduce_sum(float v, int tpr, float* re
 
 // out[col] += sum over p < P of partial[p, col], in a fixed order: kSlices slices of p per column
 // (each in increasing p), then the slice sums in slice order. Block 256 threads = 32 columns x
-// 8 slices; grid ceil(D / 32). Template only so that the header can define it.
+// 8 slices; grid (ceil(D / 32), planes). Plane 1 (blockIdx.y = 1, when out1 is given) sums
+// partial[P + p, col] into out1: two [P, D] partial sets reduced in one launch. Template only so
+// that the header can define it.
 template <int kSlices = 8>
 __global__ void __launch_bounds__(32 * kSlices)
-    column_sum_add_kernel(const float* __restrict__ partial,  // [P, D]
-                          float* __restrict__ out,            // [D]
-                          int P, int D) {
+    column_sum_add_kernel(const float* __restrict__ partial,                   // [planes, P, D]
+                          float* __restrict__ out,                             // [D]
+                          int P, int D, float* __restrict__ out1 = nullptr) {  // [D]
   __shared__ float s[kSlices][33];
   const int tx = static_cast<int>(threadIdx.x) & 31, ty = static_cast<int>(threadIdx.x) >> 5;
   const int col = static_cast<int>(blockIdx.x) * 32 + tx;
+  const float* src = partial + static_cast<int64_t>(blockIdx.y) * P * D;
   float acc = 0.f;
-  if (col < D)
-    for (int p = ty; p < P; p += kSlices) acc += partial[static_cast<int64_t>(p) * D + col];
+  if (col < D) {
+#pragma unroll 8
+    for (int p = ty; p < P; p += kSlices) acc += src[static_cast<int64_t>(p) * D + col];
+  }
   s[ty][tx] = acc;
   __syncthreads();
   if (ty == 0 && col < D) {
     float t = 0.f;
 #pragma unroll
     for (int j = 0; j < kSlices; ++j) t += s[j][tx];
-    out[col] += t;
+    (blockIdx.y == 0 ? out : out1)[col] += t;
   }
 }
 

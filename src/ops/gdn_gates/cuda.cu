@@ -5,7 +5,7 @@
 // Backward: blocks of 32 heads x 8 token lanes over tiles of kTileT tokens. Each thread writes da
 // and db of its elements and keeps its sums of dg * g and da in fp32 registers; the 8 token lanes
 // are summed in lane order through shared memory into one partial per (tile, head), and
-// gdn_gates_sum_kernel adds the tile partials to dA_log and ddt_bias in a fixed order (one launch
+// column_sum_add_kernel adds the tile partials to dA_log and ddt_bias in a fixed order (one launch
 // for both). No float atomics: the result depends only on T and Hv. Each thread issues the loads of
 // all its tokens before the arithmetic (latency, not bandwidth, bounds an op this small).
 // The op moves ~3.5 MB at T = 8192, Hv = 32: it is bound by launch latency, not bandwidth.
@@ -118,33 +118,6 @@ __global__ void __launch_bounds__(32 * kLanes)
   }
 }
 
-// dA_log[h] += sum over tiles of partial[0, tile, h]; ddt_bias[h] likewise from plane 1 (blockIdx.y
-// picks the plane): one launch for both. Per column, kLanes slices of tiles each summed in
-// increasing tile order, then the slices in slice order: deterministic.
-__global__ void __launch_bounds__(32 * kLanes)
-    gdn_gates_sum_kernel(const float* __restrict__ partial,  // [2, ntiles, Hv]
-                         float* __restrict__ dA_log,         // [Hv]
-                         float* __restrict__ ddt_bias,       // [Hv]
-                         int ntiles, int H) {
-  __shared__ float red[kLanes][33];
-  const int tx = static_cast<int>(threadIdx.x), ty = static_cast<int>(threadIdx.y);
-  const int h = static_cast<int>(blockIdx.x) * 32 + tx, plane = static_cast<int>(blockIdx.y);
-  const float* src = partial + static_cast<int64_t>(plane) * ntiles * H;
-  float acc = 0.f;
-  if (h < H) {
-#pragma unroll 8
-    for (int p = ty; p < ntiles; p += kLanes) acc += src[static_cast<int64_t>(p) * H + h];
-  }
-  red[ty][tx] = acc;
-  __syncthreads();
-  if (ty == 0 && h < H) {
-    float t = 0.f;
-#pragma unroll
-    for (int j = 0; j < kLanes; ++j) t += red[j][tx];
-    (plane == 0 ? dA_log : ddt_bias)[h] += t;
-  }
-}
-
 const bf16_t* in(const Tensor& t) { return reinterpret_cast<const bf16_t*>(t.ptr<bf16>()); }
 bf16_t* out(const Tensor& t) { return reinterpret_cast<bf16_t*>(t.ptr<bf16>()); }
 
@@ -188,9 +161,10 @@ void backward(const GdnGatesBwd& p) {
   gdn_gates_bwd_kernel<<<grid, dim3(32, kLanes), 0, s>>>(a, b, A_log, dt_bias, dg, dbeta, da, db,
                                                          partial, T, static_cast<int>(H));
   GDN_CUDA_LAUNCH_CHECK("gdn_gates_bwd_kernel");
-  gdn_gates_sum_kernel<<<dim3(static_cast<unsigned>(hblocks), 2), dim3(32, kLanes), 0, s>>>(
-      partial, dA_log, ddt_bias, static_cast<int>(ntiles), static_cast<int>(H));
-  GDN_CUDA_LAUNCH_CHECK("gdn_gates_sum_kernel");
+  // Both parameter sums in one launch: plane 0 into dA_log, plane 1 into ddt_bias.
+  cuda::column_sum_add_kernel<><<<dim3(static_cast<unsigned>(hblocks), 2), 256, 0, s>>>(
+      partial, dA_log, static_cast<int>(ntiles), static_cast<int>(H), ddt_bias);
+  GDN_CUDA_LAUNCH_CHECK("column_sum_add_kernel");
 }
 
 const GdnGatesTable kTable{forward, backward};
