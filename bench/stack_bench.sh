@@ -5,12 +5,13 @@
 #
 #   bench/stack_bench.sh BUILD_DIR OUT_DIR PEERS_DIR
 #
-# PEERS_DIR holds the peers' pure-Python wheels unpacked (fla, liger_kernel) and a copy of
-# ../shared/bench/hf_baseline.py (the GPU machine has torch, triton and transformers but no
-# internet). Prepare it on a machine with pip:
+# PEERS_DIR holds the peers' pure-Python wheels unpacked (fla, liger_kernel) and copies of
+# ../shared/bench/hf_baseline.py and peers.py (the GPU machine has torch, triton and transformers
+# but no internet; peers.py is what `cuda_bench_ops --peers PEERS_DIR` runs). Prepare it on a
+# machine with pip:
 #   mkdir -p .peers/wheels && pip download --no-deps -d .peers/wheels flash-linear-attention==0.5.2 \
 #     fla-core==0.5.2 liger-kernel==0.8.5 && (cd .peers && for w in wheels/*.whl; do
-#     python3 -m zipfile -e "$w" .; done) && cp ../shared/bench/hf_baseline.py .peers/
+#     python3 -m zipfile -e "$w" .; done) && cp ../shared/bench/hf_baseline.py ../shared/bench/peers.py .peers/
 # The PyTorch stack runs one 8192-token sequence per step (hf_baseline.py's setting) with fla's
 # Hopper backward guard lifted for timing (PEERS.md); gdntrain runs 1 document and 4 packed
 # documents for 0.8B and 1 document for 4B, with recompute none and, for 4B, full as well.
