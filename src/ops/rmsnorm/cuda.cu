@@ -22,9 +22,8 @@
 // thread's fp32 sums in shared memory (a thread owns the same columns in every row; the sums are
 // private to it until the end), row groups of a block are summed in a fixed order, each block
 // writes one fp32 partial row to scratch, and a second kernel (column_sum_add_kernel,
-// memory_bound.cuh) sums the partial rows column by
-// column in a fixed order and adds them to dw. No float atomics: the result depends only on the
-// shapes and the device's multiprocessor count.
+// memory_bound.cuh) sums the partial rows column by column in a fixed order and adds them to dw.
+// No float atomics: the result depends only on the shapes and the device's multiprocessor count.
 //
 // Bytes moved (the floor): forward reads x, w and writes y, rstd; backward reads x, w, rstd, dy,
 // reads and writes dw, writes dx; plus the partial rows (grid x D fp32, written and read once,
