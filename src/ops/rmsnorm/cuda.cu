@@ -44,6 +44,7 @@ namespace {
 
 using cuda::bf16_t;
 using cuda::Pack;
+using cuda::zero_pack;
 
 constexpr int kBlock = 256;
 
@@ -51,17 +52,6 @@ constexpr int kBlock = 256;
 template <int V>
 constexpr int packs_per_thread() {
   return V == 8 ? 4 : 16;
-}
-
-template <int V>
-__device__ __forceinline__ Pack<V> zero_pack() {
-  Pack<V> r;
-  if constexpr (V == 8) {
-    r.u = make_uint4(0u, 0u, 0u, 0u);
-  } else {
-    r.u = 0;
-  }
-  return r;
 }
 
 // Sum of v over the tpr threads of the caller's row group, in every thread of the group. tpr is a
