@@ -121,10 +121,10 @@ __device__ __forceinline__ float quad_sum4(float v) {
 // stores below write element (r, c) to dst[r * ld + c] for r < rows and c < cols only (cols even: a
 // pair never straddles the bound; dst, ld and col0 even so that every pair is 4- or 8-byte
 // aligned).
-template <int NT>
-__device__ __forceinline__ void store_acc_bf16(const float (&acc)[NT][4], bf16_t* dst, int64_t ld,
-                                               int row0, int col0, int rows, int cols,
-                                               float scale) {
+// Calls f(r, c, v0, v1) for every in-bounds element pair (r, c), (r, c + 1) of this lane.
+template <int NT, class F>
+__device__ __forceinline__ void for_each_acc_pair(const float (&acc)[NT][4], int row0, int col0,
+                                                  int rows, int cols, F&& f) {
   const int g = lane_id() >> 2, t = lane_id() & 3;
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
@@ -133,50 +133,36 @@ __device__ __forceinline__ void store_acc_bf16(const float (&acc)[NT][4], bf16_t
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int r = row0 + g + 8 * hf;
-      if (r < rows)
-        *reinterpret_cast<uint32_t*>(dst + r * ld + c) =
-            pack(scale * acc[nt][2 * hf], scale * acc[nt][2 * hf + 1]);
+      if (r < rows) f(r, c, acc[nt][2 * hf], acc[nt][2 * hf + 1]);
     }
   }
 }
 template <int NT>
+__device__ __forceinline__ void store_acc_bf16(const float (&acc)[NT][4], bf16_t* dst, int64_t ld,
+                                               int row0, int col0, int rows, int cols,
+                                               float scale) {
+  for_each_acc_pair(acc, row0, col0, rows, cols, [&](int r, int c, float v0, float v1) {
+    *reinterpret_cast<uint32_t*>(dst + r * ld + c) = pack(scale * v0, scale * v1);
+  });
+}
+template <int NT>
 __device__ __forceinline__ void store_acc_f32(const float (&acc)[NT][4], float* dst, int64_t ld,
                                               int row0, int col0, int rows, int cols, float scale) {
-  const int g = lane_id() >> 2, t = lane_id() & 3;
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    const int c = col0 + 8 * nt + 2 * t;
-    if (c >= cols) continue;
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const int r = row0 + g + 8 * hf;
-      if (r < rows)
-        *reinterpret_cast<float2*>(dst + r * ld + c) =
-            make_float2(scale * acc[nt][2 * hf], scale * acc[nt][2 * hf + 1]);
-    }
-  }
+  for_each_acc_pair(acc, row0, col0, rows, cols, [&](int r, int c, float v0, float v1) {
+    *reinterpret_cast<float2*>(dst + r * ld + c) = make_float2(scale * v0, scale * v1);
+  });
 }
 // dst += acc (each element has one owner: no race, a fixed order).
 template <int NT>
 __device__ __forceinline__ void add_acc_f32(const float (&acc)[NT][4], float* dst, int64_t ld,
                                             int row0, int col0, int rows, int cols) {
-  const int g = lane_id() >> 2, t = lane_id() & 3;
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    const int c = col0 + 8 * nt + 2 * t;
-    if (c >= cols) continue;
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const int r = row0 + g + 8 * hf;
-      if (r < rows) {
-        float2* p = reinterpret_cast<float2*>(dst + r * ld + c);
-        float2 x = *p;
-        x.x += acc[nt][2 * hf];
-        x.y += acc[nt][2 * hf + 1];
-        *p = x;
-      }
-    }
-  }
+  for_each_acc_pair(acc, row0, col0, rows, cols, [&](int r, int c, float v0, float v1) {
+    float2* p = reinterpret_cast<float2*>(dst + r * ld + c);
+    float2 x = *p;
+    x.x += v0;
+    x.y += v1;
+    *p = x;
+  });
 }
 
 // Row dots of the accumulator with a bf16 shared tile over the accumulator's columns:
