@@ -50,6 +50,7 @@ using fast::mma;
 using fast::pack;
 using fast::row_dot_bf16;
 using fast::scale2;
+using fast::warp_mma;
 
 constexpr int kThreads = 256;
 constexpr int kStateThreads = 64;
@@ -602,18 +603,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       z[nt][2] *= e1;
       z[nt][3] *= e1;
     }
-    for (int kb = mt; kb < 4; ++kb) {
-      uint32_t a[4];
-      load_a_km(a, dPs, kLdP, 16 * mt, 16 * kb);
-#pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        if (col0 + 16 * np >= d.KP) break;
-        uint32_t bb[4];
-        load_b_kn(bb, Qs, ldk, col0 + 16 * np, 16 * kb);
-        mma(z[2 * np], a, bb[0], bb[1]);
-        mma(z[2 * np + 1], a, bb[2], bb[3]);
-      }
-    }
+    warp_mma<4>(
+        z, mt, 4, col0, d.KP, [&](uint32_t(&a)[4], int k) { load_a_km(a, dPs, kLdP, 16 * mt, k); },
+        [&](uint32_t(&b)[4], int n, int k) { load_b_kn(b, Qs, ldk, n, k); });
     fast::store_acc_f32(z, dkh + (t0 * d.Hv + h) * d.dk, ldh, 16 * mt, col0, L, d.dk, 1.f);
   }
   // <H_c, dH_c> (zero padding included), per warp, then in warp order below.
@@ -794,18 +786,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   {
     // tv = T^T dV' (T^T is upper: k-blocks >= mt); dv = diag(beta) tv; dbeta gets v . tv.
     float tv[8][4] = {};
-    for (int kb = mt; kb < 4; ++kb) {
-      uint32_t a[4];
-      load_a_km(a, Tb, kLdP, 16 * mt, 16 * kb);
-#pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        if (col0 + 16 * np >= d.VP) break;
-        uint32_t bb[4];
-        load_b_nk(bb, dVts, kLdP, col0 + 16 * np, 16 * kb);
-        mma(tv[2 * np], a, bb[0], bb[1]);
-        mma(tv[2 * np + 1], a, bb[2], bb[3]);
-      }
-    }
+    warp_mma<4>(
+        tv, mt, 4, col0, d.VP, [&](uint32_t(&a)[4], int k) { load_a_km(a, Tb, kLdP, 16 * mt, k); },
+        [&](uint32_t(&b)[4], int n, int k) { load_b_nk(b, dVts, kLdP, n, k); });
     float rd[2];
     row_dot_bf16(tv, Vs, ldv, 16 * mt, col0, d.dv, rd);
     if (t4 == 0) {
@@ -826,18 +809,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // dK accumulator of this warp (rows 16 mt.., key columns 64 nh..): beta G T^T dW, then the
   // d(K K^T) terms after the next barrier.
   float dk[8][4] = {};
-  for (int kb = mt; kb < 4; ++kb) {
-    uint32_t a[4];
-    load_a_km(a, Tb, kLdP, 16 * mt, 16 * kb);
-#pragma unroll
-    for (int np = 0; np < 4; ++np) {
-      if (col0 + 16 * np >= d.KP) break;
-      uint32_t bb[4];
-      load_b_kn(bb, dWs, ldk, col0 + 16 * np, 16 * kb);
-      mma(dk[2 * np], a, bb[0], bb[1]);
-      mma(dk[2 * np + 1], a, bb[2], bb[3]);
-    }
-  }
+  warp_mma<4>(
+      dk, mt, 4, col0, d.KP, [&](uint32_t(&a)[4], int k) { load_a_km(a, Tb, kLdP, 16 * mt, k); },
+      [&](uint32_t(&b)[4], int n, int k) { load_b_kn(b, dWs, ldk, n, k); });
   {
     float rd[2];
     row_dot_bf16(dk, Ks, ldk, 16 * mt, col0, d.dk, rd);

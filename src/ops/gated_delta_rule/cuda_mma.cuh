@@ -104,6 +104,27 @@ __device__ __forceinline__ void c_to_a(uint32_t (&a)[4], const float (&c0)[4],
   a[3] = pack(c1[2], c1[3]);
 }
 
+// acc (a warp's 16 x 16 NP tile) += A B over the k-blocks kb in [kb0, kb1): load_a(a, k) fills the
+// A fragment of the k-block starting at k = 16 kb, load_b(b, n, k) the B fragment (two n8 tiles)
+// of columns n .. n + 15 of that k-block. Column blocks n0 + 16 np at or past n_end are skipped
+// (the tile's columns past the padded width).
+template <int NP, class LoadA, class LoadB>
+__device__ __forceinline__ void warp_mma(float (&acc)[2 * NP][4], int kb0, int kb1, int n0,
+                                         int n_end, LoadA&& load_a, LoadB&& load_b) {
+  for (int kb = kb0; kb < kb1; ++kb) {
+    uint32_t a[4];
+    load_a(a, 16 * kb);
+#pragma unroll
+    for (int np = 0; np < NP; ++np) {
+      if (n0 + 16 * np >= n_end) break;
+      uint32_t bb[4];
+      load_b(bb, n0 + 16 * np, 16 * kb);
+      mma(acc[2 * np], a, bb[0], bb[1]);
+      mma(acc[2 * np + 1], a, bb[2], bb[3]);
+    }
+  }
+}
+
 // Row and column of element e (0..3) of this lane's C fragment, relative to the tile origin.
 __device__ __forceinline__ int c_row(int e) { return (lane_id() >> 2) + 8 * (e >> 1); }
 __device__ __forceinline__ int c_col(int e) { return 2 * (lane_id() & 3) + (e & 1); }
