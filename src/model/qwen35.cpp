@@ -159,6 +159,8 @@ struct LayerActs {
   Tensor qg, ak, av, q_hat, k_hat, attn, lse, q_rstd, k_rstd;  // attention
   Tensor y;                                     // mixer output before the out projection
   Tensor h_mid, rstd_post, xn2, gate, up, act;  // MLP
+  // [gdr_saved_numel(T, N, Hv, dk, dv)]: the GDR forward's state pass for its backward, or none.
+  Tensor gdr_saved;
 };
 
 void copy_tensor(const Tensor& dst, const Tensor& src) {
@@ -263,6 +265,11 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
   // memory-bound ops' outputs (norms, conv + split, gated norm, SwiGLU).
   const bool full = recompute_ == Recompute::Full;
   const bool cheap = full || recompute_ == Recompute::Selective;
+  // The gated delta rule's optional `saved` (op.h: the forward's chunk-start states and V', which
+  // the backward otherwise recomputes in a sequential pass): kept per GDN layer with
+  // Recompute::None when a backward follows, on cuda only (ref and cpu ignore it). Selective and
+  // Full keep memory down instead: their backward passes no `saved` and recomputes it.
+  const bool keep_gdr_saved = !cheap && backward && backend_ == Backend::Cuda;
   // Sets `field` to a new activation: in the scratch when dropped, otherwise in the arena. The
   // backward's recompute (`again`) re-creates only the dropped ones; kept ones stay as they are.
   auto place = [&](Tensor& field, DType dt, bool drop, bool again,
@@ -301,6 +308,8 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
       place(s.o, p.act, full, again, {T, Hv, dv});
       place(s.nrstd, p.stat, full, again, {T * Hv});
       place(s.y, p.act, cheap, again, {T, VD});
+      if (keep_gdr_saved)
+        place(s.gdr_saved, p.act, false, again, {gdr_saved_numel(T, N, Hv, dk, dv)});
       if (run_op(full)) {
         ProfileRange pr("gdn.in_proj.fwd");
         linear_forward({s.xn, P(w.in_proj_qkv), s.qkv});
@@ -322,7 +331,7 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
         gdn_gates_forward({s.a, s.b, P(w.a_log), P(w.dt_bias), s.g, s.beta});
         pr.next("gdr.fwd");
         gated_delta_rule_forward(
-            {s.q, s.k, s.v, s.g, s.beta, cu, Tensor(), s.o, Tensor(), 0.0, true});
+            {s.q, s.k, s.v, s.g, s.beta, cu, Tensor(), s.o, Tensor(), 0.0, true, s.gdr_saved});
       }
       if (run_op(cheap)) {
         ProfileRange pr("gated_rmsnorm.fwd");
@@ -506,7 +515,7 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
                                   G(w.gated_norm)});
           pr_n.next("gdr.bwd");
           gated_delta_rule_backward({s.q, s.k, s.v, s.g, s.beta, cu, Tensor(), d_o, Tensor(), dq,
-                                     dkk, dvv, dg, dbeta, Tensor(), 0.0, true});
+                                     dkk, dvv, dg, dbeta, Tensor(), 0.0, true, s.gdr_saved});
           pr_n.next("gdn_gates.bwd");
           gdn_gates_backward(
               {s.a, s.b, P(w.a_log), P(w.dt_bias), dg, dbeta, da, db, G(w.a_log), G(w.dt_bias)});
