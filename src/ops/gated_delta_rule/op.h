@@ -56,16 +56,19 @@
 //                                                   V' = U - W S_c (the chunked algorithm's
 //                                                   pseudo-values, gdn_spec.md §3.1), exact 0 for i
 //                                                   >= len(c)
-//   Slots past the batch's chunk count are neither written nor read. Both CUDA routes (fast and
-//   generic) write and read this one layout, with the same meaning, so a backward may take either
-//   route whatever route wrote `saved` (e.g. a different tensor alignment sends it elsewhere); the
-//   two routes' values differ in the last bits (they round differently, see below), each within
-//   the op's tolerance. A backward given `saved` that the forward of the SAME route wrote returns
-//   bitwise the gradients it returns without it: the forward's state pass is the very computation
-//   the backward would repeat, on the same inputs. `saved` must come from a forward with the same
-//   q, k, v, g, beta, cu_seqlens, h0, scale and use_qk_l2norm; nothing checks that.
-//   ref and cpu.chunk64 ignore `saved` (they neither write nor read it: the backward recomputes);
-//   the op wrapper still validates its shape, dtype and device on every backend.
+//   Values are rounded to the activation dtype (bf16 on cuda: the operands the backward's kernels
+//   read). Slots past the batch's chunk count are neither written nor read. Both CUDA routes (fast
+//   and generic) write and read this one layout, with the same meaning, so a backward may take
+//   either route whatever route wrote `saved` (e.g. a different tensor alignment sends it
+//   elsewhere); the two routes' values differ in the last bits (they round differently, see below),
+//   each within the op's tolerance. A backward given `saved` that the forward of the SAME route
+//   wrote returns bitwise the gradients it returns without it: the forward's state pass is the very
+//   computation the backward would repeat, on the same inputs (and with the same dk split of the
+//   fast route's state passes, cuda.h, which follows from the shapes unless forced). `saved` must
+//   come from a forward with the same q, k, v, g, beta, cu_seqlens, h0, scale and use_qk_l2norm;
+//   nothing checks that. ref and cpu.chunk64 ignore `saved` (they neither write nor read it: the
+//   backward recomputes); the op wrapper still validates its shape, dtype and device on every
+//   backend.
 //
 // Implementations:
 //   ref: the token-by-token recurrence above and its exact reverse-time backward (gdn_spec.md §2),
