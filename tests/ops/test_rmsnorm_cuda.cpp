@@ -3,17 +3,12 @@
 // accumulation and determinism, the resolver's choice and probe, a deliberately wrong CUDA
 // implementation rejected by the probe, `ops run` on the cuda backend, and bad input.
 // Tolerances come from the one table, src/backend/tolerances.h.
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
-#include <filesystem>
 #include <limits>
 
 #include "backend/tolerances.h"
-#include "gdn/backend/op_run.h"
-#include "gdn/core/safetensors.h"
+#include "ops/cuda_test_util.h"
 #include "ops/rmsnorm/op.h"
 #include "support/op_test_util.h"
 
@@ -229,23 +224,12 @@ TEST_F(RmsNormCuda, UnalignedTensorsTakeTheScalarPath) {
 }
 
 TEST_F(RmsNormCuda, ResolverChoosesCudaAndItPassesItsProbe) {
-  const Resolution& r = Registry::global().resolve("rmsnorm", OpQuery{Backend::Cuda, "", {}});
-  ASSERT_NE(r.impl, nullptr);
-  EXPECT_EQ(r.impl->name, "cuda.rowwise");
-  EXPECT_EQ(r.impl->backend, Backend::Cuda);
-  EXPECT_LE(r.error.fwd, kTol.fwd);
-  EXPECT_LE(r.error.bwd, kTol.bwd);
-  // bf16 outputs cannot match fp64 exactly: a zero error would mean the probe compared nothing.
-  EXPECT_GT(r.error.fwd, 0.0);
-  EXPECT_GT(r.error.bwd, 0.0);
-  EXPECT_TRUE(r.rejected.empty()) << r.rejected.front();
+  testing::expect_resolves_to_cuda("rmsnorm", "cuda.rowwise", kTol, true, true);
 }
 
 // Deliberately wrong CUDA implementations, built from the real one.
 const RmsNormTable* real_cuda_table() {
-  for (const ImplDesc* i : Registry::global().impls("rmsnorm", Backend::Cuda))
-    if (i->name == "cuda.rowwise") return static_cast<const RmsNormTable*>(i->table);
-  return nullptr;
+  return testing::cuda_table<RmsNormTable>("rmsnorm", "cuda.rowwise");
 }
 // Forward uses w where it should use 1 + w and vice versa.
 void wrong_forward(const RmsNormFwd& a) {
@@ -268,45 +252,23 @@ const RmsNormTable kWrongBwd{real_forward, wrong_backward};
 
 TEST_F(RmsNormCuda, ProbeRejectsWrongCudaKernels) {
   ASSERT_NE(real_cuda_table(), nullptr) << "cuda.rowwise is not registered";
-  Registry reg;  // private: the global registry is untouched
-  reg.add_op(Registry::global().op("rmsnorm"));
-  reg.add_impl(Registry::global().ref("rmsnorm"));
-  for (const ImplDesc* i : Registry::global().impls("rmsnorm", Backend::Cuda)) reg.add_impl(*i);
-  reg.add_impl({"rmsnorm", "cuda.wrong_fwd", Backend::Cuda, 20, nullptr, &kWrongFwd});
-  reg.add_impl({"rmsnorm", "cuda.wrong_dw", Backend::Cuda, 30, nullptr, &kWrongBwd});
-  const Resolution& r = reg.resolve("rmsnorm", OpQuery{Backend::Cuda, "", {}});
-  ASSERT_NE(r.impl, nullptr);
-  EXPECT_EQ(r.impl->name, "cuda.rowwise");
-  ASSERT_EQ(r.rejected.size(), 2u);
-  // Highest priority first; each line names the implementation and the failing direction.
-  EXPECT_NE(r.rejected[0].find("rejecting cuda.wrong_dw: probe error"), std::string::npos)
-      << r.rejected[0];
-  EXPECT_NE(r.rejected[1].find("rejecting cuda.wrong_fwd: probe error"), std::string::npos)
-      << r.rejected[1];
+  testing::expect_probe_rejects("rmsnorm", "cuda.rowwise",
+                                {{"cuda.wrong_fwd", &kWrongFwd}, {"cuda.wrong_dw", &kWrongBwd}});
 }
 
 TEST_F(RmsNormCuda, OpsRunOnCudaBackend) {
   const int64_t R = 6, D = 40;
   Inputs in = make_inputs(R, D, true, 41);
   Ref ref = run_ref(in, true);
-  namespace fs = std::filesystem;
-  const fs::path dir = fs::temp_directory_path() / ("gdn_rmsnorm_cuda_" + std::to_string(getpid()));
-  fs::create_directories(dir);
-  const std::string inp = (dir / "in.safetensors").string(),
-                    out = (dir / "out.safetensors").string();
   OwnedTensor x = convert(in.x, DType::F32), w = convert(in.w, DType::F32),
               dy = convert(in.dy, DType::F32);
-  write_safetensors(inp, {{"x", x.view(), {}, {}, nullptr, 0},
-                          {"w", w.view(), {}, {}, nullptr, 0},
-                          {"dy", dy.view(), {}, {}, nullptr, 0}});
-  OpRunResult res = run_op_file("rmsnorm", Backend::Cuda, inp, out, true, {{"zero_centred", 1}});
-  EXPECT_EQ(res.impl, "cuda.rowwise");
-  SafeTensorsFile f(out);
-  testing::expect_close(f.load("y", DType::F64), ref.y, kTol.fwd, "y (ops run)");
-  testing::expect_close(f.load("rstd", DType::F64), ref.rstd, kTol.fwd, "rstd (ops run)");
-  testing::expect_close(f.load("dx", DType::F64), ref.dx, kTol.bwd, "dx (ops run)");
-  testing::expect_close(f.load("dw", DType::F64), ref.dw, kTol.bwd, "dw (ops run)");
-  fs::remove_all(dir);
+  testing::OpsRunOnCuda run("rmsnorm", {{"x", x.view()}, {"w", w.view()}, {"dy", dy.view()}}, true,
+                            {{"zero_centred", 1}});
+  EXPECT_EQ(run.result().impl, "cuda.rowwise");
+  testing::expect_close(run.load("y"), ref.y, kTol.fwd, "y (ops run)");
+  testing::expect_close(run.load("rstd"), ref.rstd, kTol.fwd, "rstd (ops run)");
+  testing::expect_close(run.load("dx"), ref.dx, kTol.bwd, "dx (ops run)");
+  testing::expect_close(run.load("dw"), ref.dw, kTol.bwd, "dw (ops run)");
 }
 
 TEST_F(RmsNormCuda, BadInputIsAClearError) {

@@ -49,11 +49,12 @@ TEST(TrainCuda, TracksTheCpuRunFromTheSameInitialisation) {
   // Then the runs drift apart by rounding, and this model's training amplifies rounding: on the
   // CPU alone, rounding the weights to bf16 once after step 1 (scripts/round_checkpoint_bf16.py,
   // then --resume; docs/TRAINING.md) moves the 20-step means by 0.7% at steps 21-40, 1.6%, 2.2%
-  // and 2.8% at steps 41-100, and brings the recall phase transition 60 steps earlier (-81% at
-  // steps 181-200). The GPU rounds activations and its weight copy to bf16 at every step, so past
-  // step 40 its distance from the CPU run (seen 2026-11-29: 3.0% to 6.4% at steps 41-100) is that
-  // chaos, not a defect: the test holds the 20-step means to 1% over the first 40 steps only
-  // (seen: 0.02% and 0.05%), and past that asks both runs to keep learning.
+  // and 2.8% at steps 41-100, and sets off the recall phase transition at steps 121-140, which the
+  // unrounded run has not reached by step 200 (-81% at steps 181-200). The GPU rounds activations
+  // and its weight copy to bf16 at every step, so past step 40 its distance from the CPU run (seen
+  // 2026-11-29: 3.0% to 6.4% at steps 41-100) is that chaos, not a defect: the test holds the
+  // 20-step means to 1% over the first 40 steps only (seen: 0.02% and 0.05%), and past that asks
+  // both runs to keep learning.
   for (size_t w = 0; w < 200; w += 20) {
     const double g = window_mean(gpu.losses, w, w + 20), c = window_mean(cpu.losses, w, w + 20);
     std::printf("steps %3zu-%3zu: cuda %.4f cpu %.4f (%+.2f%%)\n", w + 1, w + 20, g, c,

@@ -24,6 +24,18 @@ struct Pack<1> {
   unsigned short u;
 };
 
+// A pack of zeros (the value of a pack outside the row).
+template <int V>
+__device__ __forceinline__ Pack<V> zero_pack() {
+  Pack<V> r;
+  if constexpr (V == 8) {
+    r.u = make_uint4(0u, 0u, 0u, 0u);
+  } else {
+    r.u = 0;
+  }
+  return r;
+}
+
 // Read-only (non-coherent cache) load of the pack starting at element `i` of `p`; the address must
 // be aligned to the pack (checked by the host before picking V = 8).
 template <int V>

@@ -1,46 +1,17 @@
 // Gated attention on Hopper: instantiations (head dims 64, 128, 256) and launcher of the
 // pipelined dq kernel of sm90_pipe.cuh, in a translation unit of its own (each kernel's three
 // instantiations are a slow compile; separate units build in parallel).
-#include "gdn/backend/cuda_check.h"
 #include "ops/gated_attention/cuda_launch.h"
+#include "ops/gated_attention/launch_hd.cuh"
 #include "ops/gated_attention/sm90_pipe.cuh"
 
 namespace gdn::ops::attn {
 
-namespace {
-
-template <int HD>
-void launch(const BwdParams& p, unsigned blocks, cudaStream_t stream) {
-  constexpr size_t smem = dq_pipe_smem_bytes<HD>();
-  // More than 48 KiB of dynamic shared memory needs an opt-in, once per kernel.
-  static const bool opted_in = [] {
-    GDN_CUDA_CHECK(cudaFuncSetAttribute(attn_bwd_dq_pipe_kernel<HD>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(smem)));
-    return true;
-  }();
-  (void)opted_in;
-  attn_bwd_dq_pipe_kernel<HD><<<blocks, kThreads, smem, stream>>>(p);
-  GDN_CUDA_LAUNCH_CHECK("attn_bwd_dq_pipe_kernel");
-}
-
-}  // namespace
-
 void launch_bwd_dq_pipe(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream) {
-  switch (hd_class) {
-    case 64:
-      launch<64>(p, blocks, stream);
-      break;
-    case 128:
-      launch<128>(p, blocks, stream);
-      break;
-    case 256:
-      launch<256>(p, blocks, stream);
-      break;
-    default:
-      GDN_FAIL("gated_attention (cuda): internal: no pipelined dq kernel for head-dim class {}",
-               hd_class);
-  }
+  launch_hd_class(
+      p, hd_class, blocks, stream, "attn_bwd_dq_pipe_kernel",
+      [](auto hd) { return &attn_bwd_dq_pipe_kernel<decltype(hd)::value>; },
+      [](auto hd) { return dq_pipe_smem_bytes<decltype(hd)::value>(); });
 }
 
 }  // namespace gdn::ops::attn

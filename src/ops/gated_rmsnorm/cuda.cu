@@ -36,19 +36,9 @@ namespace {
 
 using cuda::bf16_t;
 using cuda::Pack;
+using cuda::zero_pack;
 
 constexpr int kBlock = 256;
-
-template <int V>
-__device__ __forceinline__ Pack<V> zero_pack() {
-  Pack<V> r;
-  if constexpr (V == 8) {
-    r.u = make_uint4(0u, 0u, 0u, 0u);
-  } else {
-    r.u = 0;
-  }
-  return r;
-}
 
 // sigmoid(z) = 1 / (1 + exp(-z)) with the fast exp2 (ex2.approx.ftz, relative error ~2^-22) and
 // reciprocal (rcp.approx, ~1 ulp): within a few fp32 ulps of the IEEE form, far below the one bf16

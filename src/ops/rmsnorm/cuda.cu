@@ -21,9 +21,9 @@
 // and dy while it works on the current one. The dw contribution of every row goes to the owning
 // thread's fp32 sums in shared memory (a thread owns the same columns in every row; the sums are
 // private to it until the end), row groups of a block are summed in a fixed order, each block
-// writes one fp32 partial row to scratch, and a second kernel sums the partial rows column by
-// column in a fixed order and adds them to dw. No float atomics: the result depends only on the
-// shapes and the device's multiprocessor count.
+// writes one fp32 partial row to scratch, and a second kernel (column_sum_add_kernel,
+// memory_bound.cuh) sums the partial rows column by column in a fixed order and adds them to dw.
+// No float atomics: the result depends only on the shapes and the device's multiprocessor count.
 //
 // Bytes moved (the floor): forward reads x, w and writes y, rstd; backward reads x, w, rstd, dy,
 // reads and writes dw, writes dx; plus the partial rows (grid x D fp32, written and read once,
@@ -32,6 +32,7 @@
 #include <climits>
 #include <cstdint>
 
+#include "backend/cuda/memory_bound.cuh"
 #include "backend/cuda/vec.cuh"
 #include "gdn/backend/cuda_check.h"
 #include "gdn/backend/registry.h"
@@ -43,6 +44,7 @@ namespace {
 
 using cuda::bf16_t;
 using cuda::Pack;
+using cuda::zero_pack;
 
 constexpr int kBlock = 256;
 
@@ -50,17 +52,6 @@ constexpr int kBlock = 256;
 template <int V>
 constexpr int packs_per_thread() {
   return V == 8 ? 4 : 16;
-}
-
-template <int V>
-__device__ __forceinline__ Pack<V> zero_pack() {
-  Pack<V> r;
-  if constexpr (V == 8) {
-    r.u = make_uint4(0u, 0u, 0u, 0u);
-  } else {
-    r.u = 0;
-  }
-  return r;
 }
 
 // Sum of v over the tpr threads of the caller's row group, in every thread of the group. tpr is a
@@ -332,30 +323,6 @@ __global__ void __launch_bounds__(kBlock, 2)
   }
 }
 
-// dw[col] += sum over p of partial[p, col], p in a fixed order: 8 slices of p per column (each in
-// increasing p), then the 8 slice sums in slice order.
-__global__ void __launch_bounds__(256)
-    rmsnorm_dw_reduce_kernel(const float* __restrict__ partial,  // [P, D]
-                             float* __restrict__ dw,             // [D]
-                             int P, int D) {
-  __shared__ float s[8][33];
-  const int tx = static_cast<int>(threadIdx.x) & 31, ty = static_cast<int>(threadIdx.x) >> 5;
-  const int col = static_cast<int>(blockIdx.x) * 32 + tx;
-  float acc = 0.f;
-  if (col < D) {
-#pragma unroll 8
-    for (int p = ty; p < P; p += 8) acc += partial[static_cast<int64_t>(p) * D + col];
-  }
-  s[ty][tx] = acc;
-  __syncthreads();
-  if (ty == 0 && col < D) {
-    float t = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) t += s[j][tx];
-    dw[col] += t;
-  }
-}
-
 struct Layout {
   int vec;  // elements per pack: 8 or 1
   int tpr;  // threads per row
@@ -441,9 +408,9 @@ void backward(const RmsNormBwd& a) {
                                                      static_cast<int>(D), l.tpr, shift);
   }
   GDN_CUDA_LAUNCH_CHECK("rmsnorm_bwd_kernel");
-  rmsnorm_dw_reduce_kernel<<<static_cast<unsigned>((D + 31) / 32), 256, 0, s>>>(
-      partial, dw, grid, static_cast<int>(D));
-  GDN_CUDA_LAUNCH_CHECK("rmsnorm_dw_reduce_kernel");
+  cuda::column_sum_add_kernel<>
+      <<<static_cast<unsigned>((D + 31) / 32), 256, 0, s>>>(partial, dw, grid, static_cast<int>(D));
+  GDN_CUDA_LAUNCH_CHECK("column_sum_add_kernel");
 }
 
 const RmsNormTable kTable{forward, backward};

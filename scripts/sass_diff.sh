@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Does a refactor change the GPU code? Compiles one CUDA translation unit at two commits with the
+# cuda preset's own compile command (build/cuda/compile_commands.json, without -g / -lineinfo) and
+# compares the SASS instructions of every kernel (addresses and line comments stripped). Runs on a
+# machine without a GPU: what cannot be re-run on the device can still be shown to be the same code.
+#
+#   scripts/sass_diff.sh OLD_REV src/ops/<op>/<file>.cu [NEW_REV]   (NEW_REV: the working tree)
+#
+# Needs a configured cuda preset (cmake --preset cuda) and cuobjdump (CUOBJDUMP, default: on PATH
+# or in the CUDA toolkit's bin). Exit status 0 when the instructions are identical, 1 when they
+# differ (the diff is printed), 2 on a usage or build error.
+set -u -o pipefail
+OLD=${1:?old revision}
+FILE=${2:?translation unit, relative to the repository root}
+NEW=${3:-}
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CC_JSON="$ROOT/build/cuda/compile_commands.json"
+[ -f "$CC_JSON" ] || { echo "no $CC_JSON: run cmake --preset cuda first" >&2; exit 2; }
+CUOBJDUMP=${CUOBJDUMP:-$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)}
+[ -x "$CUOBJDUMP" ] || { echo "cuobjdump not found (set CUOBJDUMP)" >&2; exit 2; }
+WORK=$(mktemp -d)
+trap 'git -C "$ROOT" worktree remove --force "$WORK/old" >/dev/null 2>&1; [ -n "$NEW" ] && git -C "$ROOT" worktree remove --force "$WORK/new" >/dev/null 2>&1; rm -rf "$WORK"' EXIT
+git -C "$ROOT" worktree add --detach -q "$WORK/old" "$OLD" || exit 2
+NEWROOT="$ROOT"
+if [ -n "$NEW" ]; then
+  git -C "$ROOT" worktree add --detach -q "$WORK/new" "$NEW" || exit 2
+  NEWROOT="$WORK/new"
+fi
+CMD=$(python3 - "$CC_JSON" "$FILE" <<'PY'
+import json, sys
+for c in json.load(open(sys.argv[1])):
+    if c["file"].endswith("/" + sys.argv[2]):
+        print(c["command"])
+        break
+else:
+    sys.exit(f"{sys.argv[2]} is not in {sys.argv[1]}")
+PY
+) || exit 2
+sass() {  # sass SOURCE_ROOT OUT_TXT
+  local cmd
+  cmd=$(sed -e "s# -lineinfo##; s# -g # #" -e "s#-I$ROOT/include#-I$1/include#; s#-I$ROOT/src#-I$1/src#" \
+        -e "s#-c [^ ]*$FILE -o [^ ]*#-c $1/$FILE -o $WORK/tu.o#" <<<"$CMD")
+  (cd "$WORK" && eval "$cmd") || return 2
+  "$CUOBJDUMP" -sass "$WORK/tu.o" | grep -E '^\s+/\*[0-9a-f]{4}\*/|Function :' |
+    sed -E 's#/\*[0-9a-f]{4}\*/##; s#;\s*/\*.*\*/##; s#\s+# #g' >"$2"
+}
+sass "$WORK/old" "$WORK/old.txt" || exit 2
+sass "$NEWROOT" "$WORK/new.txt" || exit 2
+echo "$FILE: $OLD $(grep -c 'Function' "$WORK/old.txt") kernels, ${NEW:-working tree} $(grep -c 'Function' "$WORK/new.txt") kernels"
+if diff <(grep -v Function "$WORK/old.txt") <(grep -v Function "$WORK/new.txt") >"$WORK/diff.txt"; then
+  echo "SASS instructions identical"
+  exit 0
+fi
+echo "SASS differs ($(grep -c '^[<>]' "$WORK/diff.txt") lines):"
+diff "$WORK/old.txt" "$WORK/new.txt" | head -40
+exit 1
