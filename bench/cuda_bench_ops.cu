@@ -693,19 +693,27 @@ std::vector<OpCase> make_gemm_cases() {
 // sequential state passes (gdr_set_state_split; ks=1 is the unsplit kernel), the others take the
 // automatic choice. Peers on an H200 (gdn_spec.md §7): FLA 0.47 ms fwd / 1.44 ms bwd, FlashQLA
 // 0.28 / 0.79 ms at T = 8192, Hv = 32, one document.
-double gdr_flops(int64_t T, int64_t Hv, int64_t K, int64_t V, bool backward) {
+// The op's optional `saved` (op.h): "gated_delta_rule.fwd_saving" is the forward that also writes
+// it, "gated_delta_rule.bwd_saved" the backward given it, which skips its recomputation of the
+// sequential state pass (and of U); compare them with .fwd and .bwd of the same shape (automatic
+// split only). The saved backward's FLOPs leave out what it does not recompute.
+double gdr_flops(int64_t T, int64_t Hv, int64_t K, int64_t V, bool backward, bool saved = false) {
   const double C = 64, CK = C * K, CV = C * V, KV = static_cast<double>(K * V);
   // forward: K K^T, W, U | W S, K^T V' | Q K^T, Q H, P V'
   const double fwd = 2 * (3 * CK + 2 * CV + 3 * KV);
-  // backward: prep and state pass again | dV'_loc | reverse state pass | dqk | wy
-  const double bwd = 2 * (2 * CK + CV) + 2 * (2 * KV) + 2 * (CK + CV) + 2 * (3 * KV) +
-                     2 * (3 * CK + CV + 2 * KV) + 2 * (5 * CK + 2 * CV + KV + 2 * C * C);
+  // backward: prep (without U given saved) and the state pass again (not given saved) | dV'_loc |
+  // reverse state pass | dqk | wy
+  const double again = saved ? 2 * (2 * CK) : 2 * (2 * CK + CV) + 2 * (2 * KV);
+  const double bwd = again + 2 * (CK + CV) + 2 * (3 * KV) + 2 * (3 * CK + CV + 2 * KV) +
+                     2 * (5 * CK + 2 * CV + KV + 2 * C * C);
   return static_cast<double>(T * Hv) * (backward ? bwd : fwd);
 }
 
 std::vector<OpCase> make_gated_delta_rule_cases() {
   struct Bufs {
     OwnedTensor q, k, v, g, beta, cu, o, dout, dq, dk, dv, dg, dbeta;
+    OwnedTensor saved;   // the op's `saved` (automatic-split configurations only)
+    bool saved_written;  // by a forward (the saved backward runs one at its first call)
   };
   struct Cfg {
     int64_t T, N, Hv;
@@ -723,7 +731,8 @@ std::vector<OpCase> make_gated_delta_rule_cases() {
     };
     auto st = [&] { return OwnedTensor::empty(DType::F32, {c.T, Hv}, Device::CUDA); };
     auto b = std::make_shared<Bufs>(Bufs{act(Hk), act(Hk), act(Hv), st(), st(), OwnedTensor(),
-                                         act(Hv), act(Hv), act(Hk), act(Hk), act(Hv), st(), st()});
+                                         act(Hv), act(Hv), act(Hk), act(Hk), act(Hv), st(), st(),
+                                         OwnedTensor(), false});
     fill_uniform(b->q, 300, -1.f, 1.f);
     fill_uniform(b->k, 301, -1.f, 1.f);
     fill_uniform(b->v, 302, -1.f, 1.f);
@@ -765,6 +774,46 @@ std::vector<OpCase> make_gated_delta_rule_cases() {
     };
     cases.push_back(std::move(f));
     cases.push_back(std::move(g));
+    if (ks != 0) continue;
+    b->saved =
+        OwnedTensor::empty(DType::BF16, {ops::gdr_saved_numel(c.T, c.N, Hv, D, D)}, Device::CUDA);
+    OpCase fs{"gated_delta_rule.fwd_saving",
+              shape,
+              "gated_delta_rule",
+              0,
+              gdr_flops(c.T, Hv, D, D, false),
+              nullptr,
+              b};
+    fs.run = [b](int) {
+      ops::GatedDeltaRuleFwd a{b->q,     b->k, b->v,     b->g, b->beta, b->cu,
+                               Tensor(), b->o, Tensor(), 0.0,  true};
+      a.saved = b->saved;
+      ops::gated_delta_rule_forward(a);
+      b->saved_written = true;
+    };
+    OpCase gs{"gated_delta_rule.bwd_saved",
+              shape,
+              "gated_delta_rule",
+              0,
+              gdr_flops(c.T, Hv, D, D, true, true),
+              nullptr,
+              b};
+    gs.run = [b](int) {
+      if (!b->saved_written) {  // the first (warm-up) call
+        ops::GatedDeltaRuleFwd f{b->q,     b->k, b->v,     b->g, b->beta, b->cu,
+                                 Tensor(), b->o, Tensor(), 0.0,  true};
+        f.saved = b->saved;
+        ops::gated_delta_rule_forward(f);
+        b->saved_written = true;
+      }
+      ops::GatedDeltaRuleBwd a{b->q,     b->k,     b->v,     b->g,  b->beta, b->cu,
+                               Tensor(), b->dout,  Tensor(), b->dq, b->dk,   b->dv,
+                               b->dg,    b->dbeta, Tensor(), 0.0,   true};
+      a.saved = b->saved;
+      ops::gated_delta_rule_backward(a);
+    };
+    cases.push_back(std::move(fs));
+    cases.push_back(std::move(gs));
   }
   return cases;
 }
@@ -1068,6 +1117,12 @@ constexpr PeerMatch kPeerMatches[] = {
      "T=8192 N=4 Hk=16 Hv=32 d=128", "fla fwd+bwd, 4 documents"},
     {"fla.gdn.T32768.n1", "fwdbwd_ms", "gated_delta_rule.fwd|gated_delta_rule.bwd",
      "T=32768 N=1 Hk=16 Hv=32 d=128", "fla fwd+bwd, 32k tokens"},
+    {"fla.gdn.T8192.n1", "fwdbwd_ms", "gated_delta_rule.fwd_saving|gated_delta_rule.bwd_saved",
+     "T=8192 N=1 Hk=16 Hv=32 d=128", "fla fwd+bwd vs ours with 'saved' (recompute none)"},
+    {"fla.gdn.T8192.n4", "fwdbwd_ms", "gated_delta_rule.fwd_saving|gated_delta_rule.bwd_saved",
+     "T=8192 N=4 Hk=16 Hv=32 d=128", "fla, 4 documents, ours with 'saved'"},
+    {"fla.gdn.T32768.n1", "fwdbwd_ms", "gated_delta_rule.fwd_saving|gated_delta_rule.bwd_saved",
+     "T=32768 N=1 Hk=16 Hv=32 d=128", "fla, 32k tokens, ours with 'saved'"},
     {"torch.sdpa.T8192.n1", "fwd_ms", "gated_attention.fwd", "T=8192 N=1 16/4x256",
      "SDPA core only; ours adds norms, RoPE, gate"},
     {"torch.sdpa.T8192.n1", "fwdbwd_ms", "gated_attention.fwd+bwd", "T=8192 N=1 16/4x256",

@@ -28,6 +28,12 @@ constexpr Knob kKnobs[] = {
      "gated_delta_rule on CUDA: 1 takes the generic WMMA route for every shape (the reference for "
      "the fast route, which otherwise runs head dims <= 128 that are multiples of 8).",
      false, nullptr},
+    {"GDN_GDR_SAVED_MIN_DOC_TOKENS", KnobType::Int, "128",
+     "Training with recompute none on cuda keeps each GDN layer's gated delta rule states for its "
+     "backward (which then skips a sequential pass), planned for micro-batches of up to "
+     "max_tokens / this many documents; a batch with more documents recomputes them (same "
+     "gradients, slower). 0 keeps none (less activation memory).",
+     false, nullptr},
     {"GDN_LOG_LEVEL", KnobType::Choice, "info", "Lowest log level printed.", false,
      "debug|info|warn|error"},
     {"GDN_NUM_THREADS", KnobType::Int, "0",

@@ -1,11 +1,13 @@
 // The Qwen3.5 decoder forward and backward (see qwen35.h for the layer walk).
 #include "model/qwen35.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <map>
 #include <optional>
 
+#include "gdn/core/env.h"
 #include "gdn/core/log.h"
 #include "gdn/core/profile.h"
 #include "ops/axpy/op.h"
@@ -88,6 +90,17 @@ Qwen35Model::Qwen35Model(Qwen35Config cfg, Backend backend, int64_t max_tokens, 
     grads_.push_back(grad_arena_.alloc_tensor(gdt, s.shape));
   }
   zero_grads();
+  // The gated delta rule's `saved` (run() says why it is bounded): planned for batches of up to
+  // max_tokens / GDN_GDR_SAVED_MIN_DOC_TOKENS documents; 0 plans none.
+  const int64_t min_doc = env::get_int("GDN_GDR_SAVED_MIN_DOC_TOKENS");
+  GDN_CHECK(min_doc >= 0, "GDN_GDR_SAVED_MIN_DOC_TOKENS = {} must be >= 0 (0: no saved states)",
+            min_doc);
+  if (recompute_ == Recompute::None && backend_ == Backend::Cuda &&
+      cfg_.num_linear_attention_layers() > 0 && min_doc > 0) {
+    gdr_saved_docs_ = std::min(max_docs_, std::max<int64_t>(1, max_tokens_ / min_doc));
+    gdr_saved_plan_ = gdr_saved_numel(max_tokens_, gdr_saved_docs_, cfg_.linear_num_value_heads,
+                                      cfg_.linear_key_head_dim, cfg_.linear_value_head_dim);
+  }
   // Size the activation arena by replaying a step of the largest micro-batch in planning mode.
   Arena plan = Arena::planning("activations", dev);
   Arena tmp_plan = Arena::planning("recompute scratch", dev);
@@ -116,14 +129,20 @@ void Qwen35Model::zero_grads() {
 
 std::string Qwen35Model::memory_plan() const {
   return fmt::format(
-      "memory plan ({} backend, micro-batch up to {} tokens / {} documents, recompute {}): "
-      "parameters {}, gradients {}, activations {} (+ {} per-layer scratch); total {}",
-      backend_name(backend_), max_tokens_, max_docs_, recompute_name(recompute_),
-      format_bytes(static_cast<double>(param_bytes())),
-      format_bytes(static_cast<double>(grad_bytes())),
-      format_bytes(static_cast<double>(act_arena_.capacity())),
-      format_bytes(static_cast<double>(tmp_arena_.capacity())),
-      format_bytes(static_cast<double>(param_bytes() + grad_bytes() + activation_bytes())));
+             "memory plan ({} backend, micro-batch up to {} tokens / {} documents, recompute {}): "
+             "parameters {}, gradients {}, activations {} (+ {} per-layer scratch); total {}",
+             backend_name(backend_), max_tokens_, max_docs_, recompute_name(recompute_),
+             format_bytes(static_cast<double>(param_bytes())),
+             format_bytes(static_cast<double>(grad_bytes())),
+             format_bytes(static_cast<double>(act_arena_.capacity())),
+             format_bytes(static_cast<double>(tmp_arena_.capacity())),
+             format_bytes(static_cast<double>(param_bytes() + grad_bytes() + activation_bytes()))) +
+         (gdr_saved_plan_ == 0
+              ? std::string()
+              : fmt::format("; the activations include GDR saved states of {} per GDN layer "
+                            "(batches of up to {} documents)",
+                            format_bytes(static_cast<double>(gdr_saved_plan_) * 2),
+                            gdr_saved_docs_));
 }
 
 StepStats Qwen35Model::step(const MicroBatch& mb, const StepOptions& opt) {
@@ -159,6 +178,8 @@ struct LayerActs {
   Tensor qg, ak, av, q_hat, k_hat, attn, lse, q_rstd, k_rstd;  // attention
   Tensor y;                                     // mixer output before the out projection
   Tensor h_mid, rstd_post, xn2, gate, up, act;  // MLP
+  // [gdr_saved_numel(T, N, Hv, dk, dv)]: the GDR forward's state pass for its backward, or none.
+  Tensor gdr_saved;
 };
 
 void copy_tensor(const Tensor& dst, const Tensor& src) {
@@ -263,6 +284,21 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
   // memory-bound ops' outputs (norms, conv + split, gated norm, SwiGLU).
   const bool full = recompute_ == Recompute::Full;
   const bool cheap = full || recompute_ == Recompute::Selective;
+  // The gated delta rule's optional `saved` (op.h: the forward's chunk-start states and V', which
+  // the backward otherwise recomputes in a sequential pass): kept per GDN layer with
+  // Recompute::None when a backward follows, on cuda only (ref and cpu ignore it). Selective and
+  // Full keep memory down instead: their backward passes no `saved` and recomputes it.
+  // Its size grows with the documents of the batch (one chunk slot per 64 tokens plus one per
+  // document), and the plan's worst case (max_docs, up to one token per document) would be 64
+  // times the one-document size, so the constructor plans it for batches of up to
+  // max_tokens / GDN_GDR_SAVED_MIN_DOC_TOKENS documents (128 by default: about 1.5x the
+  // one-document size); a batch with more documents passes no `saved` and its backward
+  // recomputes, with bitwise the same gradients (op.h), only slower.
+  const bool keep_gdr_saved = !cheap && backward && gdr_saved_plan_ > 0;
+  const int64_t gdr_saved_size = !keep_gdr_saved ? 0
+                                 : live          ? gdr_saved_numel(T, N, Hv, dk, dv)
+                                                 : gdr_saved_plan_;
+  const bool use_gdr_saved = keep_gdr_saved && gdr_saved_size <= gdr_saved_plan_;
   // Sets `field` to a new activation: in the scratch when dropped, otherwise in the arena. The
   // backward's recompute (`again`) re-creates only the dropped ones; kept ones stay as they are.
   auto place = [&](Tensor& field, DType dt, bool drop, bool again,
@@ -301,6 +337,7 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
       place(s.o, p.act, full, again, {T, Hv, dv});
       place(s.nrstd, p.stat, full, again, {T * Hv});
       place(s.y, p.act, cheap, again, {T, VD});
+      if (use_gdr_saved) place(s.gdr_saved, p.act, false, again, {gdr_saved_size});
       if (run_op(full)) {
         ProfileRange pr("gdn.in_proj.fwd");
         linear_forward({s.xn, P(w.in_proj_qkv), s.qkv});
@@ -322,7 +359,7 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
         gdn_gates_forward({s.a, s.b, P(w.a_log), P(w.dt_bias), s.g, s.beta});
         pr.next("gdr.fwd");
         gated_delta_rule_forward(
-            {s.q, s.k, s.v, s.g, s.beta, cu, Tensor(), s.o, Tensor(), 0.0, true});
+            {s.q, s.k, s.v, s.g, s.beta, cu, Tensor(), s.o, Tensor(), 0.0, true, s.gdr_saved});
       }
       if (run_op(cheap)) {
         ProfileRange pr("gated_rmsnorm.fwd");
@@ -506,7 +543,7 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
                                   G(w.gated_norm)});
           pr_n.next("gdr.bwd");
           gated_delta_rule_backward({s.q, s.k, s.v, s.g, s.beta, cu, Tensor(), d_o, Tensor(), dq,
-                                     dkk, dvv, dg, dbeta, Tensor(), 0.0, true});
+                                     dkk, dvv, dg, dbeta, Tensor(), 0.0, true, s.gdr_saved});
           pr_n.next("gdn_gates.bwd");
           gdn_gates_backward(
               {s.a, s.b, P(w.a_log), P(w.dt_bias), dg, dbeta, da, db, G(w.a_log), G(w.dt_bias)});

@@ -109,6 +109,9 @@ class Qwen35Model {
   std::vector<ParamSpec> specs_;
   ModelParamIds ids_;
   Recompute recompute_ = Recompute::None;
+  // The gated delta rule's optional `saved` per GDN layer (Recompute::None on cuda, run() has the
+  // policy): elements planned for each layer (0: none) and the documents per batch that fit them.
+  int64_t gdr_saved_plan_ = 0, gdr_saved_docs_ = 0;
   Arena param_arena_, grad_arena_, act_arena_, tmp_arena_;
   std::vector<Tensor> params_, grads_;
 };

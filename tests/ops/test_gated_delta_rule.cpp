@@ -4,6 +4,7 @@
 #include <omp.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -77,7 +78,9 @@ Tensor view_or_empty(const OwnedTensor& t) { return t.defined() ? t.view() : Ten
 
 // Forward and backward through the public entry points (validation + dispatch): F64 -> ref,
 // F32 -> cpu.
-Result run(const Inputs& in, DType dt, bool l2, double scale = 0, bool backward = true) {
+// `saved` (op.h) is passed to both when given.
+Result run(const Inputs& in, DType dt, bool l2, double scale = 0, bool backward = true,
+           const Tensor& saved = Tensor()) {
   const DType st = gdr_state_dtype(dt);
   OwnedTensor q = convert(in.q, dt), k = convert(in.k, dt), v = convert(in.v, dt);
   OwnedTensor g = convert(in.g, st), beta = convert(in.beta, st);
@@ -90,10 +93,11 @@ Result run(const Inputs& in, DType dt, bool l2, double scale = 0, bool backward 
            OwnedTensor::zeros(st, {in.T, in.Hv}),
            OwnedTensor::zeros(st, {in.T, in.Hv}),
            OwnedTensor::zeros(st, {in.N, in.Hv, in.dk, in.dv})};
-  gated_delta_rule_forward({q, k, v, g, beta, in.cu, view_or_empty(h0), r.o, r.hT, scale, l2});
+  gated_delta_rule_forward(
+      {q, k, v, g, beta, in.cu, view_or_empty(h0), r.o, r.hT, scale, l2, saved});
   if (backward)
     gated_delta_rule_backward({q, k, v, g, beta, in.cu, view_or_empty(h0), dout, view_or_empty(dhT),
-                               r.dq, r.dk, r.dv, r.dg, r.dbeta, r.dh0, scale, l2});
+                               r.dq, r.dk, r.dv, r.dg, r.dbeta, r.dh0, scale, l2, saved});
   return r;
 }
 
@@ -650,6 +654,88 @@ TEST(GatedDeltaRule, BadInputIsAClearError) {
   auto dg_bad = OwnedTensor::zeros(DType::F64, {10, 4});
   expect_error(bwd([&](auto& a) { a.dg = dg_bad; }), "tensor 'dg' has dtype F64, expected F32");
   expect_error(bwd([&](auto& a) { a.dq = Tensor(); }), "tensor 'dq' is required but was not given");
+}
+
+// --- the optional `saved` tensor (op.h) -------------------------------------------------------
+
+TEST(GatedDeltaRule, SavedSizeFollowsTheContract) {
+  EXPECT_EQ(gdr_saved_chunks(8192, 1), 128);
+  // Qwen3.5-9B's GDN layer at 8k tokens: 128 slots x 32 heads x 128 x (128 + 64), 192 MiB in bf16.
+  EXPECT_EQ(gdr_saved_numel(8192, 1, 32, 128, 128), int64_t{100663296});
+  EXPECT_EQ(gdr_saved_numel(8192, 1, 32, 128, 128) * 2, int64_t{192} << 20);
+  EXPECT_EQ(gdr_saved_chunks(0, 1), 0);
+  EXPECT_EQ(gdr_saved_chunks(64, 1), 1);
+  EXPECT_EQ(gdr_saved_chunks(65, 1), 2);
+  EXPECT_EQ(gdr_saved_numel(10, 2, 4, 4, 3), 2 * 4 * 3 * (4 + 64));
+  // An upper bound on the chunk count of every split of T tokens into N documents (zero-length
+  // ones included), non-decreasing in T and N (a plan sized for the largest batch fits them all).
+  for (int64_t N = 1; N <= 6; ++N) {
+    for (int64_t T = 0; T <= 400; T += 7) {
+      EXPECT_LE(gdr_saved_chunks(T, N), gdr_saved_chunks(T + 1, N));
+      EXPECT_LE(gdr_saved_chunks(T, N), gdr_saved_chunks(T, N + 1));
+      for (uint64_t trial = 0; trial < 8; ++trial) {
+        // N - 1 random cut points in [0, T].
+        std::vector<int64_t> cuts{0, T};
+        for (int64_t i = 1; i < N; ++i)
+          cuts.push_back(T == 0 ? 0
+                                : static_cast<int64_t>(
+                                      rng::bits(trial, 9, static_cast<uint64_t>(i * 1000 + T)) %
+                                      static_cast<uint64_t>(T + 1)));
+        std::sort(cuts.begin(), cuts.end());
+        int64_t chunks = 0;
+        for (size_t i = 1; i < cuts.size(); ++i) chunks += (cuts[i] - cuts[i - 1] + 63) / 64;
+        EXPECT_LE(chunks, gdr_saved_chunks(T, N)) << "T = " << T << ", N = " << N;
+      }
+    }
+  }
+}
+
+// ref and cpu.chunk64 neither write nor read `saved`: the outputs are bitwise those without it and
+// the tensor keeps its values.
+TEST(GatedDeltaRule, RefAndCpuIgnoreSaved) {
+  const Spec s{.name = "saved", .lens = {70, 1, 20}, .Hk = 1, .r = 2, .seed = 77};
+  const Inputs in = make_inputs(s, true);
+  for (DType dt : {DType::F64, DType::F32}) {
+    const int64_t n = gdr_saved_numel(in.T, in.N, in.Hv, in.dk, in.dv);
+    std::vector<double> sentinel(static_cast<size_t>(n), 7.0);
+    OwnedTensor saved = from_f64(sentinel, dt, std::vector<int64_t>{n});
+    const Result with = run(in, dt, true, 0, true, saved);
+    const Result without = run(in, dt, true);
+    const std::pair<const OwnedTensor*, const OwnedTensor*> all[] = {
+        {&with.o, &without.o},         {&with.hT, &without.hT},  {&with.dq, &without.dq},
+        {&with.dk, &without.dk},       {&with.dv, &without.dv},  {&with.dg, &without.dg},
+        {&with.dbeta, &without.dbeta}, {&with.dh0, &without.dh0}};
+    for (const auto& [a, b] : all)
+      EXPECT_EQ(to_f64_vector(*a), to_f64_vector(*b)) << dtype_name(dt);
+    EXPECT_EQ(to_f64_vector(saved), sentinel) << dtype_name(dt) << ": 'saved' was written";
+  }
+}
+
+TEST(GatedDeltaRule, BadSavedIsAClearError) {
+  Bad b;
+  const int64_t n = gdr_saved_numel(10, 2, 4, 4, 3);
+  OwnedTensor good = OwnedTensor::zeros(DType::F32, {n});
+  OwnedTensor short_one = OwnedTensor::zeros(DType::F32, {n - 1});
+  OwnedTensor two_d = OwnedTensor::zeros(DType::F32, {2, n / 2});
+  OwnedTensor f64 = OwnedTensor::zeros(DType::F64, {n});
+  GatedDeltaRuleFwd f = b.fwd();
+  GatedDeltaRuleBwd g = b.bwd();
+  f.saved = good;
+  g.saved = good;
+  gated_delta_rule_forward(f);  // the right size and dtype is accepted (and ignored) on cpu
+  gated_delta_rule_backward(g);
+  const std::string want_shape = "tensor 'saved' has shape [" + std::to_string(n - 1) +
+                                 "], expected [" + std::to_string(n) +
+                                 "] (gdr_saved_numel(T=10, N=2, Hv=4, dk=4, dv=3))";
+  f.saved = short_one;
+  expect_error([&] { gated_delta_rule_forward(f); }, want_shape);
+  g.saved = short_one;
+  expect_error([&] { gated_delta_rule_backward(g); }, want_shape);
+  g.saved = two_d;
+  expect_error([&] { gated_delta_rule_backward(g); }, "tensor 'saved' has shape [2, ");
+  f.saved = f64;
+  expect_error([&] { gated_delta_rule_forward(f); },
+               "tensor 'saved' has dtype F64, expected F32 (the activation dtype of 'q')");
 }
 
 }  // namespace

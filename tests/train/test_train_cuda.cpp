@@ -108,6 +108,38 @@ TEST(TrainCuda, RecomputePoliciesLeaveTheLossesBitwiseUnchanged) {
   }
 }
 
+// Recompute none keeps each GDN layer's gated delta rule states for its backward (the op's
+// `saved`), which then skips its sequential state pass. GDN_GDR_SAVED_MIN_DOC_TOKENS = 32 plans
+// them for the default MQAR micro-batches (64 examples of 32 tokens; the default 128 plans too
+// little for so many documents and those batches recompute); 0 plans none. On both GDR routes the
+// losses of three steps are bitwise the same either way (the saved states are bitwise the
+// recomputed ones, so the gradients are too).
+TEST(TrainCuda, GdrSavedStatesLeaveTheLossesBitwiseUnchanged) {
+  TrainOptions quiet;
+  quiet.quiet = true;
+  for (const char* route : {"0", "1"}) {
+    setenv("GDN_GDR_GENERIC", route, 1);
+    std::vector<std::vector<double>> runs;
+    for (const char* min_doc : {"32", "0"}) {
+      setenv("GDN_GDR_SAVED_MIN_DOC_TOKENS", min_doc, 1);
+      env::reset_cache_for_testing();
+      auto cfg = tiny(fmt::format("saved_{}_{}", route, min_doc), "cuda", 3);
+      cfg.set("train.recompute=\"none\"");
+      runs.push_back(run_training(cfg, quiet).losses);
+    }
+    ASSERT_EQ(runs[0].size(), 3u);
+    ASSERT_EQ(runs[1].size(), 3u);
+    for (size_t i = 0; i < 3; ++i) {
+      std::printf("GDN_GDR_GENERIC=%s step %zu: saved %.9f recomputed %.9f\n", route, i + 1,
+                  runs[0][i], runs[1][i]);
+      EXPECT_EQ(runs[0][i], runs[1][i]) << "GDN_GDR_GENERIC=" << route << " step " << i + 1;
+    }
+  }
+  unsetenv("GDN_GDR_GENERIC");
+  unsetenv("GDN_GDR_SAVED_MIN_DOC_TOKENS");
+  env::reset_cache_for_testing();
+}
+
 // --profile-step on the GPU: CUDA-event ranges for every op group of the step, summing to no more
 // than the synchronised step's wall time.
 TEST(TrainCuda, ProfileStepTimesTheOpsWithCudaEvents) {

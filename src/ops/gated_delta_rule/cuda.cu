@@ -12,8 +12,16 @@
 //   forward:  [index] [l2norm] prep (W, U) -> state_fwd (H, V', hT) -> output (o)
 //   backward: [index] [l2norm] prep -> state_fwd -> dvloc -> state_bwd (dH, dV', dh0) -> dqk
 //             (dq_h, dk_h, dg part) -> wy (dv, dbeta, dg, dk_h +=) -> reduce (dq, dk)
-// The forward saves nothing (op.h): the backward rebuilds W, U, the snapshots and V' (as FLA
-// rebuilds w, u, h and v_new).
+// By default the forward saves nothing (op.h): the backward rebuilds W, U, the snapshots and V' (as
+// FLA rebuilds w, u, h and v_new). Given the optional `saved` (op.h has its layout, which is the
+// fast route's Ht and Vt), the forward also writes the state pass's output there and the backward
+// skips its state pass (and, on the fast route, U):
+//   fast:     the forward's state pass writes Ht and Vt into `saved` instead of scratch; the
+//             backward's prep computes W, gam and T only and its kernels read Ht and Vt from
+//             `saved`
+//   generic:  the forward transposes its H and V' into `saved` (cuda_saved.cu); the backward runs
+//             prep (W, U), then transposes `saved` back into H and V' (over U) instead of the pass
+// Either backward reads what either forward wrote: one layout, one meaning.
 //
 // Scratch (Context::scratch, one request per call, carved at 256-byte boundaries): the chunk index
 // unless a GdrChunkIndexScope provides it; q, k normalised (l2norm only); W [T, Hv, dk] and U
@@ -23,7 +31,9 @@
 // fp32 (dW reuses W once the reverse pass is done with it); the generic route's chunk-start states
 // H [chunks, Hv, dk, dv] bf16 (V' over U), and in the backward dV'_loc [T, Hv, dv] fp32, dV' bf16,
 // dH bf16, dq_h, dk_h and the dg part. At T = 8192, Hv = 32, dk = dv = 128: about 0.4 GB forward
-// and 1.0 GB backward on the fast route (1.2 GB on the generic one).
+// and 1.0 GB backward on the fast route (1.2 GB on the generic one). With `saved` the fast route
+// keeps Ht and Vt there instead (forward) or needs neither them nor U (backward): 192 MiB and
+// 64 MiB less scratch at that size.
 //
 // Nothing synchronises the host; every launch goes to the compute stream. Device-resident
 // cu_seqlens are never read on the host: the index sanitises them (cuda.h).
@@ -137,57 +147,89 @@ Prologue run_prologue(const gdr::Dims& d, const PrologueScratch& ps, char* base,
   return p;
 }
 
+// The op's `saved` (op.h): Ht [nt_max, Hv, dv, dk] at its start, Vt [nt_max, Hv, dv, 64] after it;
+// both null when it is absent. The wrapper validated it against the batch; the table can also be
+// called directly (the probe), so the sizes are checked again, and the 16-byte alignment the fast
+// route's 4-byte stores and cp.async staging of Vt need (Vt's offset is a multiple of 16 bytes
+// there: dk, dv % 8 == 0).
+struct Saved {
+  bf16_t* Ht;
+  bf16_t* Vt;
+  explicit operator bool() const { return Ht != nullptr; }
+};
+Saved saved_view(const Tensor& saved, const gdr::Dims& d) {
+  if (!saved.defined()) return {nullptr, nullptr};
+  GDN_CHECK(d.nt_max == gdr_saved_chunks(d.T, d.N),
+            "{}: the chunk slots of 'saved' ({}) and of the chunk index ({}) disagree", kWhat,
+            gdr_saved_chunks(d.T, d.N), d.nt_max);
+  const int64_t want = gdr_saved_numel(d.T, d.N, d.Hv, d.dk, d.dv);
+  GDN_CHECK(saved.dtype() == DType::BF16 && saved.device() == Device::CUDA &&
+                saved.numel() == want && saved.is_contiguous(),
+            "{}: tensor 'saved' ({}) must be a contiguous BF16 device tensor of {} elements "
+            "(gdr_saved_numel)",
+            kWhat, saved.describe(), want);
+  GDN_CHECK(aligned16(saved), "{}: tensor 'saved' must be 16-byte aligned", kWhat);
+  bf16_t* Ht = bf_out(saved);
+  return {Ht, Ht + d.nt_max * d.Hv * d.dv * d.dk};
+}
+
 // --- the fast route
 // ----------------------------------------------------------------------------------
+// Scratch of prep and the state pass: U only when the state pass runs, Ht and Vt only when they do
+// not live in `saved`.
 struct FastFwdScratch {
   size_t W, U, gam, Ht, Vt;
 };
-FastFwdScratch plan_fast_fwd(ScratchPlan& sp, const gdr::Dims& d) {
+FastFwdScratch plan_fast_fwd(ScratchPlan& sp, const gdr::Dims& d, bool need_U, bool need_states) {
   const int64_t T = d.T, nt = d.nt_max;
   FastFwdScratch f{};
   f.W = sp.add(T * d.Hv * d.dk * 2);
-  f.U = sp.add(T * d.Hv * d.dv * 2);
+  f.U = sp.add(need_U ? T * d.Hv * d.dv * 2 : 0);
   f.gam = sp.add(nt * d.Hv * gdr::kC * 4);
-  f.Ht = sp.add(nt * d.Hv * d.dv * d.dk * 2);
-  f.Vt = sp.add(nt * d.Hv * d.dv * gdr::kC * 2);
+  f.Ht = sp.add(need_states ? nt * d.Hv * d.dv * d.dk * 2 : 0);
+  f.Vt = sp.add(need_states ? nt * d.Hv * d.dv * gdr::kC * 2 : 0);
   return f;
 }
 struct FastFwd {
   bf16_t* W;
   float* gam;
-  bf16_t* Ht;
-  bf16_t* Vt;
+  const bf16_t* Ht;
+  const bf16_t* Vt;
 };
-// prep and the state pass (shared by forward and backward).
+// prep, then the state pass into `saved` or scratch (the forward; the backward without `saved`), or
+// prep without U and Ht, Vt from `saved` (the backward given it: `run_state` false).
 FastFwd run_fast_fwd(const gdr::Dims& d, const FastFwdScratch& f, char* base, const Prologue& p,
                      const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& h0,
-                     float* hT, float* Tinv, cudaStream_t s) {
-  FastFwd r{at<bf16_t>(base, f.W), at<float>(base, f.gam), at<bf16_t>(base, f.Ht),
-            at<bf16_t>(base, f.Vt)};
-  bf16_t* U = at<bf16_t>(base, f.U);
+                     float* hT, float* Tinv, const Saved& sv, bool run_state, cudaStream_t s) {
+  bf16_t* Ht = sv ? sv.Ht : at<bf16_t>(base, f.Ht);
+  bf16_t* Vt = sv ? sv.Vt : at<bf16_t>(base, f.Vt);
+  FastFwd r{at<bf16_t>(base, f.W), at<float>(base, f.gam), Ht, Vt};
+  bf16_t* U = run_state ? at<bf16_t>(base, f.U) : nullptr;
   gdr::fast_prep(d, p.ix, p.kn, bf(v), g.ptr<float>(), beta.ptr<float>(), r.W, U, r.gam, Tinv, s);
-  gdr::fast_state_fwd(d, p.ix, r.W, p.kn, U, r.gam, f32_or_null(h0), r.Ht, r.Vt, hT, s);
+  if (run_state) gdr::fast_state_fwd(d, p.ix, r.W, p.kn, U, r.gam, f32_or_null(h0), Ht, Vt, hT, s);
   return r;
 }
 
 void forward_fast(const GatedDeltaRuleFwd& a, const gdr::Dims& d) {
   cuda::Context& ctx = cuda::Context::get();
+  const Saved sv = saved_view(a.saved, d);
   ScratchPlan sp;
   const PrologueScratch ps = plan_prologue(sp, d);
-  const FastFwdScratch f = plan_fast_fwd(sp, d);
+  const FastFwdScratch f = plan_fast_fwd(sp, d, true, !sv);
   char* base = static_cast<char*>(ctx.scratch(sp.total()));
   cudaStream_t s = ctx.stream();
   const Prologue p = run_prologue(d, ps, base, a.q, a.k, a.cu_seqlens, s);
-  const FastFwd r =
-      run_fast_fwd(d, f, base, p, a.v, a.g, a.beta, a.h0, f32_out_or_null(a.hT), nullptr, s);
+  const FastFwd r = run_fast_fwd(d, f, base, p, a.v, a.g, a.beta, a.h0, f32_out_or_null(a.hT),
+                                 nullptr, sv, true, s);
   gdr::fast_output(d, p.ix, p.qn, p.kn, r.Ht, r.Vt, r.gam, bf_out(a.o), s);
 }
 
 void backward_fast(const GatedDeltaRuleBwd& a, const gdr::Dims& d) {
   cuda::Context& ctx = cuda::Context::get();
+  const Saved sv = saved_view(a.saved, d);
   ScratchPlan sp;
   const PrologueScratch ps = plan_prologue(sp, d);
-  const FastFwdScratch f = plan_fast_fwd(sp, d);
+  const FastFwdScratch f = plan_fast_fwd(sp, d, !sv, !sv);
   const int64_t T = d.T, nt = d.nt_max;
   const size_t o_Tinv = sp.add(nt * d.Hv * gdr::kC * gdr::kC * 4);
   const size_t o_dvl = sp.add(nt * d.Hv * d.dv * gdr::kC * 4);
@@ -200,7 +242,7 @@ void backward_fast(const GatedDeltaRuleBwd& a, const gdr::Dims& d) {
   cudaStream_t s = ctx.stream();
   const Prologue p = run_prologue(d, ps, base, a.q, a.k, a.cu_seqlens, s);
   float* Tinv = at<float>(base, o_Tinv);
-  const FastFwd r = run_fast_fwd(d, f, base, p, a.v, a.g, a.beta, a.h0, nullptr, Tinv, s);
+  const FastFwd r = run_fast_fwd(d, f, base, p, a.v, a.g, a.beta, a.h0, nullptr, Tinv, sv, !sv, s);
   float* dvl = at<float>(base, o_dvl);
   bf16_t* dHt = at<bf16_t>(base, o_dHt);
   bf16_t* dVt = at<bf16_t>(base, o_dVt);
@@ -250,6 +292,7 @@ FwdPtrs run_fwd_chain(const gdr::Dims& d, const FwdScratch& f, char* base, const
 
 void forward_generic(const GatedDeltaRuleFwd& a, const gdr::Dims& d) {
   cuda::Context& ctx = cuda::Context::get();
+  const Saved sv = saved_view(a.saved, d);
   ScratchPlan sp;
   const PrologueScratch ps = plan_prologue(sp, d);
   const FwdScratch f = plan_fwd(sp, d);
@@ -258,10 +301,12 @@ void forward_generic(const GatedDeltaRuleFwd& a, const gdr::Dims& d) {
   const Prologue p = run_prologue(d, ps, base, a.q, a.k, a.cu_seqlens, s);
   const FwdPtrs r = run_fwd_chain(d, f, base, p, a.v, a.g, a.beta, a.h0, f32_out_or_null(a.hT), s);
   gdr::launch_output(d, p.ix, p.qn, p.kn, r.U, r.H, a.g.ptr<float>(), bf_out(a.o), s);
+  if (sv) gdr::launch_save_states(d, p.ix, r.H, r.U, sv.Ht, sv.Vt, s);
 }
 
 void backward_generic(const GatedDeltaRuleBwd& a, const gdr::Dims& d) {
   cuda::Context& ctx = cuda::Context::get();
+  const Saved sv = saved_view(a.saved, d);
   ScratchPlan sp;
   const PrologueScratch ps = plan_prologue(sp, d);
   const FwdScratch f = plan_fwd(sp, d);
@@ -275,7 +320,14 @@ void backward_generic(const GatedDeltaRuleBwd& a, const gdr::Dims& d) {
   char* base = static_cast<char*>(ctx.scratch(sp.total()));
   cudaStream_t s = ctx.stream();
   const Prologue p = run_prologue(d, ps, base, a.q, a.k, a.cu_seqlens, s);
-  const FwdPtrs r = run_fwd_chain(d, f, base, p, a.v, a.g, a.beta, a.h0, nullptr, s);
+  FwdPtrs r{at<bf16_t>(base, f.W), at<bf16_t>(base, f.U), at<bf16_t>(base, f.H)};
+  if (sv) {
+    // prep's W (and U, overwritten at every token of the batch), then H and V' from `saved`.
+    gdr::launch_prep(d, p.ix, p.kn, bf(a.v), a.g.ptr<float>(), a.beta.ptr<float>(), r.W, r.U, s);
+    gdr::launch_load_states(d, p.ix, sv.Ht, sv.Vt, r.H, r.U, s);
+  } else {
+    r = run_fwd_chain(d, f, base, p, a.v, a.g, a.beta, a.h0, nullptr, s);
+  }
   float* dvloc = at<float>(base, o_dvloc);
   bf16_t* dvp = at<bf16_t>(base, o_dvp);
   bf16_t* dH = at<bf16_t>(base, o_dH);

@@ -79,8 +79,9 @@ __device__ __forceinline__ void state_exchange_sum(float (&x)[8][4], float4* red
 #endif
 
 // --- forward (and the backward's recomputation) ---
-// Per chunk and value head: gam, W = T diag(beta G) K, U = T diag(beta) V, and T itself when Tinv
-// is not null.
+// Per chunk and value head: gam, W = T diag(beta G) K, U = T diag(beta) V (when U is not null: the
+// backward given `saved` skips it), and T itself when Tinv is not null. W and gam do not depend on
+// which of U and Tinv are asked for.
 void fast_prep(const Dims& d, const IndexView& ix, const bf16_t* kn, const bf16_t* v,
                const float* g, const float* beta, bf16_t* W, bf16_t* U, float* gam, float* Tinv,
                cudaStream_t s);

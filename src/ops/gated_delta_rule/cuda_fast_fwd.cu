@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kThreads, 2)
                          const float* __restrict__ g,     // [T, Hv]
                          const float* __restrict__ beta,  // [T, Hv]
                          bf16_t* __restrict__ W,          // [T, Hv, dk]
-                         bf16_t* __restrict__ U,          // [T, Hv, dv]
+                         bf16_t* __restrict__ U,          // [T, Hv, dv] or null (not computed)
                          float* __restrict__ gam,         // [nt_max, Hv, 64]
                          float* __restrict__ Tinv) {      // [nt_max, Hv, 64, 64] or null
   const int c = static_cast<int>(blockIdx.x);
@@ -162,8 +162,9 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   stage_tile(Ks, ldk, kn + (t0 * d.Hk + kh) * d.dk, static_cast<int64_t>(d.Hk) * d.dk, L, d.dk, kC,
              d.KP, true);
-  stage_tile(Vs, ldv, v + (t0 * d.Hv + h) * d.dv, static_cast<int64_t>(d.Hv) * d.dv, L, d.dv, kC,
-             d.VP, true);
+  if (U != nullptr)  // V only feeds U (uniform over the block)
+    stage_tile(Vs, ldv, v + (t0 * d.Hv + h) * d.dv, static_cast<int64_t>(d.Hv) * d.dv, L, d.dv, kC,
+               d.VP, true);
   if (tid < kC) {
     gr[tid] = tid < L ? g[(t0 + tid) * d.Hv + h] : 0.f;
     bs[tid] = tid < L ? beta[(t0 + tid) * d.Hv + h] : 0.f;
@@ -246,7 +247,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     fast::store_acc_bf16(acc, W + (t0 * d.Hv + h) * d.dk, static_cast<int64_t>(d.Hv) * d.dk,
                          16 * mt, 64 * nh, L, d.dk, 1.f);
   }
-  {
+  if (U != nullptr) {  // the backward given `saved` needs no U (it skips the state pass)
     float acc[8][4] = {};
     for (int kb = 0; kb <= mt; ++kb) {
       uint32_t a[4], b[4];

@@ -154,7 +154,8 @@ namespace {
 thread_local const GdrChunkIndexScope* t_scope = nullptr;
 }  // namespace
 
-int64_t gdr_max_chunks(int64_t T, int64_t N) { return (T + (kGdrChunk - 1) * N) / kGdrChunk; }
+// One bound for the index and the op's `saved` (op.h), so that their chunk slots always agree.
+int64_t gdr_max_chunks(int64_t T, int64_t N) { return gdr_saved_chunks(T, N); }
 
 int64_t gdr_chunk_index_numel(int64_t T, int64_t N) {
   return gdr::index_table_offset(N) + 4 * gdr_max_chunks(T, N);

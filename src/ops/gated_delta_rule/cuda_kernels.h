@@ -1,6 +1,6 @@
 // Launchers of the gated delta rule's generic CUDA kernels (cuda_index.cu, cuda_fwd.cu,
-// cuda_bwd.cu: WMMA, any head dims up to 256, unaligned tensors) and what the fast path
-// (cuda_fast.h) shares with them (the index, Dims, the l2norm), called by the orchestration in
+// cuda_bwd.cu, cuda_saved.cu: WMMA, any head dims up to 256, unaligned tensors) and what the fast
+// path (cuda_fast.h) shares with them (the index, Dims, the l2norm), called by the orchestration in
 // cuda.cu. Included from .cu files only.
 //
 // Every launcher checks on the host what its kernel assumes (shared memory fits, sizes fit the
@@ -74,6 +74,15 @@ void launch_bwd_wy(const Dims& d, const IndexView& ix, const bf16_t* kn, const b
 // dq, dk = sum over the r value heads of dq_h, dk_h (in head order), then the l2norm backward.
 void launch_reduce_qk(const Dims& d, const bf16_t* q, const bf16_t* k, const float* dqh,
                       const float* dkh, bf16_t* dq, bf16_t* dk, cudaStream_t s);
+
+// --- the op's `saved` tensor (op.h), generic route (cuda_saved.cu) ---
+// Ht [nt_max, Hv, dv, dk], Vt [nt_max, Hv, dv, 64] (saved's layout) <- the state pass's H and V'
+// transposed, per chunk of the batch; Vt is zero past a partial chunk's end.
+void launch_save_states(const Dims& d, const IndexView& ix, const bf16_t* H, const bf16_t* vnew,
+                        bf16_t* Ht, bf16_t* Vt, cudaStream_t s);
+// The reverse: H and V' (the tokens of every chunk of the batch) from Ht and Vt.
+void launch_load_states(const Dims& d, const IndexView& ix, const bf16_t* Ht, const bf16_t* Vt,
+                        bf16_t* H, bf16_t* vnew, cudaStream_t s);
 
 // Sets the kernel's dynamic shared-memory limit (once per kernel and size) after checking the
 // device allows it, and prefers the whole shared-memory carveout for it; `what` names the kernel

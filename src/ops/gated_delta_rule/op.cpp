@@ -91,6 +91,22 @@ Dims validate_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Te
   return d;
 }
 
+// `saved` (optional, op.h): validated on every backend, also where the implementation ignores it,
+// so that a caller's plan is checked by the cpu tests before it reaches a GPU.
+void validate_saved(const Tensor& saved, const Dims& d, DType act, Device dev) {
+  if (!saved.defined()) return;
+  const int64_t want = gdr_saved_numel(d.T, d.N, d.Hv, d.dk, d.dv);
+  GDN_CHECK(saved.ndim() == 1 && saved.size(0) == want,
+            "{}: tensor 'saved' has shape {}, expected [{}] (gdr_saved_numel(T={}, N={}, Hv={}, "
+            "dk={}, dv={}))",
+            kOp, saved.shape_str(), want, d.T, d.N, d.Hv, d.dk, d.dv);
+  GDN_CHECK(saved.dtype() == act,
+            "{}: tensor 'saved' has dtype {}, expected {} (the activation dtype of 'q')", kOp,
+            dtype_name(saved.dtype()), dtype_name(act));
+  expect_contiguous(saved, kOp, "saved");
+  expect_device(saved, kOp, "saved", dev);
+}
+
 void validate_fwd(const GatedDeltaRuleFwd& a) {
   const Dims d = validate_inputs(a.q, a.k, a.v, a.g, a.beta, a.cu_seqlens, a.h0, a.scale);
   const DType act = a.q.dtype(), st = gdr_state_dtype(act);
@@ -100,6 +116,7 @@ void validate_fwd(const GatedDeltaRuleFwd& a) {
     expect_tensor(a.hT, kOp, "hT", st, {d.N, d.Hv, d.dk, d.dv});
     expect_device(a.hT, kOp, "hT", a.q.device());
   }
+  validate_saved(a.saved, d, act, a.q.device());
 }
 
 void validate_bwd(const GatedDeltaRuleBwd& a) {
@@ -119,6 +136,7 @@ void validate_bwd(const GatedDeltaRuleBwd& a) {
       {&a.dv, "dv"},   {&a.dg, "dg"},   {&a.dbeta, "dbeta"}, {&a.dh0, "dh0"}};
   for (const auto& [t, name] : all)
     if (t->defined()) expect_device(*t, kOp, name, dev);
+  validate_saved(a.saved, d, act, dev);
   if (dev == Device::CPU && a.dhT.defined())
     for (double x : to_f64_vector(a.dhT))
       GDN_CHECK_FINITE(std::isfinite(x), "{}: tensor 'dhT' has a non-finite value {}", kOp, x);
@@ -243,6 +261,19 @@ void run(const ImplDesc& impl, OpIO& io, bool backward) {
 
 double gdr_effective_scale(double scale, int64_t dk) {
   return scale == 0 ? 1.0 / std::sqrt(static_cast<double>(dk)) : scale;
+}
+
+int64_t gdr_saved_chunks(int64_t T, int64_t N) {
+  GDN_CHECK(T >= 0 && N >= 0, "{}: gdr_saved_chunks needs T >= 0 and N >= 0, got T = {}, N = {}",
+            kOp, T, N);
+  return (T + (kGdrChunk - 1) * N) / kGdrChunk;
+}
+
+int64_t gdr_saved_numel(int64_t T, int64_t N, int64_t Hv, int64_t dk, int64_t dv) {
+  GDN_CHECK(Hv >= 1 && dk >= 1 && dv >= 1,
+            "{}: gdr_saved_numel needs Hv, dk, dv >= 1, got Hv = {}, dk = {}, dv = {}", kOp, Hv, dk,
+            dv);
+  return gdr_saved_chunks(T, N) * Hv * dv * (dk + kGdrChunk);
 }
 
 void gated_delta_rule_forward(const GatedDeltaRuleFwd& a) {

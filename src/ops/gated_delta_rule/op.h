@@ -26,20 +26,49 @@
 // packers emit them as tail padding, gdn_spec.md §6): they produce no tokens, hT[n] = h0[n] (or 0)
 // and dh0[n] = dhT[n] (or 0).
 //
-// Forward writes (=): o, and hT when hT is given. h0 is optional (absent = zero state).
+// Forward writes (=): o, hT when hT is given and saved when saved is given (below). h0 is optional
+// (absent = zero state).
 // Backward (do given, dhT optional = zero) writes (=): dq, dk, dv, dg, dbeta, and dh0 when given
 // (the gradient w.r.t. the initial state, h0 or zero). Nothing is accumulated: q, k, v, g, beta are
 // activations produced fresh every step. dq and dk are sums over the r value heads that read each
 // key head (FLA reshapes [.., Hk, r, dk] and sums), then go through the l2norm backward when
 // use_qk_l2norm is set: dx = rstd * (dy - <dy, y> y).
 //
-// What forward saves for backward: NOTHING beyond its own inputs. Backward takes q, k, v, g, beta,
-// cu_seqlens, h0 again and recomputes the l2norm, the chunk-local cumsum of g, the UT inverse
-// T = (I + M)^{-1}, W, U, the chunk-start states and V'. FLA saves T ([T, Hv, 64], 256 B per token
-// per value head in fp32: more than q+k+v at dk = dv = 64) and recomputes the rest
+// What forward saves for backward: by default NOTHING beyond its own inputs. Backward takes q, k,
+// v, g, beta, cu_seqlens, h0 again and recomputes the l2norm, the chunk-local cumsum of g, the UT
+// inverse T = (I + M)^{-1}, W, U, the chunk-start states and V'. FLA saves T ([T, Hv, 64], 256 B
+// per token per value head in fp32: more than q+k+v at dk = dv = 64) and recomputes the rest
 // (fla/ops/gated_delta_rule/chunk.py); on the CPU rebuilding T is ~15% of the forward FLOPs
-// (K K^T + the triangular solve), so memory wins. A backend that wants to keep T must extend this
-// contract (a saved-tensor field written by forward), not reinterpret it.
+// (K K^T + the triangular solve), so memory wins.
+//
+// Optional `saved` (both structs; absent = the recomputation above, unchanged): the output of the
+// sequential forward state pass, which the backward otherwise re-runs (on cuda a latency-bound
+// pass over each document's chunks, about a quarter of the backward at one long document). The
+// forward writes it (=) when given; the backward reads it when given and then skips its own state
+// pass (it still rebuilds the l2norm, gamma, T and W, which are cheap and parallel over chunks).
+//   Shape [gdr_saved_numel(T, N, Hv, dk, dv)], the activation dtype, contiguous, on q's device
+//   (16-byte aligned on cuda). With nt = gdr_saved_chunks(T, N) chunk slots, numbered as the
+//   chunks of the batch (document n's chunks are consecutive, its first slot is the number of
+//   chunks of documents 0..n-1; a chunk is 64 tokens, a document's last one may be partial):
+//     Ht [nt, Hv, dv, dk]  at element 0:             Ht[c, h] = S_c^T, the state at the START of
+//                                                   chunk c (h0 or 0 for a document's first)
+//     Vt [nt, Hv, dv, 64]  at element nt Hv dv dk:  Vt[c, h, :, i] = v'_{t0+i} for i < len(c),
+//                                                   V' = U - W S_c (the chunked algorithm's
+//                                                   pseudo-values, gdn_spec.md §3.1), exact 0 for i
+//                                                   >= len(c)
+//   Values are rounded to the activation dtype (bf16 on cuda: the operands the backward's kernels
+//   read). Slots past the batch's chunk count are neither written nor read. Both CUDA routes (fast
+//   and generic) write and read this one layout, with the same meaning, so a backward may take
+//   either route whatever route wrote `saved` (e.g. a different tensor alignment sends it
+//   elsewhere); the two routes' values differ in the last bits (they round differently, see below),
+//   each within the op's tolerance. A backward given `saved` that the forward of the SAME route
+//   wrote returns bitwise the gradients it returns without it: the forward's state pass is the very
+//   computation the backward would repeat, on the same inputs (and with the same dk split of the
+//   fast route's state passes, cuda.h, which follows from the shapes unless forced). `saved` must
+//   come from a forward with the same q, k, v, g, beta, cu_seqlens, h0, scale and use_qk_l2norm;
+//   nothing checks that. ref and cpu.chunk64 ignore `saved` (they neither write nor read it: the
+//   backward recomputes); the op wrapper still validates its shape, dtype and device on every
+//   backend.
 //
 // Implementations:
 //   ref: the token-by-token recurrence above and its exact reverse-time backward (gdn_spec.md §2),
@@ -57,7 +86,8 @@
 //   cuda.chunk64 (cuda*.cu): the same chunked algorithm as a decomposed kernel chain (FLA's
 //     structure: per-chunk kernels for T, W, U and the output around a sequential state pass per
 //     (document, value head, block of value columns), which keeps S in fp32 registers; the
-//     backward rebuilds the forward chain, then a reverse state pass and per-chunk gradient
+//     backward rebuilds the forward chain (all but its state pass when given `saved`, which both
+//     routes write in the layout above), then a reverse state pass and per-chunk gradient
 //     kernels; on the fast route the state passes split dk over 2, 4 or 8 warp pairs when their
 //     grid has no more blocks than SMs, one long document, cuda_fast.h). Two routes with the same
 //     contract (cuda.cu): the fast one (dk, dv <= 128, multiples of 8, 16-byte aligned tensors;
@@ -96,6 +126,7 @@ struct GatedDeltaRuleFwd {
   Tensor hT;          // [N, Hv, dk, dv] state dtype; optional out (=)
   double scale = 0;   // 0 selects dk^{-1/2}
   bool use_qk_l2norm = false;
+  Tensor saved{};  // [gdr_saved_numel(..)] activation dtype; optional out (=), see above
 };
 
 struct GatedDeltaRuleBwd {
@@ -119,6 +150,7 @@ struct GatedDeltaRuleBwd {
   Tensor dh0;    // [N, Hv, dk, dv] state dtype; optional out
   double scale = 0;
   bool use_qk_l2norm = false;
+  Tensor saved{};  // [gdr_saved_numel(..)] activation dtype; optional in: the forward's `saved`
 };
 
 struct GatedDeltaRuleTable {
@@ -135,5 +167,13 @@ void gated_delta_rule_backward(const GatedDeltaRuleBwd& a);
 inline DType gdr_state_dtype(DType act) { return act == DType::F64 ? DType::F64 : DType::F32; }
 // The scale the op uses: `scale`, or dk^{-1/2} when it is 0.
 double gdr_effective_scale(double scale, int64_t dk);
+// Chunk slots of `saved` for T tokens in N documents: (T + 63 N) / 64, an upper bound on the
+// batch's chunk count (each document adds at most one partial chunk) that needs no cu_seqlens
+// values, so a caller sizes `saved` for its largest batch once (the CUDA chunk index uses the same
+// bound). Non-decreasing in T and in N.
+int64_t gdr_saved_chunks(int64_t T, int64_t N);
+// Elements of `saved` (activation dtype): gdr_saved_chunks(T, N) * Hv * dv * (dk + 64). At T =
+// 8192, one document, Hv = 32, dk = dv = 128: 128 slots, 100.7 M elements, 192 MiB in bf16.
+int64_t gdr_saved_numel(int64_t T, int64_t N, int64_t Hv, int64_t dk, int64_t dv);
 
 }  // namespace gdn::ops
