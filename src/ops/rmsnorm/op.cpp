@@ -49,7 +49,7 @@ ProbeError probe(const ImplDesc& impl, const OpQuery&) {
   const auto& cand = *static_cast<const RmsNormTable*>(impl.table);
   const auto& ref = *static_cast<const RmsNormTable*>(Registry::global().ref(kOp).table);
   ProbeError err;
-  for (const auto [R, D] : {std::pair<int64_t, int64_t>{7, 97}, {5, 1024}})
+  for (const auto& [R, D] : {std::pair<int64_t, int64_t>{7, 97}, {5, 1024}})
     for (bool zc : {false, true}) {
       ProbeTensors p(impl.backend);
       auto x = p.normal({R, D}, 11, 2.0);
