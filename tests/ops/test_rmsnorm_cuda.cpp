@@ -1,11 +1,17 @@
-// RMSNorm on CUDA (label gpu): cuda vs ref over swept shapes (forward and both gradients, both
-// flavours, both the 16-byte and the scalar paths, rows wider than the register-held part), dw
-// accumulation and determinism, the resolver's choice and probe, a deliberately wrong CUDA
-// implementation rejected by the probe, `ops run` on the cuda backend, and bad input.
-// Tolerances come from the one table, src/backend/tolerances.h.
+// RMSNorm on CUDA (label gpu), for both implementations, cuda.rowwise (cuda.cu) and cuda.bulk
+// (cuda_bulk.cu: its own backward where covered, cuda.rowwise's otherwise), each called through
+// its own table: cuda vs ref over swept shapes (forward and both gradients, both flavours, both
+// the 16-byte and the scalar paths, rows wider than the register-held part, the bulk ring wrapping
+// several times), dw accumulation and determinism, unaligned tensors; then the resolver's choice
+// (cuda.bulk, the highest priority) and probe, deliberately wrong CUDA implementations rejected by
+// the probe, `ops run` on the cuda backend, and bad input. Tolerances come from the one table,
+// src/backend/tolerances.h.
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <string>
 
 #include "backend/tolerances.h"
 #include "ops/cuda_test_util.h"
@@ -18,6 +24,16 @@ namespace {
 using testing::randn;
 
 constexpr ProbeError kTol = bf16_tolerance("rmsnorm");
+
+// The implementations under test.
+const char* const kImpls[] = {"cuda.rowwise", "cuda.bulk"};
+
+// The registered cuda implementation `name` (its function table); a test fails without it.
+const RmsNormTable& impl_table(const std::string& name) {
+  const RmsNormTable* t = testing::cuda_table<RmsNormTable>("rmsnorm", name);
+  GDN_CHECK(t != nullptr, "rmsnorm implementation {} is not registered", name);
+  return *t;
+}
 
 // Every test needs the device; say plainly when there is none instead of failing obscurely.
 class RmsNormCuda : public ::testing::Test {
@@ -79,9 +95,10 @@ Dev to_device(const Inputs& in, const Tensor* dw0 = nullptr) {
   return d;
 }
 
-void run_cuda(Dev& d, bool zc) {
-  rmsnorm_forward({d.x, d.w, d.y, d.rstd, 1e-6, zc});
-  rmsnorm_backward({d.x, d.w, d.rstd, d.dy, d.dx, d.dw, zc});
+void run_cuda(Dev& d, bool zc, const std::string& impl) {
+  const RmsNormTable& t = impl_table(impl);
+  t.forward({d.x, d.w, d.y, d.rstd, 1e-6, zc});
+  t.backward({d.x, d.w, d.rstd, d.dy, d.dx, d.dw, zc});
 }
 
 // y is x * r * gw computed in fp32 and rounded once to bf16: within half a bf16 ulp of the fp64
@@ -118,13 +135,19 @@ void compare(const Dev& d, const Ref& r, const Tensor& dy64) {
 // one warp per row up to the register limit (D = 8192) and past it (D = 12288 with 16-byte packs,
 // D = 9001 / 4100 scalar: re-read tail and dw accumulated in the partial rows), many rows (the
 // backward's grid-stride walk takes several turns), and the benchmark's width.
+// cuda.bulk covers D % 8 == 0 with 1024 <= D <= 8192: 32 threads per row (D = 1024; [13000, 1024]
+// gives each of the 16 x 132 row groups of an H200 6-7 rows, so its 3-slot ring wraps twice and
+// the waits use both parities twice), 64 with packs left over (1032), 128 (3000: some threads own
+// 2 packs, some 3; 4096), 256 (4104: one row, groups without rows; 8192); the other widths check
+// that it defers to cuda.rowwise.
 struct Shape {
   int64_t R, D;
 };
 void PrintTo(const Shape& s, std::ostream* os) { *os << "[" << s.R << ", " << s.D << "]"; }
-const Shape kShapes[] = {{1, 1},     {1, 7},      {3, 97},   {1, 128},    {64, 128},
-                         {33, 1000}, {257, 1031}, {5, 4096}, {130, 4096}, {2, 4100},
-                         {16, 8192}, {3, 12288},  {7, 9001}, {70000, 64}, {4099, 2048}};
+const Shape kShapes[] = {{1, 1},     {1, 7},        {3, 97},   {1, 128},    {64, 128},
+                         {33, 1000}, {257, 1031},   {5, 4096}, {130, 4096}, {2, 4100},
+                         {16, 8192}, {3, 12288},    {7, 9001}, {70000, 64}, {4099, 2048},
+                         {3, 1024},  {13000, 1024}, {9, 1032}, {40, 3000},  {1, 4104}};
 
 class RmsNormCudaSweep : public RmsNormCuda,
                          public ::testing::WithParamInterface<std::tuple<Shape, bool>> {};
@@ -133,9 +156,12 @@ TEST_P(RmsNormCudaSweep, MatchesRef) {
   auto [shape, zc] = GetParam();
   Inputs in = make_inputs(shape.R, shape.D, zc, 100 + static_cast<uint64_t>(shape.D));
   Ref ref = run_ref(in, zc);
-  Dev d = to_device(in);
-  run_cuda(d, zc);
-  compare(d, ref, in.dy);
+  for (const std::string impl : kImpls) {
+    SCOPED_TRACE(impl);
+    Dev d = to_device(in);
+    run_cuda(d, zc, impl);
+    compare(d, ref, in.dy);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, RmsNormCudaSweep,
@@ -151,25 +177,29 @@ TEST_F(RmsNormCuda, ZeroCentredFormsOnePlusWInFp32) {
   // every y 1e-3 too small relative to ref. Each y's own rounding error is unbiased (std ~1.6e-3
   // relative), so over 16k elements the mean signed relative error is ~1e-5 when (1 + w) is formed
   // in fp32 and ~-1e-3 when it is not: a bias the L2 tolerance alone could not see.
-  const int64_t R = 64, D = 256;
+  // D = 1024: cuda.bulk's own backward (the forward is cuda.rowwise's in both).
+  const int64_t R = 16, D = 1024;
   Inputs in = make_inputs(R, D, true, 7);
   std::vector<double> wv(static_cast<size_t>(D), 1e-3);
   in.w = testing::rounded(from_f64(wv, DType::F64, {D}), DType::BF16);
   Ref ref = run_ref(in, true);
-  Dev d = to_device(in);
-  run_cuda(d, true);
-  compare(d, ref, in.dy);
-  auto g = to_f64_vector(d.y), w = to_f64_vector(ref.y);
-  double bias = 0;
-  int n = 0;
-  for (size_t i = 0; i < g.size(); ++i) {
-    if (std::abs(w[i]) < 1e-6) continue;
-    bias += (g[i] - w[i]) / w[i];
-    ++n;
+  for (const std::string impl : kImpls) {
+    SCOPED_TRACE(impl);
+    Dev d = to_device(in);
+    run_cuda(d, true, impl);
+    compare(d, ref, in.dy);
+    auto g = to_f64_vector(d.y), w = to_f64_vector(ref.y);
+    double bias = 0;
+    int n = 0;
+    for (size_t i = 0; i < g.size(); ++i) {
+      if (std::abs(w[i]) < 1e-6) continue;
+      bias += (g[i] - w[i]) / w[i];
+      ++n;
+    }
+    bias /= std::max(n, 1);
+    EXPECT_LT(std::abs(bias), 2e-4)
+        << "y is biased by " << bias << " relative: (1 + w) was not formed in fp32";
   }
-  bias /= std::max(n, 1);
-  EXPECT_LT(std::abs(bias), 2e-4) << "y is biased by " << bias
-                                  << " relative: (1 + w) was not formed in fp32";
 }
 
 TEST_F(RmsNormCuda, BackwardAccumulatesDwAndIsDeterministic) {
@@ -177,57 +207,66 @@ TEST_F(RmsNormCuda, BackwardAccumulatesDwAndIsDeterministic) {
   Inputs in = make_inputs(R, D, false, 21);
   Ref ref = run_ref(in, false);
   OwnedTensor dw0 = randn({D}, 24, 5.0);
-  Dev d = to_device(in, &dw0.view());
-  run_cuda(d, false);
-  // dw = dw0 + ref
-  auto got = to_f64_vector(d.dw), base = to_f64_vector(dw0), add = to_f64_vector(ref.dw);
-  double num = 0, den = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double want = static_cast<double>(static_cast<float>(base[i])) + add[i];
-    num += (got[i] - want) * (got[i] - want);
-    den += add[i] * add[i];
-  }
-  EXPECT_LE(std::sqrt(num / den), kTol.bwd) << "dw after += (error relative to the added part)";
-  // The same backward again from the same dw0: bit-identical dx and dw.
-  auto dx1 = to_f64_vector(d.dx), dw1 = to_f64_vector(d.dw);
-  for (int rep = 0; rep < 3; ++rep) {
-    OwnedTensor dw = convert(dw0, DType::F32, Device::CUDA);
-    OwnedTensor dx = poisoned(DType::BF16, {R, D});
-    rmsnorm_backward({d.x, d.w, d.rstd, d.dy, dx, dw, false});
-    EXPECT_EQ(to_f64_vector(dx), dx1) << "dx differs between identical runs (rep " << rep << ")";
-    EXPECT_EQ(to_f64_vector(dw), dw1) << "dw differs between identical runs (rep " << rep << ")";
+  for (const std::string impl : kImpls) {
+    SCOPED_TRACE(impl);
+    const RmsNormTable& t = impl_table(impl);
+    Dev d = to_device(in, &dw0.view());
+    run_cuda(d, false, impl);
+    // dw = dw0 + ref
+    auto got = to_f64_vector(d.dw), base = to_f64_vector(dw0), add = to_f64_vector(ref.dw);
+    double num = 0, den = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      const double want = static_cast<double>(static_cast<float>(base[i])) + add[i];
+      num += (got[i] - want) * (got[i] - want);
+      den += add[i] * add[i];
+    }
+    EXPECT_LE(std::sqrt(num / den), kTol.bwd) << "dw after += (error relative to the added part)";
+    // The same backward again from the same dw0: bit-identical dx and dw.
+    auto dx1 = to_f64_vector(d.dx), dw1 = to_f64_vector(d.dw);
+    for (int rep = 0; rep < 3; ++rep) {
+      OwnedTensor dw = convert(dw0, DType::F32, Device::CUDA);
+      OwnedTensor dx = poisoned(DType::BF16, {R, D});
+      t.backward({d.x, d.w, d.rstd, d.dy, dx, dw, false});
+      EXPECT_EQ(to_f64_vector(dx), dx1) << "dx differs between identical runs (rep " << rep << ")";
+      EXPECT_EQ(to_f64_vector(dw), dw1) << "dw differs between identical runs (rep " << rep << ")";
+    }
   }
 }
 
 TEST_F(RmsNormCuda, UnalignedTensorsTakeTheScalarPath) {
-  // D % 8 == 0 but x, y, dy, dx start 2 bytes past a 16-byte boundary.
-  const int64_t R = 9, D = 512;
+  // D % 8 == 0 but x, y, dy, dx start 2 bytes past a 16-byte boundary; D = 1024 is a width
+  // cuda.bulk covers when aligned, so it is the alignment check that sends it to cuda.rowwise.
+  const int64_t R = 9, D = 1024;
   Inputs in = make_inputs(R, D, false, 31);
   Ref ref = run_ref(in, false);
-  Dev d = to_device(in);
-  auto shifted = [&](const Tensor& src) {
-    OwnedTensor buf = OwnedTensor::zeros(DType::BF16, {R * D + 8}, Device::CUDA);
-    Tensor v(static_cast<char*>(buf.view().data()) + 2, DType::BF16, {R, D}, Device::CUDA);
-    copy_into(v, src);
-    return std::make_pair(std::move(buf), v);
-  };
-  auto [xb, x] = shifted(d.x);
-  auto [dyb, dy] = shifted(d.dy);
-  auto [yb, y] = shifted(d.y);
-  auto [dxb, dx] = shifted(d.dx);
-  rmsnorm_forward({x, d.w, y, d.rstd, 1e-6, false});
-  rmsnorm_backward({x, d.w, d.rstd, dy, dx, d.dw, false});
-  testing::expect_close(y, ref.y, kTol.fwd, "y (unaligned)");
-  expect_y_within_half_ulp(y, ref.y);
-  testing::expect_close(dx, ref.dx, kTol.bwd, "dx (unaligned)");
-  testing::expect_close(d.dw, ref.dw, kTol.bwd, "dw (unaligned)");
+  for (const std::string impl : kImpls) {
+    SCOPED_TRACE(impl);
+    const RmsNormTable& t = impl_table(impl);
+    Dev d = to_device(in);
+    auto shifted = [&](const Tensor& src) {
+      OwnedTensor buf = OwnedTensor::zeros(DType::BF16, {R * D + 8}, Device::CUDA);
+      Tensor v(static_cast<char*>(buf.view().data()) + 2, DType::BF16, {R, D}, Device::CUDA);
+      copy_into(v, src);
+      return std::make_pair(std::move(buf), v);
+    };
+    auto [xb, x] = shifted(d.x);
+    auto [dyb, dy] = shifted(d.dy);
+    auto [yb, y] = shifted(d.y);
+    auto [dxb, dx] = shifted(d.dx);
+    t.forward({x, d.w, y, d.rstd, 1e-6, false});
+    t.backward({x, d.w, d.rstd, dy, dx, d.dw, false});
+    testing::expect_close(y, ref.y, kTol.fwd, "y (unaligned)");
+    expect_y_within_half_ulp(y, ref.y);
+    testing::expect_close(dx, ref.dx, kTol.bwd, "dx (unaligned)");
+    testing::expect_close(d.dw, ref.dw, kTol.bwd, "dw (unaligned)");
+  }
 }
 
 TEST_F(RmsNormCuda, ResolverChoosesCudaAndItPassesItsProbe) {
-  testing::expect_resolves_to_cuda("rmsnorm", "cuda.rowwise", kTol, true, true);
+  testing::expect_resolves_to_cuda("rmsnorm", "cuda.bulk", kTol, true, true);
 }
 
-// Deliberately wrong CUDA implementations, built from the real one.
+// Deliberately wrong CUDA implementations, built from cuda.rowwise.
 const RmsNormTable* real_cuda_table() {
   return testing::cuda_table<RmsNormTable>("rmsnorm", "cuda.rowwise");
 }
@@ -252,7 +291,7 @@ const RmsNormTable kWrongBwd{real_forward, wrong_backward};
 
 TEST_F(RmsNormCuda, ProbeRejectsWrongCudaKernels) {
   ASSERT_NE(real_cuda_table(), nullptr) << "cuda.rowwise is not registered";
-  testing::expect_probe_rejects("rmsnorm", "cuda.rowwise",
+  testing::expect_probe_rejects("rmsnorm", "cuda.bulk",
                                 {{"cuda.wrong_fwd", &kWrongFwd}, {"cuda.wrong_dw", &kWrongBwd}});
 }
 
@@ -264,7 +303,7 @@ TEST_F(RmsNormCuda, OpsRunOnCudaBackend) {
               dy = convert(in.dy, DType::F32);
   testing::OpsRunOnCuda run("rmsnorm", {{"x", x.view()}, {"w", w.view()}, {"dy", dy.view()}}, true,
                             {{"zero_centred", 1}});
-  EXPECT_EQ(run.result().impl, "cuda.rowwise");
+  EXPECT_EQ(run.result().impl, "cuda.bulk");
   testing::expect_close(run.load("y"), ref.y, kTol.fwd, "y (ops run)");
   testing::expect_close(run.load("rstd"), ref.rstd, kTol.fwd, "rstd (ops run)");
   testing::expect_close(run.load("dx"), ref.dx, kTol.bwd, "dx (ops run)");
