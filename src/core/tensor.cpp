@@ -207,6 +207,65 @@ void device_synchronize(Device d) {
   if (d == Device::CUDA && g_cuda_installed) g_cuda_hooks.synchronize();
 }
 
+// --- transfers that do not wait ----------------------------------------------------------------
+HostStaging::HostStaging(size_t bytes, Device device) : n_(bytes) {
+  if (bytes == 0) return;
+  if (device == Device::CUDA) {
+    GDN_CHECK(g_cuda_installed && g_cuda_hooks.host_alloc_pinned != nullptr,
+              "page-locked host memory requested but no CUDA device is available");
+    void* p = g_cuda_hooks.host_alloc_pinned(bytes);
+    std::memset(p, 0, bytes);
+    p_ = std::shared_ptr<void>(p, [](void* q) { g_cuda_hooks.host_free_pinned(q); });
+  } else {
+    p_ = std::shared_ptr<void>(std::calloc(bytes, 1), [](void* q) { std::free(q); });
+    GDN_CHECK(p_ != nullptr, "out of host memory ({} bytes of staging)", bytes);
+  }
+}
+
+void copy_bytes_async(void* dst, Device dst_dev, const void* src, Device src_dev, size_t n) {
+  if (n == 0) return;
+  if (dst_dev == Device::CPU && src_dev == Device::CPU) {
+    std::memcpy(dst, src, n);
+    return;
+  }
+  GDN_CHECK(g_cuda_installed && g_cuda_hooks.copy_async != nullptr,
+            "device copy requested but no CUDA device is available");
+  g_cuda_hooks.copy_async(dst, src, n);
+}
+
+StreamFence::StreamFence(Device device) : device_(device) {
+  if (device_ == Device::CUDA) {
+    GDN_CHECK(g_cuda_installed && g_cuda_hooks.event_create != nullptr,
+              "a device fence requested but no CUDA device is available");
+    event_ = g_cuda_hooks.event_create();
+  }
+}
+StreamFence::~StreamFence() {
+  if (event_ != nullptr) g_cuda_hooks.event_destroy(event_);
+}
+StreamFence::StreamFence(StreamFence&& o) noexcept : device_(o.device_), event_(o.event_) {
+  o.event_ = nullptr;
+}
+StreamFence& StreamFence::operator=(StreamFence&& o) noexcept {
+  if (this != &o) {
+    if (event_ != nullptr) g_cuda_hooks.event_destroy(event_);
+    device_ = o.device_;
+    event_ = o.event_;
+    o.event_ = nullptr;
+  }
+  return *this;
+}
+void StreamFence::record() {
+  if (event_ != nullptr) g_cuda_hooks.event_record(event_);
+}
+void StreamFence::wait() {
+  if (event_ != nullptr) g_cuda_hooks.event_synchronize(event_);
+}
+
+uint64_t device_drains() {
+  return g_cuda_installed && g_cuda_hooks.drains != nullptr ? g_cuda_hooks.drains() : 0;
+}
+
 // --- owned tensors -----------------------------------------------------------------------------
 OwnedTensor OwnedTensor::empty(DType dtype, std::span<const int64_t> shape, Device d) {
   OwnedTensor t;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <optional>
 
@@ -101,6 +102,11 @@ Qwen35Model::Qwen35Model(Qwen35Config cfg, Backend backend, int64_t max_tokens, 
     gdr_saved_plan_ = gdr_saved_numel(max_tokens_, gdr_saved_docs_, cfg_.linear_num_value_heads,
                                       cfg_.linear_key_head_dim, cfg_.linear_value_head_dim);
   }
+  if (dev == Device::CUDA)
+    for (size_t i = 0; i < in_stage_.size(); ++i) {
+      in_stage_[i] = HostStaging(static_cast<size_t>(2 * max_tokens_ + max_docs_ + 1) * 4, dev);
+      in_fence_[i] = StreamFence(dev);
+    }
   // Size the activation arena by replaying a step of the largest micro-batch in planning mode.
   Arena plan = Arena::planning("activations", dev);
   Arena tmp_plan = Arena::planning("recompute scratch", dev);
@@ -250,10 +256,25 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
   Tensor cu = p.alloc(DType::I32, {N + 1});  // [N+1]
   if (live) {
     ProfileRange pr("inputs");
-    copy_bytes(ids.data(), p.dev, mb->input_ids.data(), Device::CPU, static_cast<size_t>(T) * 4);
-    copy_bytes(labels.data(), p.dev, mb->labels.data(), Device::CPU, static_cast<size_t>(T) * 4);
-    copy_bytes(cu.data(), p.dev, mb->cu_seqlens.data(), Device::CPU,
-               static_cast<size_t>(N + 1) * 4);
+    const size_t tb = static_cast<size_t>(T) * 4, cb = static_cast<size_t>(N + 1) * 4;
+    if (p.dev == Device::CUDA) {
+      // Through this step's staging slot, without waiting for the device (see in_stage_).
+      const size_t s = static_cast<size_t>(in_slot_);
+      in_slot_ ^= 1;
+      in_fence_[s].wait();
+      char* st = static_cast<char*>(in_stage_[s].data());
+      std::memcpy(st, mb->input_ids.data(), tb);
+      std::memcpy(st + tb, mb->labels.data(), tb);
+      std::memcpy(st + 2 * tb, mb->cu_seqlens.data(), cb);
+      copy_bytes_async(ids.data(), p.dev, st, Device::CPU, tb);
+      copy_bytes_async(labels.data(), p.dev, st + tb, Device::CPU, tb);
+      copy_bytes_async(cu.data(), p.dev, st + 2 * tb, Device::CPU, cb);
+      in_fence_[s].record();
+    } else {
+      copy_bytes(ids.data(), p.dev, mb->input_ids.data(), Device::CPU, tb);
+      copy_bytes(labels.data(), p.dev, mb->labels.data(), Device::CPU, tb);
+      copy_bytes(cu.data(), p.dev, mb->cu_seqlens.data(), Device::CPU, cb);
+    }
   }
 #if GDN_WITH_CUDA
   // The gated delta rule's chunk index of this micro-batch: built once on the device and shared by
@@ -481,9 +502,14 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
     } else {
       linear_cross_entropy_forward(la);
     }
-    auto lv = to_f64_vector(loss), zv = to_f64_vector(zl);
-    stats->loss = lv[0];
-    stats->z_loss = zv[0];
+    stats->loss_dev = loss;
+    stats->z_loss_dev = zl;
+    if (opt.host_stats) {
+      stats->loss = to_f64_vector(loss)[0];
+      stats->z_loss = to_f64_vector(zl)[0];
+    } else {
+      stats->loss = stats->z_loss = std::numeric_limits<double>::quiet_NaN();
+    }
     stats->targets = targets;
   }
   if (!backward && live) return;

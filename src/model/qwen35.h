@@ -24,6 +24,8 @@
 // running the same allocation sequence as a step in planning mode.
 #pragma once
 
+#include <array>
+
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -46,12 +48,18 @@ struct StepOptions {
   double loss_denominator = -1;  // mean over this many targets (< 0: this micro-batch's count)
   Tensor logits;                 // optional out [T, V] (forward only diagnostics and `dump`)
   Tensor token_loss;             // optional out [T] per-token cross-entropy (forward)
+  // Read the loss to the host (StepStats::loss, z_loss). false: the step never waits for the
+  // device; the values stay on it (StepStats::loss_dev, z_loss_dev) and the host fields are NaN.
+  bool host_stats = true;
 };
 
 struct StepStats {
   double loss = 0;      // mean cross-entropy (+ z-loss) over the denominator
   double z_loss = 0;    // the z-loss part, same normalisation
   int64_t targets = 0;  // non-ignored labels in this micro-batch
+  // The same two values where the step computed them ([1] each, F32 on cpu and cuda, F64 on ref):
+  // views into the model's activation memory, valid until the next step() call.
+  Tensor loss_dev, z_loss_dev;
 };
 
 // Activation recompute (issue 8): what the forward keeps for the backward.
@@ -114,6 +122,12 @@ class Qwen35Model {
   int64_t gdr_saved_plan_ = 0, gdr_saved_docs_ = 0;
   Arena param_arena_, grad_arena_, act_arena_, tmp_arena_;
   std::vector<Tensor> params_, grads_;
+  // A micro-batch's inputs (ids, labels, cu_seqlens) go to the device through page-locked
+  // staging, two slots in turn: the copy out of a slot is issued without waiting, and the slot is
+  // refilled only after the fence recorded behind that copy (two steps earlier) has passed.
+  std::array<HostStaging, 2> in_stage_;
+  std::array<StreamFence, 2> in_fence_;
+  int in_slot_ = 0;
 };
 
 // The compute dtype of parameter `spec` on `backend`: F64 on ref, F32 on cpu; on cuda bf16, but

@@ -3,12 +3,15 @@
 #include <omp.h>
 #include <unistd.h>
 
+#include <array>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <sstream>
 
 #include "gdn/core/env.h"
@@ -608,51 +611,74 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
   GDN_CHECK(topt.profile_step <= steps, "--profile-step {} is past the last step {}",
             topt.profile_step, steps);
   const Device step_device = backend_device(backend);
-  for (int64_t step = start_step; step < steps; ++step) {
-    // --profile-step: the step runs alone on the device (synchronised before and after) with its
-    // ranges timed by CUDA events (ProfileRange in the model and here).
-    std::unique_ptr<Profiler> prof;
-    std::chrono::steady_clock::time_point prof_t0;
-    if (step + 1 == topt.profile_step) {
-      device_synchronize(step_device);
-      prof = std::make_unique<Profiler>(step_device);
-      set_active_profiler(prof.get());
-      prof_t0 = std::chrono::steady_clock::now();
+  // On the device the step loop never drains the device's queue (issue 8): the losses, the
+  // gradients' sum of squares and the clip-or-skip decision stay on the device (adamw's
+  // clip_sumsq), and their host copies arrive through page-locked staging, read one step late
+  // (while the device runs the next step's forward and backward); the next optimizer step is
+  // issued only after that read, so its Adam step count knows every earlier skip. Steps that
+  // evaluate, checkpoint, profile, stop or end are finalised at once. The CPU runs each op to
+  // completion and keeps the direct path.
+  const bool deferred = on_device;
+  OwnedTensor ctl_loss, ctl_z, ctl_sumsq;  // device: [accum] F32, [accum] F32, [1] F64
+  struct Staged {
+    HostStaging host;  // sumsq (double), then accum losses and accum z-losses (float)
+    StreamFence fence;
+  };
+  std::array<Staged, 2> staged;
+  const size_t loss_bytes = static_cast<size_t>(accum) * sizeof(float);
+  if (deferred) {
+    ctl_loss = OwnedTensor::empty(DType::F32, {accum}, Device::CUDA);
+    ctl_z = OwnedTensor::empty(DType::F32, {accum}, Device::CUDA);
+    ctl_sumsq = OwnedTensor::empty(DType::F64, {1}, Device::CUDA);
+    for (Staged& st : staged) {
+      st.host = HostStaging(sizeof(double) + 2 * loss_bytes, Device::CUDA);
+      st.fence = StreamFence(Device::CUDA);
     }
-    m.zero_grads();
-    std::vector<MicroBatch> mbs;
-    int64_t denom = 0, tokens = 0;
-    for (int64_t k = 0; k < accum; ++k) {
-      mbs.push_back(data->train_batch(step, k));
-      denom += mbs.back().num_targets();
-      tokens += mbs.back().num_tokens();
-    }
-    double loss = 0, zl = 0;
-    std::string nonfinite;  // where a non-finite value was found (empty: nowhere)
-    try {
-      for (const MicroBatch& mb : mbs) {
-        model::StepOptions so;
-        so.backward = true;
-        so.z_loss = z_loss;
-        so.loss_denominator = static_cast<double>(std::max<int64_t>(denom, 1));
-        model::StepStats s = m.step(mb, so);
-        loss += s.loss;
-        zl += s.z_loss;
+  }
+  const ops::AdamWClip device_clip{ctl_sumsq, ctl_loss, clip};
+  // A step whose optimizer has been issued and whose host side (skip accounting, metrics, logs,
+  // evaluation, checkpoint) is still to be done.
+  struct Pending {
+    int64_t step = -1;
+    double lr = 0, flops = 0;
+    int64_t tokens = 0;
+    size_t slot = 0;
+    // Known at once on the CPU; read from the staging slot on the device.
+    double loss = 0, zl = 0, gnorm = 0;
+    std::string nonfinite;
+  };
+  std::optional<Pending> pending;
+  bool stop = false;
+  // Finishes step q.step; returns true when the run stops there.
+  auto finalise = [&](Pending& q) -> bool {
+    const int64_t step = q.step;
+    if (deferred) {
+      Staged& st = staged[q.slot];
+      st.fence.wait();  // this step's copies only: later work stays queued on the device
+      const char* h = static_cast<const char*>(st.host.data());
+      double ss = 0;
+      std::memcpy(&ss, h, sizeof(double));
+      q.loss = q.zl = 0;
+      for (int64_t k = 0; k < accum; ++k) {
+        float l = 0, z = 0;
+        std::memcpy(&l, h + sizeof(double) + static_cast<size_t>(k) * sizeof(float), sizeof(float));
+        std::memcpy(&z, h + sizeof(double) + loss_bytes + static_cast<size_t>(k) * sizeof(float),
+                    sizeof(float));
+        q.loss += l;
+        q.zl += z;
       }
-    } catch (const NonFiniteError& e) {
-      // An op's input check found NaN/inf inside the step (the cpu path checks gates and states).
-      nonfinite = e.message();
-      loss = std::numeric_limits<double>::quiet_NaN();
+      q.gnorm = std::sqrt(ss);
     }
-    double gnorm = std::numeric_limits<double>::quiet_NaN();
-    if (nonfinite.empty()) {
-      ProfileRange pr("grad_norm");
-      gnorm = ops::grad_global_norm(m.grads());
-    }
+    const double loss = q.loss, zl = q.zl, gnorm = q.gnorm, lr = q.lr;
     const bool finite = std::isfinite(loss) && std::isfinite(gnorm);
-    const double lr = sched.at(step);
     if (!finite) {
-      if (nonfinite.empty()) nonfinite = first_nonfinite(m);
+      std::string nonfinite = q.nonfinite;
+      if (nonfinite.empty())
+        nonfinite = deferred ? fmt::format(
+                                   "loss {}, gradient norm {} (the device skipped the "
+                                   "update)",
+                                   loss, gnorm)
+                             : first_nonfinite(m);
       GDN_CHECK_HINT(!fail_on_nonfinite,
                      "unset GDN_FAIL_ON_NONFINITE to skip such steps, or lower optim.lr",
                      "GDN_FAIL_ON_NONFINITE: step {} has a non-finite loss or gradient; first "
@@ -661,41 +687,9 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
       ++res.skipped_steps;
       log::warn("step {}: non-finite loss or gradient ({}); step skipped ({} so far)", step + 1,
                 nonfinite, res.skipped_steps);
-    } else {
-      hyper.lr = lr;
-      hyper.step = step + 1 - res.skipped_steps;
-      hyper.grad_scale = ops::clip_scale(gnorm, clip);
-      ProfileRange pr("optimizer");
-      ops::adamw_step(params, hyper);
-      if (on_device) {
-        for (size_t i : f32_compute)
-          copy_bytes(m.param(i).data(), Device::CUDA, dev.master[i].data(), Device::CUDA,
-                     static_cast<size_t>(dev.master[i].nbytes()));
-      } else {
-        m.load_params(master);
-      }
     }
-    if (prof) {
-      device_synchronize(step_device);
-      const double wall_ms =
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - prof_t0)
-              .count();
-      set_active_profiler(nullptr);
-      res.profile = prof->rows();
-      res.profile_step_ms = wall_ms;
-      prof.reset();
-      write_profile(run_dir, step + 1, res.profile, wall_ms, tokens);
-      if (!topt.quiet)
-        log::info(
-            "profile of step {} ({} tokens, {} backend; {}, synchronised "
-            "step):\n{}",
-            step + 1, tokens, backend_name(backend),
-            on_device ? "CUDA-event times" : "wall-clock times",
-            format_profile(res.profile, wall_ms));
-    }
-    double flops = 0;
-    for (const MicroBatch& mb : mbs) flops += step_flops(mcfg, mb);
-    window_flops += flops;
+    const int64_t tokens = q.tokens;
+    window_flops += q.flops;
     if (step == start_step && !topt.quiet) {
       log::info("first step finished {:.2f} s after launch", since_launch());
       if (on_device)
@@ -768,8 +762,145 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
       }
       save_checkpoint(cd, step + 1, mcfg, master, opt, trainer_state(step + 1));
     }
-    if (stopping) break;
+    return stopping;
+  };
+  uint64_t drains0 = 0;
+  for (int64_t step = start_step; step < steps && !stop; ++step) {
+    if (on_device && steps - start_step >= 4) {
+      if (step == start_step + 2) drains0 = device_drains();
+      if (step == steps - 1) res.steady_drains = static_cast<int64_t>(device_drains() - drains0);
+    }
+    // --profile-step: the step runs alone on the device (synchronised before and after) with its
+    // ranges timed by CUDA events (ProfileRange in the model and here).
+    std::unique_ptr<Profiler> prof;
+    std::chrono::steady_clock::time_point prof_t0;
+    if (step + 1 == topt.profile_step) {
+      if (pending) {
+        stop = finalise(*pending);
+        pending.reset();
+        if (stop) break;
+      }
+      device_synchronize(step_device);
+      prof = std::make_unique<Profiler>(step_device);
+      set_active_profiler(prof.get());
+      prof_t0 = std::chrono::steady_clock::now();
+    }
+    m.zero_grads();
+    std::vector<MicroBatch> mbs;
+    int64_t denom = 0, tokens = 0;
+    for (int64_t k = 0; k < accum; ++k) {
+      mbs.push_back(data->train_batch(step, k));
+      denom += mbs.back().num_targets();
+      tokens += mbs.back().num_tokens();
+    }
+    Pending cur;
+    cur.step = step;
+    cur.lr = sched.at(step);
+    cur.tokens = tokens;
+    cur.slot = static_cast<size_t>(step & 1);
+    for (const MicroBatch& mb : mbs) cur.flops += step_flops(mcfg, mb);
+    try {
+      for (size_t k = 0; k < mbs.size(); ++k) {
+        model::StepOptions so;
+        so.backward = true;
+        so.z_loss = z_loss;
+        so.loss_denominator = static_cast<double>(std::max<int64_t>(denom, 1));
+        so.host_stats = !deferred;
+        model::StepStats s = m.step(mbs[k], so);
+        if (deferred) {
+          copy_bytes_async(ctl_loss.ptr<float>() + k, Device::CUDA, s.loss_dev.data(), Device::CUDA,
+                           sizeof(float));
+          copy_bytes_async(ctl_z.ptr<float>() + k, Device::CUDA, s.z_loss_dev.data(), Device::CUDA,
+                           sizeof(float));
+        } else {
+          cur.loss += s.loss;
+          cur.zl += s.z_loss;
+        }
+      }
+    } catch (const NonFiniteError& e) {
+      // An op's input check found NaN/inf inside the step (the cpu path checks gates and states).
+      cur.nonfinite = e.message();
+      cur.loss = std::numeric_limits<double>::quiet_NaN();
+    }
+    if (deferred) {
+      if (!cur.nonfinite.empty()) {  // a host-side check threw: make the device skip the update
+        const float nan = std::numeric_limits<float>::quiet_NaN();
+        copy_bytes(ctl_loss.ptr<float>(), Device::CUDA, &nan, Device::CPU, sizeof(float));
+      }
+      {
+        ProfileRange pr("grad_norm");
+        ops::grad_sumsq_into(m.grads(), ctl_sumsq);
+      }
+      // The previous step's host side, while the device works on this one.
+      if (pending) {
+        stop = finalise(*pending);
+        pending.reset();
+        if (stop) break;
+      }
+      hyper.lr = cur.lr;
+      hyper.step = step + 1 - res.skipped_steps;
+      hyper.grad_scale = 1.0;
+      {
+        ProfileRange pr("optimizer");
+        ops::adamw_step(params, hyper, device_clip);  // skips itself on a non-finite sum or loss
+        for (size_t i : f32_compute)
+          copy_bytes_async(m.param(i).data(), Device::CUDA, dev.master[i].data(), Device::CUDA,
+                           static_cast<size_t>(dev.master[i].nbytes()));
+      }
+      Staged& st = staged[cur.slot];
+      char* h = static_cast<char*>(st.host.data());
+      copy_bytes_async(h, Device::CPU, ctl_sumsq.ptr<double>(), Device::CUDA, sizeof(double));
+      copy_bytes_async(h + sizeof(double), Device::CPU, ctl_loss.ptr<float>(), Device::CUDA,
+                       loss_bytes);
+      copy_bytes_async(h + sizeof(double) + loss_bytes, Device::CPU, ctl_z.ptr<float>(),
+                       Device::CUDA, loss_bytes);
+      st.fence.record();
+    } else {
+      if (cur.nonfinite.empty()) {
+        ProfileRange pr("grad_norm");
+        cur.gnorm = ops::grad_global_norm(m.grads());
+      } else {
+        cur.gnorm = std::numeric_limits<double>::quiet_NaN();
+      }
+      if (std::isfinite(cur.loss) && std::isfinite(cur.gnorm)) {
+        hyper.lr = cur.lr;
+        hyper.step = step + 1 - res.skipped_steps;
+        hyper.grad_scale = ops::clip_scale(cur.gnorm, clip);
+        ProfileRange pr("optimizer");
+        ops::adamw_step(params, hyper);
+        m.load_params(master);
+      }
+    }
+    if (prof) {
+      device_synchronize(step_device);
+      const double wall_ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - prof_t0)
+              .count();
+      set_active_profiler(nullptr);
+      res.profile = prof->rows();
+      res.profile_step_ms = wall_ms;
+      prof.reset();
+      write_profile(run_dir, step + 1, res.profile, wall_ms, tokens);
+      if (!topt.quiet)
+        log::info(
+            "profile of step {} ({} tokens, {} backend; {}, synchronised "
+            "step):\n{}",
+            step + 1, tokens, backend_name(backend),
+            on_device ? "CUDA-event times" : "wall-clock times",
+            format_profile(res.profile, wall_ms));
+    }
+    // Finalised at once: the CPU, and device steps whose host side needs this step's state.
+    const bool now_steps = !deferred || step + 1 == steps || step + 1 == topt.profile_step ||
+                           (eval_every > 0 && (step + 1) % eval_every == 0) ||
+                           (ckpt_every > 0 && (step + 1) % ckpt_every == 0) ||
+                           (topt.stop_after > 0 && step + 1 - start_step >= topt.stop_after);
+    if (now_steps) {
+      stop = finalise(cur);
+    } else {
+      pending = std::move(cur);
+    }
   }
+  if (pending && !stop) finalise(*pending);
   (void)untouched;
   if (!topt.quiet) {
     if (res.eval_accuracy >= 0)

@@ -37,6 +37,10 @@ struct TrainResult {
   // --profile-step: the profiled step's ranges (name, calls, ms) and its wall time.
   std::vector<Profiler::Row> profile;
   double profile_step_ms = 0;
+  // cuda: how often the host drained the device's queue (device_drains()) between the start of
+  // this process's third step and the start of its last one; -1 when not measured (cpu, or fewer
+  // than four steps). The step loop issues no synchronisation, so this is 0.
+  int64_t steady_drains = -1;
 };
 
 struct TrainOptions {

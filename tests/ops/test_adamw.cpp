@@ -9,6 +9,7 @@
 #include <limits>
 
 #include "ops/adamw/op.h"
+#include "ops/adamw_clip_check.h"
 #include "ops/dense_test_util.h"
 #include "support/op_test_util.h"
 
@@ -295,6 +296,52 @@ TEST(AdamW, MultiTensorCallEqualsOneCallPerTensor) {
     EXPECT_EQ(std::memcmp(a[i].view().data(), b[i].view().data(), a[i].view().nbytes()), 0) << i;
 }
 
+TEST(AdamW, ClipDecidedWhereTheTensorsLiveMatchesTheHostScale) {
+  testing_adamw::check_clip_on_device(Device::CPU);
+}
+
+TEST(AdamW, BadClipInputIsAClearError) {
+  auto p = OwnedTensor::zeros(DType::F32, {3});
+  auto g = OwnedTensor::zeros(DType::F32, {3});
+  auto m = OwnedTensor::zeros(DType::F32, {3});
+  auto v = OwnedTensor::zeros(DType::F32, {3});
+  std::vector<AdamWParam> ps = {{p, g, m, v, Tensor(), true, "w"}};
+  auto ss32 = OwnedTensor::zeros(DType::F32, {1});
+  auto ss2 = OwnedTensor::zeros(DType::F64, {2});
+  auto ss = OwnedTensor::zeros(DType::F64, {1});
+  auto li = OwnedTensor::zeros(DType::I32, {2});
+  auto l2d = OwnedTensor::zeros(DType::F32, {1, 2});
+  AdamWHyper h;
+  testing::expect_error(
+      [&] {
+        adamw_step(ps, h, AdamWClip{ss32, Tensor(), 1.0});
+      },
+      "'clip_sumsq' has dtype F32");
+  testing::expect_error([&] { adamw_step(ps, h, AdamWClip{ss2, Tensor(), 1.0}); }, "clip_sumsq");
+  testing::expect_error(
+      [&] {
+        adamw_step(ps, h, AdamWClip{Tensor(), ss, 1.0});
+      },
+      "clip losses given without clip sumsq");
+  testing::expect_error(
+      [&] {
+        adamw_step(ps, h, AdamWClip{ss, li, 1.0});
+      },
+      "'clip_losses' has dtype I32");
+  testing::expect_error(
+      [&] {
+        adamw_step(ps, h, AdamWClip{ss, l2d, 1.0});
+      },
+      "'clip_losses' has shape [1, 2]");
+  testing::expect_error(
+      [&] {
+        adamw_step(ps, h, AdamWClip{ss, Tensor(), std::numeric_limits<double>::infinity()});
+      },
+      "max_norm must be finite");
+  std::vector<Tensor> gs = {g};
+  testing::expect_error([&] { grad_sumsq_into(gs, ss32); }, "'out' has dtype F32");
+}
+
 TEST(AdamW, BadInputIsAClearError) {
   auto p = OwnedTensor::zeros(DType::F32, {4, 6});
   auto g = OwnedTensor::zeros(DType::F32, {4, 6});
@@ -374,16 +421,21 @@ void no_bias_correction(const AdamWStep& s) {
 void decay_everything(const AdamWStep& s) {
   std::vector<AdamWParam> ps(s.params.begin(), s.params.end());
   for (auto& e : ps) e.decay = true;
-  cpu_step({ps, s.hyper});
+  cpu_step({ps, s.hyper, s.clip});
 }
 double cpu_sumsq(std::span<const Tensor> g) {
   return Registry::global().table<AdamWTable>("adamw", OpQuery{Backend::Cpu, "", {}}).grad_sumsq(g);
 }
+void cpu_sumsq_into(std::span<const Tensor> g, const Tensor& out) {
+  Registry::global()
+      .table<AdamWTable>("adamw", OpQuery{Backend::Cpu, "", {}})
+      .grad_sumsq_into(g, out);
+}
 void cpu_refresh(std::span<const Bf16Copy> c) {
   Registry::global().table<AdamWTable>("adamw", OpQuery{Backend::Cpu, "", {}}).refresh_bf16(c);
 }
-const AdamWTable kNoBias{no_bias_correction, cpu_sumsq, cpu_refresh};
-const AdamWTable kDecayAll{decay_everything, cpu_sumsq, cpu_refresh};
+const AdamWTable kNoBias{no_bias_correction, cpu_sumsq, cpu_sumsq_into, cpu_refresh};
+const AdamWTable kDecayAll{decay_everything, cpu_sumsq, cpu_sumsq_into, cpu_refresh};
 
 TEST(AdamW, ProbeAcceptsCpuAndRejectsWrongVariants) {
   const Resolution& r = Registry::global().resolve("adamw", OpQuery{Backend::Cpu, "", {}});

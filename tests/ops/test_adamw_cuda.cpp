@@ -13,6 +13,7 @@
 #include "backend/tolerances.h"
 #include "gdn/core/rng.h"
 #include "ops/adamw/op.h"
+#include "ops/adamw_clip_check.h"
 #include "ops/cuda_test_util.h"
 
 namespace gdn::ops {
@@ -219,6 +220,10 @@ TEST_F(AdamWCuda, GlobalNormOverManyUnitsAndLists) {
   for (int rep = 0; rep < 3; ++rep) EXPECT_EQ(grad_global_norm(g), got) << "rep " << rep;
 }
 
+TEST_F(AdamWCuda, ClipDecidedOnTheDeviceMatchesTheHostScaleWithoutDraining) {
+  testing_adamw::check_clip_on_device(Device::CUDA);
+}
+
 TEST_F(AdamWCuda, RefreshBf16RoundsToNearestEven) {
   // Masters exactly halfway between two bf16 values (m + 1/2) 2^e with m of 8 significant bits
   // (ties go to the even m), just above and below such ties, random values, and specials.
@@ -257,6 +262,9 @@ TEST_F(AdamWCuda, ResolverChoosesCudaAndItPassesItsProbe) {
 const AdamWTable* real_table() { return cuda_table<AdamWTable>("adamw", "cuda.multi_tensor"); }
 void real_step(const AdamWStep& s) { real_table()->step(s); }
 double real_sumsq(std::span<const Tensor> g) { return real_table()->grad_sumsq(g); }
+void real_sumsq_into(std::span<const Tensor> g, const Tensor& out) {
+  real_table()->grad_sumsq_into(g, out);
+}
 void real_refresh(std::span<const Bf16Copy> c) { real_table()->refresh_bf16(c); }
 void unscaled_step(const AdamWStep& s) {
   AdamWStep t = s;
@@ -269,8 +277,8 @@ double head_sumsq(std::span<const Tensor> grads) {
     heads.push_back(g.numel() > 1 ? g.reshape({g.numel()}).slice0(0, g.numel() - 1) : g);
   return real_table()->grad_sumsq(heads);
 }
-const AdamWTable kWrongStep{unscaled_step, real_sumsq, real_refresh};
-const AdamWTable kWrongNorm{real_step, head_sumsq, real_refresh};
+const AdamWTable kWrongStep{unscaled_step, real_sumsq, real_sumsq_into, real_refresh};
+const AdamWTable kWrongNorm{real_step, head_sumsq, real_sumsq_into, real_refresh};
 
 TEST_F(AdamWCuda, ProbeRejectsWrongCudaKernels) {
   ASSERT_NE(real_table(), nullptr) << "cuda.multi_tensor is not registered";

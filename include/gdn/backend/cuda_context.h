@@ -68,4 +68,8 @@ inline cudaStream_t stream() { return Context::get().stream(); }
 // installed and cuda_available() of gdn/core/tensor.h is true as well).
 bool device_present();
 
+// Counts one drain (device_drains() of gdn/core/tensor.h): every cudaStreamSynchronize and
+// cudaDeviceSynchronize the library issues, synchronous copies included, calls it first.
+void note_drain();
+
 }  // namespace gdn::cuda

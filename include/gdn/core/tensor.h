@@ -102,6 +102,19 @@ struct DeviceHooks {
                  size_t height) = nullptr;
   // Bytes of device memory in use (total - free), for the memory report. Optional.
   size_t (*memory_used)() = nullptr;
+  // Stream-ordered copy in any direction without waiting (host memory from host_alloc_pinned).
+  void (*copy_async)(void* dst, const void* src, size_t n) = nullptr;
+  // Page-locked host memory (cudaMallocHost), which copy_async reads and writes directly.
+  void* (*host_alloc_pinned)(size_t bytes) = nullptr;
+  void (*host_free_pinned)(void* p) = nullptr;
+  // Events on the compute stream: record marks the work issued so far, synchronize waits for it.
+  void* (*event_create)() = nullptr;
+  void (*event_destroy)(void* e) = nullptr;
+  void (*event_record)(void* e) = nullptr;
+  void (*event_synchronize)(void* e) = nullptr;
+  // How many times the host has waited for all the device work issued so far (device or stream
+  // synchronisation, synchronous copies; not event waits, which wait for an earlier mark).
+  uint64_t (*drains)() = nullptr;
 };
 void set_cuda_hooks(const DeviceHooks& hooks);
 bool cuda_available();
@@ -116,6 +129,47 @@ void copy_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, siz
 void device_synchronize(Device d);
 // Device memory in use by this process and others (cudaMemGetInfo total - free); 0 without CUDA.
 size_t device_memory_used();
+
+// --- transfers that do not wait (a training step never synchronises the host, issue 8) ---------
+// Host memory that the device copies to and from without staging: page-locked when `device` is
+// CUDA, ordinary memory for the CPU. Owned, freed on destruction; zero-initialised.
+class HostStaging {
+ public:
+  HostStaging() = default;
+  HostStaging(size_t bytes, Device device);
+  void* data() const { return p_.get(); }
+  size_t size() const { return n_; }
+
+ private:
+  std::shared_ptr<void> p_;
+  size_t n_ = 0;
+};
+// Copies n bytes in the compute stream's order without waiting for it: device to device, or
+// between device memory and a HostStaging buffer of that device (host to host: memcpy). The host
+// side must not be touched until a StreamFence recorded after the copy has been waited on.
+void copy_bytes_async(void* dst, Device dst_dev, const void* src, Device src_dev, size_t n);
+// A mark in the compute stream: record() covers the work issued so far, wait() blocks the host
+// until it is done. For the CPU both are no-ops (every CPU op completes before it returns).
+class StreamFence {
+ public:
+  explicit StreamFence(Device device = Device::CPU);
+  ~StreamFence();
+  StreamFence(const StreamFence&) = delete;
+  StreamFence& operator=(const StreamFence&) = delete;
+  StreamFence(StreamFence&& o) noexcept;
+  StreamFence& operator=(StreamFence&& o) noexcept;
+  void record();
+  void wait();
+
+ private:
+  Device device_ = Device::CPU;
+  void* event_ = nullptr;
+};
+// How many times this process has drained the device's queue: waited for all the work issued so
+// far (device or stream synchronisation, synchronous copies), leaving the device idle until the
+// host issues more. 0 without CUDA. A training step must not add any (tests check the difference);
+// StreamFence::wait waits for an earlier mark and is not counted.
+uint64_t device_drains();
 
 // --- owned tensors ---------------------------------------------------------------------------
 class OwnedTensor {

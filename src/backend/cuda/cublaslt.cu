@@ -169,6 +169,7 @@ void lt_matmul(const LtMatmul& g) {
                                   g.c, p.lc, g.c, p.lc, &p.algo, ctx.workspace(),
                                   ctx.workspace_bytes(), ctx.stream()));
 #ifndef NDEBUG
+  note_drain();
   GDN_CUDA_CHECK(cudaStreamSynchronize(ctx.stream()));  // fault at its own call in debug builds
 #endif
 }

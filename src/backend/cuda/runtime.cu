@@ -1,6 +1,7 @@
 // The CUDA runtime of libgdn: device hooks for gdn/core/tensor.h (installed at static-init time
 // when a device is present), the per-process Context, and the error reporting behind cuda_check.h.
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <string>
 
@@ -54,6 +55,7 @@ namespace {
 constexpr size_t kCublasLtWorkspace = size_t{32} << 20;
 
 bool g_device_present = false;
+std::atomic<uint64_t> g_drains{0};
 
 // --- device hooks (gdn/core/tensor.h) ----------------------------------------------------------
 void* hook_alloc(size_t bytes) {
@@ -88,8 +90,22 @@ void hook_free(void* p) {
 void hook_copy(void* dst, const void* src, size_t n) {
   cudaStream_t s = stream();
   GDN_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, s));
+  note_drain();
   GDN_CUDA_CHECK(cudaStreamSynchronize(s));
 }
+
+// Any direction, stream-ordered, no wait: the host side is page-locked (hook_host_alloc_pinned),
+// so the driver neither stages nor blocks.
+void hook_copy_async(void* dst, const void* src, size_t n) {
+  GDN_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, stream()));
+}
+void* hook_host_alloc_pinned(size_t bytes) {
+  void* p = nullptr;
+  GDN_CUDA_CHECK(cudaMallocHost(&p, bytes));
+  return p;
+}
+void hook_host_free_pinned(void* p) { (void)cudaFreeHost(p); }
+uint64_t hook_drains() { return g_drains.load(std::memory_order_relaxed); }
 
 // Device to device: stream-ordered, no host wait (a training step never synchronises).
 void hook_copy_d2d(void* dst, const void* src, size_t n) {
@@ -110,7 +126,10 @@ size_t hook_memory_used() {
 
 void hook_memset_zero(void* p, size_t n) { GDN_CUDA_CHECK(cudaMemsetAsync(p, 0, n, stream())); }
 
-void hook_synchronize() { GDN_CUDA_CHECK(cudaDeviceSynchronize()); }
+void hook_synchronize() {
+  note_drain();
+  GDN_CUDA_CHECK(cudaDeviceSynchronize());
+}
 
 // Profiler events (--profile-step): timing events recorded on the compute stream.
 void* hook_event_create() {
@@ -151,6 +170,14 @@ bool install_hooks() {
   h.memory_used = hook_memory_used;
   h.memset_zero = hook_memset_zero;
   h.synchronize = hook_synchronize;
+  h.copy_async = hook_copy_async;
+  h.host_alloc_pinned = hook_host_alloc_pinned;
+  h.host_free_pinned = hook_host_free_pinned;
+  h.event_create = hook_event_create;
+  h.event_destroy = hook_event_destroy;
+  h.event_record = hook_event_record;
+  h.event_synchronize = hook_event_synchronize;
+  h.drains = hook_drains;
   set_cuda_hooks(h);
   ProfileHooks ph;
   ph.event_create = hook_event_create;
@@ -169,6 +196,8 @@ bool install_hooks() {
 }  // namespace
 
 bool device_present() { return g_device_present; }
+
+void note_drain() { g_drains.fetch_add(1, std::memory_order_relaxed); }
 
 Context& Context::get() {
   // Leaked on purpose (see cuda_context.h).
@@ -196,6 +225,7 @@ void* Context::scratch(size_t bytes) {
   std::lock_guard lock(scratch_mu_);
   if (bytes <= scratch_bytes_) return scratch_;
   // Earlier work on the stream may still read the old buffer.
+  note_drain();
   GDN_CUDA_CHECK(cudaStreamSynchronize(stream_));
   if (scratch_ != nullptr) GDN_CUDA_CHECK(cudaFree(scratch_));
   scratch_ = nullptr;

@@ -34,6 +34,8 @@ std::vector<Chunk> chunks_of(size_t count, Get numel) {
 
 void step(const AdamWStep& s) {
   const AdamWHyper& h = s.hyper;
+  const double grad_scale = host_clip_decision(s);
+  if (grad_scale < 0) return;  // a non-finite sum or loss: the step is skipped
   // Scalars in fp64 on the host, rounded once to fp32 (torch's foreach AdamW does the same).
   const double t = static_cast<double>(h.step);
   const double bc1 = 1.0 - std::pow(h.beta1, t), bc2 = 1.0 - std::pow(h.beta2, t);
@@ -42,7 +44,7 @@ void step(const AdamWStep& s) {
   const float decay_factor = static_cast<float>(1.0 - h.lr * h.weight_decay);
   const float b1 = static_cast<float>(h.beta1), omb1 = static_cast<float>(1.0 - h.beta1);
   const float b2 = static_cast<float>(h.beta2), omb2 = static_cast<float>(1.0 - h.beta2);
-  const float eps = static_cast<float>(h.eps), scale = static_cast<float>(h.grad_scale);
+  const float eps = static_cast<float>(h.eps), scale = static_cast<float>(grad_scale);
   const std::vector<Chunk> work =
       chunks_of(s.params.size(), [&](size_t i) { return s.params[i].p.numel(); });
 #pragma omp parallel for schedule(static)
@@ -85,6 +87,10 @@ double grad_sumsq(std::span<const Tensor> grads) {
   return total;
 }
 
+void grad_sumsq_into(std::span<const Tensor> grads, const Tensor& out) {
+  out.ptr<double>()[0] = grad_sumsq(grads);
+}
+
 void refresh_bf16(std::span<const Bf16Copy> copies) {
   const std::vector<Chunk> work =
       chunks_of(copies.size(), [&](size_t i) { return copies[i].master.numel(); });
@@ -97,7 +103,7 @@ void refresh_bf16(std::span<const Bf16Copy> copies) {
   }
 }
 
-const AdamWTable kTable{step, grad_sumsq, refresh_bf16};
+const AdamWTable kTable{step, grad_sumsq, grad_sumsq_into, refresh_bf16};
 }  // namespace
 
 GDN_REGISTER(adamw_cpu) {

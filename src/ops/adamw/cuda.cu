@@ -103,8 +103,35 @@ __device__ __forceinline__ uint2 pack4_bf16(float a, float b, float c, float d) 
   return make_uint2(cuda::pack2(a, b), cuda::pack2(c, d));
 }
 
+// The clip decision of a step with clip_sumsq (op.h), made on the device by one thread in fp64 as
+// host_clip_decision makes it on the host (IEEE sqrt and division: the same bits): ctl[0] = the
+// fp32 gradient scale, ctl[1] = 1 when the step is skipped (a non-finite sum or loss).
+__global__ void adamw_clip_kernel(const double* sumsq, const void* losses, int n_losses,
+                                  int losses_f64, double grad_scale, double max_norm, float* ctl) {
+  const double ss = *sumsq;
+  bool finite = isfinite(ss);
+  for (int i = 0; i < n_losses; ++i)
+    finite =
+        finite && isfinite(losses_f64 ? static_cast<const double*>(losses)[i]
+                                      : static_cast<double>(static_cast<const float*>(losses)[i]));
+  double c = 1.0;
+  if (max_norm > 0) {
+    const double q = max_norm / (sqrt(ss) + 1e-6);
+    c = q < 1.0 ? q : 1.0;
+  }
+  ctl[0] = static_cast<float>(grad_scale * c);
+  ctl[1] = finite ? 0.f : 1.f;
+}
+
+// ctl: null (sc.scale applies) or adamw_clip_kernel's output (skip flag, then the scale).
 __global__ void __launch_bounds__(kThreads)
-    adamw_step_kernel(const __grid_constant__ TensorList<5> list, const AdamWScalars sc) {
+    adamw_step_kernel(const __grid_constant__ TensorList<5> list, const AdamWScalars scalars,
+                      const float* ctl) {
+  AdamWScalars sc = scalars;
+  if (ctl != nullptr) {
+    if (ctl[1] != 0.f) return;
+    sc.scale = ctl[0];
+  }
   const int64_t u = blockIdx.x;
   const int i = find_tensor(list, u);
   const int64_t begin = (u - list.first_unit[i]) * kUnit;
@@ -311,9 +338,21 @@ void step(const AdamWStep& s) {
   sc.eps = static_cast<float>(h.eps);
   sc.scale = static_cast<float>(h.grad_scale);
   sc.decay_factor = static_cast<float>(1.0 - h.lr * h.weight_decay);
-  cudaStream_t stream = cuda::stream();
+  cuda::Context& ctx = cuda::Context::get();
+  cudaStream_t stream = ctx.stream();
+  float* ctl = nullptr;
+  const AdamWClip& c = s.clip;
+  if (c.sumsq.defined()) {
+    ctl = static_cast<float*>(ctx.scratch(2 * sizeof(float)));
+    const bool lf = c.losses.defined();
+    adamw_clip_kernel<<<1, 1, 0, stream>>>(c.sumsq.ptr<double>(), lf ? c.losses.data() : nullptr,
+                                           lf ? static_cast<int>(c.losses.numel()) : 0,
+                                           lf && c.losses.dtype() == DType::F64 ? 1 : 0,
+                                           h.grad_scale, c.max_norm, ctl);
+    GDN_CUDA_LAUNCH_CHECK("adamw_clip_kernel");
+  }
   auto launch = [&](const TensorList<5>& l, int64_t units, int64_t) {
-    adamw_step_kernel<<<static_cast<unsigned>(units), kThreads, 0, stream>>>(l, sc);
+    adamw_step_kernel<<<static_cast<unsigned>(units), kThreads, 0, stream>>>(l, sc, ctl);
     GDN_CUDA_LAUNCH_CHECK("adamw_step_kernel");
   };
   ListBatcher<5, decltype(launch)> batch(launch);
@@ -327,14 +366,18 @@ void step(const AdamWStep& s) {
   batch.flush();
 }
 
-double grad_sumsq(std::span<const Tensor> grads) {
+// The sum of squares into *dst (device memory), on the compute stream.
+void sumsq_to(std::span<const Tensor> grads, double* dst) {
   int64_t total = 0;
   for (const Tensor& g : grads) total += units_of(g.numel());
-  if (total == 0) return 0.0;
   cuda::Context& ctx = cuda::Context::get();
-  double* partial = static_cast<double*>(  // [total + 1]: the unit sums, then the result
-      ctx.scratch(static_cast<size_t>(total + 1) * sizeof(double)));
   cudaStream_t stream = ctx.stream();
+  if (total == 0) {
+    GDN_CUDA_CHECK(cudaMemsetAsync(dst, 0, sizeof(double), stream));
+    return;
+  }
+  double* partial = static_cast<double*>(  // [total]: the unit sums
+      ctx.scratch(static_cast<size_t>(total) * sizeof(double)));
   auto launch = [&](const TensorList<1>& l, int64_t units, int64_t first) {
     grad_sumsq_kernel<<<static_cast<unsigned>(units), kThreads, 0, stream>>>(l, partial + first);
     GDN_CUDA_LAUNCH_CHECK("grad_sumsq_kernel");
@@ -342,13 +385,28 @@ double grad_sumsq(std::span<const Tensor> grads) {
   ListBatcher<1, decltype(launch)> batch(launch);
   for (const Tensor& g : grads) batch.add(g.numel(), {g.data()}, false, cuda::aligned16(g.data()));
   batch.flush();
-  sum_partials_kernel<<<1, kSumThreads, 0, stream>>>(partial, total, partial + total);
+  sum_partials_kernel<<<1, kSumThreads, 0, stream>>>(partial, total, dst);
   GDN_CUDA_LAUNCH_CHECK("sum_partials_kernel");
+}
+
+void grad_sumsq_into(std::span<const Tensor> grads, const Tensor& out) {
+  sumsq_to(grads, out.ptr<double>());
+}
+
+double grad_sumsq(std::span<const Tensor> grads) {
+  cuda::Context& ctx = cuda::Context::get();
+  // The result after the unit sums (scratch is reused by sumsq_to: one extra double at the end).
+  int64_t total = 0;
+  for (const Tensor& g : grads) total += units_of(g.numel());
+  double* res =
+      static_cast<double*>(ctx.scratch(static_cast<size_t>(total + 1) * sizeof(double))) + total;
+  sumsq_to(grads, res);
   // The contract returns a host double: the one synchronisation of the optimizer's calls.
   double result = 0.0;
   GDN_CUDA_CHECK(
-      cudaMemcpyAsync(&result, partial + total, sizeof(double), cudaMemcpyDeviceToHost, stream));
-  GDN_CUDA_CHECK(cudaStreamSynchronize(stream));
+      cudaMemcpyAsync(&result, res, sizeof(double), cudaMemcpyDeviceToHost, ctx.stream()));
+  cuda::note_drain();
+  GDN_CUDA_CHECK(cudaStreamSynchronize(ctx.stream()));
   return result;
 }
 
@@ -365,7 +423,7 @@ void refresh_bf16(std::span<const Bf16Copy> copies) {
   batch.flush();
 }
 
-const AdamWTable kTable{step, grad_sumsq, refresh_bf16};
+const AdamWTable kTable{step, grad_sumsq, grad_sumsq_into, refresh_bf16};
 
 }  // namespace
 

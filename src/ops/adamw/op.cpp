@@ -46,8 +46,29 @@ void validate_hyper(const AdamWHyper& h) {
             "{}: grad_scale must be finite and >= 0, got {}", kOp, h.grad_scale);
 }
 
-void validate_step(std::span<const AdamWParam> params, const AdamWHyper& h) {
+void validate_clip(const AdamWClip& h, Device device) {
+  GDN_CHECK(std::isfinite(h.max_norm), "{}: max_norm must be finite, got {}", kOp, h.max_norm);
+  if (!h.sumsq.defined()) {
+    GDN_CHECK(!h.losses.defined(), "{}: clip losses given without clip sumsq", kOp);
+    return;
+  }
+  expect_tensor(h.sumsq, kOp, "clip_sumsq", DType::F64, {1});
+  expect_device(h.sumsq, kOp, "clip_sumsq", device);
+  if (h.losses.defined()) {
+    const DType dt = h.losses.dtype();
+    GDN_CHECK(dt == DType::F32 || dt == DType::F64,
+              "{}: tensor 'clip_losses' has dtype {}, expected F32 or F64", kOp, dtype_name(dt));
+    GDN_CHECK(h.losses.ndim() == 1, "{}: tensor 'clip_losses' has shape {}, expected [n]", kOp,
+              h.losses.shape_str());
+    expect_contiguous(h.losses, kOp, "clip_losses");
+    expect_device(h.losses, kOp, "clip_losses", device);
+  }
+}
+
+void validate_step(std::span<const AdamWParam> params, const AdamWHyper& h,
+                   const AdamWClip& clip = {}) {
   validate_hyper(h);
+  if (!params.empty()) validate_clip(clip, params[0].p.device());
   for (size_t i = 0; i < params.size(); ++i) {
     const AdamWParam& e = params[i];
     const std::string pn = label(e, i, "p");
@@ -152,8 +173,8 @@ ProbeError probe(const ImplDesc& impl, const OpQuery&) {
   err.fwd = std::abs(nc - nr) / nr;
   for (int64_t t = 1; t <= 3; ++t) {
     AdamWHyper h{0.05, 0.9, 0.95, 1e-8, 0.1, t, t == 2 ? clip_scale(nr, 0.5 * nr) : 1.0};
-    ref.step({rp, h});
-    cand.step({cp, h});
+    ref.step({rp, h, {}});
+    cand.step({cp, h, {}});
   }
   std::vector<double> dr, dc, mr, mc, vr, vc;
   for (size_t i = 0; i < slots.size(); ++i) {
@@ -209,20 +230,49 @@ void run(const ImplDesc& impl, OpIO& io, bool backward) {
   h.grad_scale = io.attr("grad_scale", 1.0) * clip_scale(norm, io.attr("max_norm", 0.0));
   AdamWParam e{p, g, m, v, p_bf16, io.attr("decay", 1) != 0, "p"};
   validate_step(std::span<const AdamWParam>(&e, 1), h);
-  t.step({std::span<const AdamWParam>(&e, 1), h});
+  t.step({std::span<const AdamWParam>(&e, 1), h, {}});
 }
 }  // namespace
 
-void adamw_step(std::span<const AdamWParam> params, const AdamWHyper& hyper) {
-  validate_step(params, hyper);
+void adamw_step(std::span<const AdamWParam> params, const AdamWHyper& hyper,
+                const AdamWClip& clip) {
+  validate_step(params, hyper, clip);
   if (params.empty()) return;
-  table_for(params[0].p).step({params, hyper});
+  table_for(params[0].p).step({params, hyper, clip});
 }
 
 double grad_global_norm(std::span<const Tensor> grads) {
   validate_grads(grads);
   if (grads.empty()) return 0.0;
   return std::sqrt(table_for(grads[0]).grad_sumsq(grads));
+}
+
+void grad_sumsq_into(std::span<const Tensor> grads, const Tensor& out) {
+  validate_grads(grads);
+  expect_tensor(out, kOp, "out", DType::F64, {1});
+  if (grads.empty()) {
+    const double zero = 0.0;
+    copy_bytes(out.data(), out.device(), &zero, Device::CPU, sizeof(double));
+    return;
+  }
+  expect_device(out, kOp, "out", grads[0].device());
+  table_for(grads[0]).grad_sumsq_into(grads, out);
+}
+
+double host_clip_decision(const AdamWStep& s) {
+  const AdamWClip& c = s.clip;
+  if (!c.sumsq.defined()) return s.hyper.grad_scale;
+  const double ss = c.sumsq.ptr<double>()[0];
+  bool finite = std::isfinite(ss);
+  if (c.losses.defined()) {
+    const int64_t n = c.losses.numel();
+    for (int64_t i = 0; i < n; ++i)
+      finite = finite && std::isfinite(c.losses.dtype() == DType::F64
+                                           ? c.losses.ptr<double>()[i]
+                                           : static_cast<double>(c.losses.ptr<float>()[i]));
+  }
+  if (!finite) return -1.0;
+  return s.hyper.grad_scale * clip_scale(std::sqrt(ss), c.max_norm);
 }
 
 double clip_scale(double norm, double max_norm) {

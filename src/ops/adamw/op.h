@@ -38,7 +38,8 @@
 // to 128 passed as kernel arguments (no device table to build, nothing allocated or copied): a
 // call over a whole model (hundreds of tensors) is a handful of launches, balanced over 4096-
 // element units whatever the tensor sizes. step and refresh_bf16 never synchronise with the host;
-// grad_sumsq synchronises once, to return its host double (call it once per optimizer step).
+// grad_sumsq synchronises once, to return its host double; grad_sumsq_into and a step with
+// clip.sumsq never do (the trainer's path on the device).
 // Pointers that are not 16-byte aligned (8-byte for the bf16 copy) are handled, on a slower
 // per-element path.
 #pragma once
@@ -70,9 +71,23 @@ struct AdamWHyper {
   double grad_scale = 1.0;  // multiplies every gradient (clip scale)
 };
 
+// Clipping and skipping decided where the tensors live, without a host round trip (a training
+// step never waits for the device, issue 8). When sumsq is defined (F64 [1] on the parameters'
+// device, written by grad_sumsq_into), the step computes there, in fp64,
+//   scale = hyper.grad_scale * clip_scale(sqrt(sumsq), max_norm)
+// (bitwise what the host would pass as grad_scale) and, when the sum or any of `losses`
+// (optional, F32 or F64 [n] on the same device: the step's losses) is not finite, leaves every
+// tensor unchanged (p, m, v and the bf16 copy): the step is skipped.
+struct AdamWClip {
+  Tensor sumsq;
+  Tensor losses;
+  double max_norm = 0;  // <= 0: no clipping (non-finite values still skip)
+};
+
 struct AdamWStep {
   std::span<const AdamWParam> params;
   AdamWHyper hyper;
+  AdamWClip clip;  // undefined sumsq: hyper.grad_scale as given
 };
 
 // A master tensor and the BF16 copy refreshed from it.
@@ -84,13 +99,23 @@ struct Bf16Copy {
 struct AdamWTable {
   void (*step)(const AdamWStep&);
   double (*grad_sumsq)(std::span<const Tensor> grads);  // sum of squares, fp64 accumulation
+  // The same sum written to `out` (one double on the gradients' device), without waiting.
+  void (*grad_sumsq_into)(std::span<const Tensor> grads, const Tensor& out);
   void (*refresh_bf16)(std::span<const Bf16Copy> copies);
 };
 
 // Validate, resolve the implementation for the tensors' backend, run. An empty list is a no-op.
-void adamw_step(std::span<const AdamWParam> params, const AdamWHyper& hyper);
+void adamw_step(std::span<const AdamWParam> params, const AdamWHyper& hyper,
+                const AdamWClip& clip = {});
 double grad_global_norm(std::span<const Tensor> grads);
+// The sum of squares of grad_global_norm (the same bits), into out: F64 [1] on the gradients'
+// device; on cuda it is issued on the compute stream and does not wait.
+void grad_sumsq_into(std::span<const Tensor> grads, const Tensor& out);
 double clip_scale(double norm, double max_norm);
+// For host implementations of the step: the gradient scale of `s` (hyper.grad_scale, or with
+// clip.sumsq defined grad_scale * clip_scale(sqrt(sumsq), max_norm) read from host memory), or -1
+// when the step must be skipped (a non-finite sum or loss).
+double host_clip_decision(const AdamWStep& s);
 void adamw_refresh_bf16(std::span<const Bf16Copy> copies);
 
 // The dtype of p, g, m, v for a backend's activation dtype (F64 for ref, F32 otherwise).

@@ -25,6 +25,8 @@ uint16_t f64_to_bf16_bits(double d) {
 
 void step(const AdamWStep& s) {
   const AdamWHyper& h = s.hyper;
+  const double scale = host_clip_decision(s);
+  if (scale < 0) return;  // a non-finite sum or loss: the step is skipped
   const double t = static_cast<double>(h.step);
   const double bc1 = 1.0 - std::pow(h.beta1, t), bc2 = 1.0 - std::pow(h.beta2, t);
   for (const AdamWParam& e : s.params) {
@@ -34,7 +36,7 @@ void step(const AdamWStep& s) {
     double* m = e.m.ptr<double>();        // [n]
     double* v = e.v.ptr<double>();        // [n]
     for (int64_t i = 0; i < n; ++i) {
-      const double gi = h.grad_scale * g[i];
+      const double gi = scale * g[i];
       m[i] = h.beta1 * m[i] + (1.0 - h.beta1) * gi;
       v[i] = h.beta2 * v[i] + (1.0 - h.beta2) * gi * gi;
       if (e.decay) p[i] -= h.lr * h.weight_decay * p[i];
@@ -56,6 +58,10 @@ double grad_sumsq(std::span<const Tensor> grads) {
   return s;
 }
 
+void grad_sumsq_into(std::span<const Tensor> grads, const Tensor& out) {
+  out.ptr<double>()[0] = grad_sumsq(grads);
+}
+
 void refresh_bf16(std::span<const Bf16Copy> copies) {
   for (const Bf16Copy& c : copies) {
     const double* src = c.master.ptr<double>();  // [n]
@@ -64,7 +70,7 @@ void refresh_bf16(std::span<const Bf16Copy> copies) {
   }
 }
 
-const AdamWTable kTable{step, grad_sumsq, refresh_bf16};
+const AdamWTable kTable{step, grad_sumsq, grad_sumsq_into, refresh_bf16};
 }  // namespace
 
 GDN_REGISTER(adamw_ref) {
