@@ -35,18 +35,19 @@ namespace gdn::ops::attn {
 
 constexpr int kPipeDqKeys = 64;  // keys per step of the pipelined dq kernel
 
+// Each adds 1024 bytes: the kernels start their tiles on a 1024-byte boundary (dyn_smem_1k).
 template <int HD>
 constexpr size_t fwd_pipe_smem_bytes() {  // Q [BM x HD], K and V [2][BN x HD]
-  return sizeof(bf16_t) * HD * (kBigTile + 4 * kFwdKeys);
+  return sizeof(bf16_t) * HD * (kBigTile + 4 * kFwdKeys) + 1024;
 }
 template <int HD>
 constexpr size_t dq_pipe_smem_bytes() {  // Q, dA [BM x HD], three K / V slots [BN x HD]
-  return sizeof(bf16_t) * HD * (2 * kBigTile + 3 * kPipeDqKeys);
+  return sizeof(bf16_t) * HD * (2 * kBigTile + 3 * kPipeDqKeys) + 1024;
 }
 template <int HD>
 constexpr size_t dkdv_pipe_smem_bytes() {  // K, V; Q, dA [2]; Pᵀ fp32 [64 x 64]; lse, D [2][64]
   return sizeof(bf16_t) * HD * 6 * kSmallTile + sizeof(float) * kSmallTile * kSmallTile +
-         sizeof(float) * 4 * kSmallTile;
+         sizeof(float) * 4 * kSmallTile + 1024;
 }
 static_assert(fwd_pipe_smem_bytes<256>() <= 227 * 1024 && dq_pipe_smem_bytes<256>() <= 227 * 1024 &&
                   dkdv_pipe_smem_bytes<256>() <= 227 * 1024,
@@ -58,13 +59,14 @@ static_assert(fwd_pipe_smem_bytes<256>() <= 227 * 1024 && dq_pipe_smem_bytes<256
 // iteration; the last P V follows the loop. Shared: K_j in slot j % 2, V_j in slot j % 2; at the
 // top of iteration j (after the barrier that ends every warp's iteration j-1) the copies of K_{j+1}
 // and V_j start, into the slots of K_{j-1} and V_{j-2}, which no product reads any more.
-template <int HD>
+template <int HD, bool SW>
 __global__ void __launch_bounds__(kThreads, 1) attn_fwd_pipe_kernel(const FwdParams p) {
   constexpr int BM = kBigTile, BN = kFwdKeys;
-  constexpr uint32_t ROWB = 16 * HD;                   // bytes per 8 rows of a tile
-  bf16_t* sQ = reinterpret_cast<bf16_t*>(dyn_smem());  // [BM x HD] chunk-row
-  bf16_t* sK = sQ + BM * HD;                           // [2][BN x HD]
-  bf16_t* sV = sK + 2 * BN * HD;                       // [2][BN x HD]
+  using LB = TileL<SW, BM, HD>;                           // Q
+  using LN = TileL<SW, BN, HD>;                           // K, V
+  bf16_t* sQ = reinterpret_cast<bf16_t*>(dyn_smem_1k());  // [BM x HD] chunk-row
+  bf16_t* sK = sQ + BM * HD;                              // [2][BN x HD]
+  bf16_t* sV = sK + 2 * BN * HD;                          // [2][BN x HD]
 
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const int h = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.Hq));
@@ -85,14 +87,14 @@ __global__ void __launch_bounds__(kThreads, 1) attn_fwd_pipe_kernel(const FwdPar
   const bf16_t* gK = p.k_hat + static_cast<size_t>(j) * p.hd;  // row u at + u·ldkv
   const bf16_t* gV = p.v + static_cast<size_t>(j) * p.hd;
 
-  load_tile_step<BM, HD>(sQ, gQ + q0 * ldq, ldq, q_end - q0, p.hd, tid);
-  load_tile_step<BN, HD>(sK, gK + d.b * ldkv, ldkv, imin(BN, q_end - d.b), p.hd, tid);
+  load_tile_l<SW, BM, HD>(sQ, gQ + q0 * ldq, ldq, q_end - q0, p.hd, tid);
+  load_tile_l<SW, BN, HD>(sK, gK + d.b * ldkv, ldkv, imin(BN, q_end - d.b), p.hd, tid);
   cp_async_commit();
 
   const int g = lane >> 2, c = lane & 3;
   const int t0 = q0 + warp * 16 + g, t1 = t0 + 8;  // this thread's rows (tokens)
   const unsigned char* qrows =                     // this warpgroup's 64 query rows
-      reinterpret_cast<const unsigned char*>(sQ) + (warp >> 2) * 8 * ROWB;
+      reinterpret_cast<const unsigned char*>(sQ) + LB::rows((warp >> 2) * 64);
   float acc[HD / 2];  // O, C layout of m64nHD
 #pragma unroll
   for (int i = 0; i < HD / 2; ++i) acc[i] = 0.f;
@@ -107,13 +109,13 @@ __global__ void __launch_bounds__(kThreads, 1) attn_fwd_pipe_kernel(const FwdPar
     __syncthreads();  // ... everybody's part; every warp is done with K_{jt-1} and V_{jt-2}
     if (jt + 1 < nk) {
       const int k1 = d.b + (jt + 1) * BN;
-      load_tile_step<BN, HD>(sK + ((jt + 1) & 1) * BN * HD, gK + k1 * ldkv, ldkv,
-                             imin(BN, q_end - k1), p.hd, tid);
+      load_tile_l<SW, BN, HD>(sK + ((jt + 1) & 1) * BN * HD, gK + k1 * ldkv, ldkv,
+                              imin(BN, q_end - k1), p.hd, tid);
     }
     {
       const int k0 = d.b + jt * BN;
-      load_tile_step<BN, HD>(sV + (jt & 1) * BN * HD, gV + k0 * ldkv, ldkv, imin(BN, q_end - k0),
-                             p.hd, tid);
+      load_tile_l<SW, BN, HD>(sV + (jt & 1) * BN * HD, gV + k0 * ldkv, ldkv, imin(BN, q_end - k0),
+                              p.hd, tid);
     }
     cp_async_commit();
     const unsigned char* Vp =  // V_{jt-1}
@@ -125,15 +127,14 @@ __global__ void __launch_bounds__(kThreads, 1) attn_fwd_pipe_kernel(const FwdPar
     for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
     uint64_t vdesc[BN / 16];  // formed before the first wgmma of the stage (C7513)
 #pragma unroll
-    for (int ks = 0; ks < BN / 16; ++ks) vdesc[ks] = smem_desc(Vp + ks * 2 * ROWB, ROWB, 128);
+    for (int ks = 0; ks < BN / 16; ++ks) vdesc[ks] = LN::desc_mn(Vp) + LN::mn_step(ks);
     reg_fence(s);
     reg_fence_u(pa);
     reg_fence(acc);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk)
-      wgmma_ss<BN, 0>(s, smem_desc(qrows + kk * 256, 128, ROWB), smem_desc(K + kk * 256, 128, ROWB),
-                      1);
+      wgmma_ss<BN, 0>(s, LB::desc_k(qrows) + LB::k_step(kk), LN::desc_k(K) + LN::k_step(kk), 1);
     wgmma_commit();
     if (jt > 0) {
       wgmma_fence();
@@ -206,7 +207,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_fwd_pipe_kernel(const FwdPar
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < BN / 16; ++ks)
-      wgmma_rs<HD, 1>(acc, pa[ks], smem_desc(Vp + ks * 2 * ROWB, ROWB, 128), 1);
+      wgmma_rs<HD, 1>(acc, pa[ks], LN::desc_mn(Vp) + LN::mn_step(ks), 1);
     wgmma_commit();
     wgmma_wait<0>();
     reg_fence(acc);
@@ -246,13 +247,14 @@ __global__ void __launch_bounds__(kThreads, 1) attn_fwd_pipe_kernel(const FwdPar
 // cp.async groups, in commit order: {Q, dA, K_0}, {V_0}, then per step {K_{j+1}} at its top and
 // {V_{j+1}} after its second barrier (empty groups where there is nothing left to copy), so that
 // "all but the newest group" is K_j at the top of step j and V_j after its first wgmma group.
-template <int HD>
+template <int HD, bool SW>
 __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_pipe_kernel(const BwdParams p) {
   constexpr int BM = kBigTile, BN = kPipeDqKeys;
-  constexpr uint32_t ROWB = 16 * HD;
-  bf16_t* sQ = reinterpret_cast<bf16_t*>(dyn_smem());  // [BM x HD]
-  bf16_t* sA = sQ + BM * HD;                           // [BM x HD] dA
-  bf16_t* sKV = sA + BM * HD;                          // [3][BN x HD]: K, K, V
+  using LB = TileL<SW, BM, HD>;                           // Q, dA
+  using LN = TileL<SW, BN, HD>;                           // K, V
+  bf16_t* sQ = reinterpret_cast<bf16_t*>(dyn_smem_1k());  // [BM x HD]
+  bf16_t* sA = sQ + BM * HD;                              // [BM x HD] dA
+  bf16_t* sKV = sA + BM * HD;                             // [3][BN x HD]: K, K, V
 
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const int h = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.Hq));
@@ -276,11 +278,11 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_pipe_kernel(const Bwd
   const bf16_t* gV = p.v + static_cast<size_t>(j) * p.hd;
   bf16_t* const sVs = sKV + 2 * BN * HD;  // the V slot
 
-  load_tile_step<BM, HD>(sQ, gQ + q0 * ldq, ldq, q_end - q0, p.hd, tid);
-  load_tile_step<BM, HD>(sA, gA + q0 * lda, lda, q_end - q0, p.hd, tid);
-  load_tile_step<BN, HD>(sKV, gK + d.b * ldkv, ldkv, imin(BN, q_end - d.b), p.hd, tid);
+  load_tile_l<SW, BM, HD>(sQ, gQ + q0 * ldq, ldq, q_end - q0, p.hd, tid);
+  load_tile_l<SW, BM, HD>(sA, gA + q0 * lda, lda, q_end - q0, p.hd, tid);
+  load_tile_l<SW, BN, HD>(sKV, gK + d.b * ldkv, ldkv, imin(BN, q_end - d.b), p.hd, tid);
   cp_async_commit();
-  load_tile_step<BN, HD>(sVs, gV + d.b * ldkv, ldkv, imin(BN, q_end - d.b), p.hd, tid);
+  load_tile_l<SW, BN, HD>(sVs, gV + d.b * ldkv, ldkv, imin(BN, q_end - d.b), p.hd, tid);
   cp_async_commit();
 
   const int g = lane >> 2, c = lane & 3;
@@ -294,7 +296,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_pipe_kernel(const Bwd
     lse2[r] = ok ? p.lse[row] * kLog2e : INFINITY;
     Dr[r] = ok ? p.D[row] : 0.f;
   }
-  const size_t wg_off = static_cast<size_t>(warp >> 2) * 8 * ROWB;  // this warpgroup's 64 rows
+  const size_t wg_off = LB::rows((warp >> 2) * 64);  // this warpgroup's 64 rows
   const unsigned char* qrows = reinterpret_cast<const unsigned char*>(sQ) + wg_off;
   const unsigned char* arows = reinterpret_cast<const unsigned char*>(sA) + wg_off;
   const unsigned char* V = reinterpret_cast<const unsigned char*>(sVs);
@@ -308,8 +310,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_pipe_kernel(const Bwd
     __syncthreads();  // K_jt visible; every warp is done with step jt-1 (the slot of K_{jt-1})
     if (jt + 1 < nk) {
       const int k1 = d.b + (jt + 1) * BN;
-      load_tile_step<BN, HD>(sKV + ((jt + 1) & 1) * BN * HD, gK + k1 * ldkv, ldkv,
-                             imin(BN, q_end - k1), p.hd, tid);
+      load_tile_l<SW, BN, HD>(sKV + ((jt + 1) & 1) * BN * HD, gK + k1 * ldkv, ldkv,
+                              imin(BN, q_end - k1), p.hd, tid);
     }
     cp_async_commit();  // {K_{jt+1}}
     const unsigned char* K = reinterpret_cast<const unsigned char*>(sKV + (jt & 1) * BN * HD);
@@ -324,16 +326,14 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_pipe_kernel(const Bwd
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk)
-      wgmma_ss<BN, 0>(s, smem_desc(qrows + kk * 256, 128, ROWB), smem_desc(K + kk * 256, 128, ROWB),
-                      1);
+      wgmma_ss<BN, 0>(s, LB::desc_k(qrows) + LB::k_step(kk), LN::desc_k(K) + LN::k_step(kk), 1);
     wgmma_commit();
     cp_async_wait<1>();  // V_jt: all but {K_{jt+1}}
     fence_proxy_async();
     __syncthreads();  // V_jt visible
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk)
-      wgmma_ss<BN, 0>(dp, smem_desc(arows + kk * 256, 128, ROWB),
-                      smem_desc(V + kk * 256, 128, ROWB), 1);
+      wgmma_ss<BN, 0>(dp, LB::desc_k(arows) + LB::k_step(kk), LN::desc_k(V) + LN::k_step(kk), 1);
     wgmma_commit();
     wgmma_wait<0>();
     reg_fence(s);
@@ -341,7 +341,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_pipe_kernel(const Bwd
     __syncthreads();  // every warp is done with V_jt
     if (jt + 1 < nk) {
       const int k1 = d.b + (jt + 1) * BN;
-      load_tile_step<BN, HD>(sVs, gV + k1 * ldkv, ldkv, imin(BN, q_end - k1), p.hd, tid);
+      load_tile_l<SW, BN, HD>(sVs, gV + k1 * ldkv, ldkv, imin(BN, q_end - k1), p.hd, tid);
     }
     cp_async_commit();  // {V_{jt+1}}
 
@@ -364,7 +364,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_pipe_kernel(const Bwd
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < BN / 16; ++ks)
-      wgmma_rs<HD, 1>(acc, pa[ks], smem_desc(K + ks * 2 * ROWB, ROWB, 128), 1);
+      wgmma_rs<HD, 1>(acc, pa[ks], LN::desc_mn(K) + LN::mn_step(ks), 1);
     wgmma_commit();
     wgmma_wait<0>();
     reg_fence(acc);
@@ -397,15 +397,15 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_pipe_kernel(const Bwd
 // sP is rewritten for the next item only after the block barrier that starts it, which warpgroup
 // 1 reaches after its reads. Epilogue: warpgroup 0 writes dv (bf16), warpgroup 1 dk_hat =
 // scale · dK (fp32 scratch), for the keys inside the document.
-template <int HD>
+template <int HD, bool SW>
 __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dkdv_pipe_kernel(const BwdParams p) {
   constexpr int BN = kSmallTile, BM = kSmallTile;
-  constexpr uint32_t ROWB = 16 * HD;
-  constexpr int kBarP = 1;                                 // named barrier: Pᵀ written
-  bf16_t* sK = reinterpret_cast<bf16_t*>(dyn_smem());      // [BN x HD]
-  bf16_t* sV = sK + BN * HD;                               // [BN x HD]
-  bf16_t* sQ = sV + BN * HD;                               // [2][BM x HD]
-  bf16_t* sA = sQ + 2 * BM * HD;                           // [2][BM x HD] dA
+  using LN = TileL<SW, BN, HD>;                           // K, V, Q, dA
+  constexpr int kBarP = 1;                                // named barrier: Pᵀ written
+  bf16_t* sK = reinterpret_cast<bf16_t*>(dyn_smem_1k());  // [BN x HD]
+  bf16_t* sV = sK + BN * HD;                              // [BN x HD]
+  bf16_t* sQ = sV + BN * HD;                              // [2][BM x HD]
+  bf16_t* sA = sQ + 2 * BM * HD;                          // [2][BM x HD] dA
   float* sP = reinterpret_cast<float*>(sA + 2 * BM * HD);  // [BN·BM / 128][128] Pᵀ, register order
   float* sL = sP + BN * BM;                                // [2][BM] lse · log2e
   float* sD = sL + 2 * BM;                                 // [2][BM] D
@@ -436,21 +436,38 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dkdv_pipe_kernel(const B
   auto load_item = [&](int it, int b) {
     const int h = j * p.group + it / n_m;
     const int qs = d.b + (m_first + it % n_m) * BM, rows = imin(BM, d.e - qs);
-    load_tile_step<BM, HD>(sQ + b * BM * HD, p.q_hat + static_cast<size_t>(h) * p.hd + qs * ldq,
-                           ldq, rows, p.hd, tid);
-    load_tile_step<BM, HD>(sA + b * BM * HD, p.dA + static_cast<size_t>(h) * 2 * p.hd + qs * lda,
-                           lda, rows, p.hd, tid);
-    if (tid < BM) {
-      const bool ok = tid < rows;
-      const size_t row = static_cast<size_t>(qs + (ok ? tid : 0)) * p.Hq + h;
-      sL[b * BM + tid] = ok ? p.lse[row] * kLog2e : INFINITY;
-      sD[b * BM + tid] = ok ? p.D[row] : 0.f;
-    }
+    load_tile_l<SW, BM, HD>(sQ + b * BM * HD, p.q_hat + static_cast<size_t>(h) * p.hd + qs * ldq,
+                            ldq, rows, p.hd, tid);
+    load_tile_l<SW, BM, HD>(sA + b * BM * HD, p.dA + static_cast<size_t>(h) * 2 * p.hd + qs * lda,
+                            lda, rows, p.hd, tid);
   };
-  load_tile_step<BN, HD>(sK, gK + k0 * ldkv, ldkv, k_end - k0, p.hd, tid);
-  load_tile_step<BN, HD>(sV, gV + k0 * ldkv, ldkv, k_end - k0, p.hd, tid);
+  // lse and D of an item's rows (threads tid < BM, one row each) travel through registers one
+  // item ahead: fetched at the top of item it - 1, stored to sL / sD at the top of item it, so
+  // that no warp waits for the load (a plain load and store at the top of the item would stall
+  // warps 0-1, and with them warpgroup 0's first product, for a whole L2 round trip).
+  float nl = 0.f, nd = 0.f;  // raw lse, D of the next item's row tid
+  bool nok = false;          // that row lies inside the document
+  auto fetch_ld = [&](int it) {
+    const int h = j * p.group + it / n_m;
+    const int qs = d.b + (m_first + it % n_m) * BM;
+    nok = tid < d.e - qs;
+    const size_t row = static_cast<size_t>(qs + (nok ? tid : 0)) * p.Hq + h;
+    nl = p.lse[row];
+    nd = p.D[row];
+  };
+  auto store_ld = [&](int b) {
+    sL[b * BM + tid] = nok ? nl * kLog2e : INFINITY;
+    sD[b * BM + tid] = nok ? nd : 0.f;
+  };
+  load_tile_l<SW, BN, HD>(sK, gK + k0 * ldkv, ldkv, k_end - k0, p.hd, tid);
+  load_tile_l<SW, BN, HD>(sV, gV + k0 * ldkv, ldkv, k_end - k0, p.hd, tid);
   load_item(0, 0);
   cp_async_commit();
+  if (tid < BM) {
+    fetch_ld(0);
+    store_ld(0);
+    if (n_items > 1) fetch_ld(1);
+  }
 
   const int g = lane >> 2, c = lane & 3;
   const int wg = warp >> 2, wtid = tid & 127;  // warpgroup, thread in the warpgroup
@@ -470,6 +487,10 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dkdv_pipe_kernel(const B
     if (it + 1 < n_items) {
       load_item(it + 1, buf ^ 1);
       cp_async_commit();
+      if (tid < BM) {
+        store_ld(buf ^ 1);                       // item it + 1 (fetched at the top of item it - 1)
+        if (it + 2 < n_items) fetch_ld(it + 2);  // stored at the top of item it + 1
+      }
     }
     const unsigned char* Q = reinterpret_cast<const unsigned char*>(sQ + buf * BM * HD);
     const unsigned char* A = reinterpret_cast<const unsigned char*>(sA + buf * BM * HD);
@@ -487,10 +508,11 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dkdv_pipe_kernel(const B
     wgmma_fence();
     // Descriptors advance by adding to their address field (bytes / 16): no carry can leave it,
     // shared addresses are below 2^18.
-    const uint64_t da = smem_desc(wg == 0 ? Kt : Vt, 128, ROWB);
-    const uint64_t db = smem_desc(wg == 0 ? Q : A, 128, ROWB);
+    const uint64_t da = LN::desc_k(wg == 0 ? Kt : Vt);
+    const uint64_t db = LN::desc_k(wg == 0 ? Q : A);
 #pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) wgmma_ss<BM, 0>(st, da + kk * 16, db + kk * 16, 1);
+    for (int kk = 0; kk < HD / 16; ++kk)
+      wgmma_ss<BM, 0>(st, da + LN::k_step(kk), db + LN::k_step(kk), 1);
     wgmma_commit();
     wgmma_wait<0>();
     reg_fence(st);
@@ -516,12 +538,11 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dkdv_pipe_kernel(const B
     }
     acc_to_a<BM>(st, pa);
     // dV += Pᵀ dA (warpgroup 0) or dK += dSᵀ Q (warpgroup 1).
-    const uint64_t db2 = smem_desc(wg == 0 ? A : Q, ROWB, 128);
+    const uint64_t db2 = LN::desc_mn(wg == 0 ? A : Q);
     reg_fence_u(pa);
     wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < BM / 16; ++ks)
-      wgmma_rs<HD, 1>(acc, pa[ks], db2 + ks * (2 * ROWB / 16), 1);
+    for (int ks = 0; ks < BM / 16; ++ks) wgmma_rs<HD, 1>(acc, pa[ks], db2 + LN::mn_step(ks), 1);
     wgmma_commit();
     wgmma_wait<0>();
     reg_fence(acc);

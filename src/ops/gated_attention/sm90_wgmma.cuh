@@ -210,6 +210,80 @@ __device__ __forceinline__ void load_tile_step(bf16_t* dst, const bf16_t* src, s
   }
 }
 
+// The tile layouts of the wgmma kernels, chosen by SW: false, the chunk-row layout above; true,
+// the 128-byte-swizzled layout of the descriptors' SWIZZLE_128B mode (PTX ISA, "Shared Memory
+// Matrix Layout"; CUTLASS cute/atom/mma_traits_sm90_gmma.hpp, make_gmma_desc, documents the
+// canonical forms): an R x HD tile is HD / 64 column blocks of R rows x 128 bytes, block b at
+// b · 128R, and the 16-byte chunk j (0..7) of row r of a block at r · 128 + ((j ^ (r % 8)) · 16).
+// The XOR uses address bits 7-9, so tiles start on 1024-byte boundaries. In the swizzled layout
+// eight consecutive threads copy one whole 128-byte row segment (one L2 line, four sectors) into
+// eight different bank groups; in the chunk-row layout a warp's copy touches eight lines, two
+// sectors each (FlashAttention-3's tiles are 128-byte swizzled for the same reason).
+//   K-major operand (rows along M or N, HD along K): LBO unused (16), SBO = 1024 (8 rows); the
+//     k16 step kk starts (kk / 4) · 128R + (kk % 4) · 32 bytes in.
+//   MN-major operand (rows along K, HD along N): LBO = 128R (next column block), SBO = 1024
+//     (next 8 rows of K); the k16 step ks starts 16 · 128 · ks bytes in.
+template <bool SW, int R, int HD>
+struct TileL {
+  static_assert(R % 8 == 0 && HD % 64 == 0, "tile shape");
+  static constexpr uint32_t kRowB = 16 * HD;  // chunk-row: bytes per 8 rows
+  static constexpr uint64_t kSw128 = 1ull << 62;
+  // Byte offset of row r0 (a multiple of 8): the first row of a sub-tile of the same layout.
+  static constexpr uint32_t rows(int r0) {
+    return SW ? static_cast<uint32_t>(r0) * 128u : static_cast<uint32_t>(r0 / 8) * kRowB;
+  }
+  // Descriptor offsets (16-byte units) of k16 step kk (K-major) or ks (MN-major).
+  static constexpr uint64_t k_step(int kk) {
+    return SW ? (static_cast<uint64_t>(kk >> 2) * R * 128 + (kk & 3) * 32) >> 4
+              : static_cast<uint64_t>(kk) * 16;
+  }
+  static constexpr uint64_t mn_step(int ks) {
+    return SW ? static_cast<uint64_t>(ks) * 128 : static_cast<uint64_t>(ks) * 2 * kRowB / 16;
+  }
+  static __device__ __forceinline__ uint64_t desc_k(const void* p) {
+    return SW ? smem_desc(p, 16, 1024) | kSw128 : smem_desc(p, 128, kRowB);
+  }
+  static __device__ __forceinline__ uint64_t desc_mn(const void* p) {
+    return SW ? smem_desc(p, 128 * R, 1024) | kSw128 : smem_desc(p, kRowB, 128);
+  }
+};
+
+// load_tile_step in either layout. Swizzled: thread tid copies chunk c = tid % CH of rows
+// tid / CH + k · STEP (STEP = kThreads / CH, a multiple of 8, so its XOR term stays fixed); a
+// warp reads 32 · 16 contiguous bytes of global memory (HD = 256: one whole row).
+template <bool SW, int ROWS, int HD>
+__device__ __forceinline__ void load_tile_l(bf16_t* dst, const bf16_t* src, size_t ld,
+                                            int valid_rows, int hd, int tid) {
+  if constexpr (!SW) {
+    load_tile_step<ROWS, HD>(dst, src, ld, valid_rows, hd, tid);
+  } else {
+    constexpr int CH = HD / 8;
+    constexpr int STEP = kThreads / CH;
+    static_assert(STEP % 8 == 0 && ROWS % STEP == 0, "tile not a whole number of steps");
+    const int c = tid % CH;
+    int r = tid / CH;
+    const bool col_ok = c * 8 < hd;
+    const bf16_t* s = src + static_cast<size_t>(r) * ld + c * 8;
+    uint32_t off =
+        static_cast<uint32_t>((c >> 3) * ROWS * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+#pragma unroll 2
+    for (int it = 0; it < ROWS / STEP; ++it) {
+      const bool valid = col_ok && r < valid_rows;
+      cp_async_16(reinterpret_cast<bf16_t*>(reinterpret_cast<unsigned char*>(dst) + off),
+                  valid ? s : src, valid);
+      r += STEP;
+      s += STEP * ld;
+      off += STEP * 128;
+    }
+  }
+}
+
+// The dynamic shared memory rounded up to 1024 bytes (the kernels ask for 1024 bytes more).
+__device__ __forceinline__ unsigned char* dyn_smem_1k() {
+  unsigned char* p = dyn_smem();
+  return p + ((1024u - (smem_u32(p) & 1023u)) & 1023u);
+}
+
 template <int R>
 __device__ __forceinline__ void reg_fence_u(uint32_t (&a)[R][4]) {
 #pragma unroll
