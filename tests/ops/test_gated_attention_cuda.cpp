@@ -114,9 +114,10 @@ DevInputs to_device(const Inputs& in) {
           b(in.dout)};
 }
 
-const char* const kImpls[] = {"cuda.flash", "cuda.pipe", "cuda.swz"};
-// The resolver's choice on Hopper: the highest priority (cuda.swz 40, cuda.pipe 30, cuda.flash 10).
-constexpr const char* kPreferred = "cuda.swz";
+const char* const kImpls[] = {"cuda.flash", "cuda.pipe", "cuda.pipe_xi"};
+// The resolver's choice on Hopper: the highest priority (cuda.pipe_xi 35, cuda.pipe 30, cuda.flash
+// 10).
+constexpr const char* kPreferred = "cuda.pipe_xi";
 
 // The function table of a registered CUDA implementation.
 const GatedAttentionTable& table_of(const std::string& impl) {

@@ -352,19 +352,19 @@ constexpr attn::AttnKernels kPipe{attn::launch_fwd_pipe, attn::launch_bwd_dq_pip
                                   attn::launch_bwd_dkdv_pipe};
 void forward_mma(const GatedAttentionFwd& a) { forward_with(a, kMmaSync); }
 void backward_mma(const GatedAttentionBwd& a) { backward_with(a, kMmaSync); }
-constexpr attn::AttnKernels kSwz{attn::launch_fwd_swz, attn::launch_bwd_dq_swz,
-                                 attn::launch_bwd_dkdv_swz};
+constexpr attn::AttnKernels kPipeXi{attn::launch_fwd_pipe, attn::launch_bwd_dq_pipe,
+                                    attn::launch_bwd_dkdv_xi};
 void forward_pipe(const GatedAttentionFwd& a) { forward_with(a, kPipe); }
 void backward_pipe(const GatedAttentionBwd& a) { backward_with(a, kPipe); }
-void forward_swz(const GatedAttentionFwd& a) { forward_with(a, kSwz); }
-void backward_swz(const GatedAttentionBwd& a) { backward_with(a, kSwz); }
+void forward_pipe_xi(const GatedAttentionFwd& a) { forward_with(a, kPipeXi); }
+void backward_pipe_xi(const GatedAttentionBwd& a) { backward_with(a, kPipeXi); }
 const GatedAttentionTable kTable{forward_mma, backward_mma};
 const GatedAttentionTable kTablePipe{forward_pipe, backward_pipe};
-const GatedAttentionTable kTableSwz{forward_swz, backward_swz};
+const GatedAttentionTable kTablePipeXi{forward_pipe_xi, backward_pipe_xi};
 
 const attn::AttnKernels& kernels_of(std::string_view impl) {
   if (impl == "cuda.flash") return kMmaSync;
-  if (impl == "cuda.swz") return kSwz;
+  if (impl == "cuda.pipe_xi") return kPipeXi;
   GDN_CHECK(impl == "cuda.pipe", "{}: no implementation named '{}'", kName, impl);
   return kPipe;
 }
@@ -401,7 +401,7 @@ GDN_REGISTER(gated_attention_cuda) {
   Registry::global().add_impl(
       {"gated_attention", "cuda.pipe", Backend::Cuda, 30, supports_wgmma, &kTablePipe});
   Registry::global().add_impl(
-      {"gated_attention", "cuda.swz", Backend::Cuda, 40, supports_wgmma, &kTableSwz});
+      {"gated_attention", "cuda.pipe_xi", Backend::Cuda, 35, supports_wgmma, &kTablePipeXi});
 }
 
 }  // namespace gdn::ops

@@ -1,9 +1,9 @@
 // Gated attention on Hopper, "cuda.pipe": the three attention kernels of cuda_fwd.cuh and
 // cuda_bwd.cuh on warpgroup MMAs (wgmma, sm_90a), with the tile products of a block overlapped.
 // Same block-to-tile maps, masking, online softmax and outputs as the mma.sync kernels; operands
-// come straight from shared memory in the chunk-row layout of sm90_wgmma.cuh, P and dS go to the
-// next product as register A operands. Warp w still owns rows 16w .. 16w+15 of its warpgroup's
-// 64-row accumulators (the m64nN accumulator layout per warp is mma.sync's m16n8 one).
+// come straight from shared memory in the 128-byte-swizzled layout of sm90_wgmma.cuh, P and dS go
+// to the next product as register A operands. Warp w still owns rows 16w .. 16w+15 of its
+// warpgroup's 64-row accumulators (the m64nN accumulator layout per warp is mma.sync's m16n8 one).
 //
 //   forward: 128 query rows (64 per warpgroup), 64 keys per step, software-pipelined per
 //     warpgroup (FlashAttention-3, Shah et al. 2024, §3.2 "intra-warpgroup overlapping"): while
@@ -59,12 +59,12 @@ static_assert(fwd_pipe_smem_bytes<256>() <= 227 * 1024 && dq_pipe_smem_bytes<256
 // iteration; the last P V follows the loop. Shared: K_j in slot j % 2, V_j in slot j % 2; at the
 // top of iteration j (after the barrier that ends every warp's iteration j-1) the copies of K_{j+1}
 // and V_j start, into the slots of K_{j-1} and V_{j-2}, which no product reads any more.
-template <int HD, bool SW>
+template <int HD>
 __global__ void __launch_bounds__(kThreads, 1) attn_fwd_pipe_kernel(const FwdParams p) {
   constexpr int BM = kBigTile, BN = kFwdKeys;
-  using LB = TileL<SW, BM, HD>;                           // Q
-  using LN = TileL<SW, BN, HD>;                           // K, V
-  bf16_t* sQ = reinterpret_cast<bf16_t*>(dyn_smem_1k());  // [BM x HD] chunk-row
+  using LB = TileL<BM, HD>;                               // Q
+  using LN = TileL<BN, HD>;                               // K, V
+  bf16_t* sQ = reinterpret_cast<bf16_t*>(dyn_smem_1k());  // [BM x HD] swizzled
   bf16_t* sK = sQ + BM * HD;                              // [2][BN x HD]
   bf16_t* sV = sK + 2 * BN * HD;                          // [2][BN x HD]
 
@@ -87,8 +87,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_fwd_pipe_kernel(const FwdPar
   const bf16_t* gK = p.k_hat + static_cast<size_t>(j) * p.hd;  // row u at + u·ldkv
   const bf16_t* gV = p.v + static_cast<size_t>(j) * p.hd;
 
-  load_tile_l<SW, BM, HD>(sQ, gQ + q0 * ldq, ldq, q_end - q0, p.hd, tid);
-  load_tile_l<SW, BN, HD>(sK, gK + d.b * ldkv, ldkv, imin(BN, q_end - d.b), p.hd, tid);
+  load_tile_sw<BM, HD>(sQ, gQ + q0 * ldq, ldq, q_end - q0, p.hd, tid);
+  load_tile_sw<BN, HD>(sK, gK + d.b * ldkv, ldkv, imin(BN, q_end - d.b), p.hd, tid);
   cp_async_commit();
 
   const int g = lane >> 2, c = lane & 3;
@@ -109,13 +109,13 @@ __global__ void __launch_bounds__(kThreads, 1) attn_fwd_pipe_kernel(const FwdPar
     __syncthreads();  // ... everybody's part; every warp is done with K_{jt-1} and V_{jt-2}
     if (jt + 1 < nk) {
       const int k1 = d.b + (jt + 1) * BN;
-      load_tile_l<SW, BN, HD>(sK + ((jt + 1) & 1) * BN * HD, gK + k1 * ldkv, ldkv,
-                              imin(BN, q_end - k1), p.hd, tid);
+      load_tile_sw<BN, HD>(sK + ((jt + 1) & 1) * BN * HD, gK + k1 * ldkv, ldkv,
+                           imin(BN, q_end - k1), p.hd, tid);
     }
     {
       const int k0 = d.b + jt * BN;
-      load_tile_l<SW, BN, HD>(sV + (jt & 1) * BN * HD, gV + k0 * ldkv, ldkv, imin(BN, q_end - k0),
-                              p.hd, tid);
+      load_tile_sw<BN, HD>(sV + (jt & 1) * BN * HD, gV + k0 * ldkv, ldkv, imin(BN, q_end - k0),
+                           p.hd, tid);
     }
     cp_async_commit();
     const unsigned char* Vp =  // V_{jt-1}
@@ -247,11 +247,11 @@ __global__ void __launch_bounds__(kThreads, 1) attn_fwd_pipe_kernel(const FwdPar
 // cp.async groups, in commit order: {Q, dA, K_0}, {V_0}, then per step {K_{j+1}} at its top and
 // {V_{j+1}} after its second barrier (empty groups where there is nothing left to copy), so that
 // "all but the newest group" is K_j at the top of step j and V_j after its first wgmma group.
-template <int HD, bool SW>
+template <int HD>
 __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_pipe_kernel(const BwdParams p) {
   constexpr int BM = kBigTile, BN = kPipeDqKeys;
-  using LB = TileL<SW, BM, HD>;                           // Q, dA
-  using LN = TileL<SW, BN, HD>;                           // K, V
+  using LB = TileL<BM, HD>;                               // Q, dA
+  using LN = TileL<BN, HD>;                               // K, V
   bf16_t* sQ = reinterpret_cast<bf16_t*>(dyn_smem_1k());  // [BM x HD]
   bf16_t* sA = sQ + BM * HD;                              // [BM x HD] dA
   bf16_t* sKV = sA + BM * HD;                             // [3][BN x HD]: K, K, V
@@ -278,11 +278,11 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_pipe_kernel(const Bwd
   const bf16_t* gV = p.v + static_cast<size_t>(j) * p.hd;
   bf16_t* const sVs = sKV + 2 * BN * HD;  // the V slot
 
-  load_tile_l<SW, BM, HD>(sQ, gQ + q0 * ldq, ldq, q_end - q0, p.hd, tid);
-  load_tile_l<SW, BM, HD>(sA, gA + q0 * lda, lda, q_end - q0, p.hd, tid);
-  load_tile_l<SW, BN, HD>(sKV, gK + d.b * ldkv, ldkv, imin(BN, q_end - d.b), p.hd, tid);
+  load_tile_sw<BM, HD>(sQ, gQ + q0 * ldq, ldq, q_end - q0, p.hd, tid);
+  load_tile_sw<BM, HD>(sA, gA + q0 * lda, lda, q_end - q0, p.hd, tid);
+  load_tile_sw<BN, HD>(sKV, gK + d.b * ldkv, ldkv, imin(BN, q_end - d.b), p.hd, tid);
   cp_async_commit();
-  load_tile_l<SW, BN, HD>(sVs, gV + d.b * ldkv, ldkv, imin(BN, q_end - d.b), p.hd, tid);
+  load_tile_sw<BN, HD>(sVs, gV + d.b * ldkv, ldkv, imin(BN, q_end - d.b), p.hd, tid);
   cp_async_commit();
 
   const int g = lane >> 2, c = lane & 3;
@@ -310,8 +310,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_pipe_kernel(const Bwd
     __syncthreads();  // K_jt visible; every warp is done with step jt-1 (the slot of K_{jt-1})
     if (jt + 1 < nk) {
       const int k1 = d.b + (jt + 1) * BN;
-      load_tile_l<SW, BN, HD>(sKV + ((jt + 1) & 1) * BN * HD, gK + k1 * ldkv, ldkv,
-                              imin(BN, q_end - k1), p.hd, tid);
+      load_tile_sw<BN, HD>(sKV + ((jt + 1) & 1) * BN * HD, gK + k1 * ldkv, ldkv,
+                           imin(BN, q_end - k1), p.hd, tid);
     }
     cp_async_commit();  // {K_{jt+1}}
     const unsigned char* K = reinterpret_cast<const unsigned char*>(sKV + (jt & 1) * BN * HD);
@@ -341,7 +341,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_pipe_kernel(const Bwd
     __syncthreads();  // every warp is done with V_jt
     if (jt + 1 < nk) {
       const int k1 = d.b + (jt + 1) * BN;
-      load_tile_l<SW, BN, HD>(sVs, gV + k1 * ldkv, ldkv, imin(BN, q_end - k1), p.hd, tid);
+      load_tile_sw<BN, HD>(sVs, gV + k1 * ldkv, ldkv, imin(BN, q_end - k1), p.hd, tid);
     }
     cp_async_commit();  // {V_{jt+1}}
 
@@ -397,10 +397,16 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_pipe_kernel(const Bwd
 // sP is rewritten for the next item only after the block barrier that starts it, which warpgroup
 // 1 reaches after its reads. Epilogue: warpgroup 0 writes dv (bf16), warpgroup 1 dk_hat =
 // scale · dK (fp32 scratch), for the keys inside the document.
-template <int HD, bool SW>
+//
+// XI (cross-item pipelining, FlashAttention-3's intra-warpgroup overlap, Shah et al. 2024, §3.2,
+// across items): each warpgroup issues the first product of item it+1 before it waits for the
+// second of item it, so the tensor cores run through the block barrier between items. Two block
+// barriers per item: B1 (item it+1's tiles visible) before the first product of it+1, B2 (both
+// warpgroups' second products of item it done) before item it+2 is copied into item it's slot.
+template <int HD, bool XI>
 __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dkdv_pipe_kernel(const BwdParams p) {
   constexpr int BN = kSmallTile, BM = kSmallTile;
-  using LN = TileL<SW, BN, HD>;                           // K, V, Q, dA
+  using LN = TileL<BN, HD>;                               // K, V, Q, dA
   constexpr int kBarP = 1;                                // named barrier: Pᵀ written
   bf16_t* sK = reinterpret_cast<bf16_t*>(dyn_smem_1k());  // [BN x HD]
   bf16_t* sV = sK + BN * HD;                              // [BN x HD]
@@ -436,10 +442,10 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dkdv_pipe_kernel(const B
   auto load_item = [&](int it, int b) {
     const int h = j * p.group + it / n_m;
     const int qs = d.b + (m_first + it % n_m) * BM, rows = imin(BM, d.e - qs);
-    load_tile_l<SW, BM, HD>(sQ + b * BM * HD, p.q_hat + static_cast<size_t>(h) * p.hd + qs * ldq,
-                            ldq, rows, p.hd, tid);
-    load_tile_l<SW, BM, HD>(sA + b * BM * HD, p.dA + static_cast<size_t>(h) * 2 * p.hd + qs * lda,
-                            lda, rows, p.hd, tid);
+    load_tile_sw<BM, HD>(sQ + b * BM * HD, p.q_hat + static_cast<size_t>(h) * p.hd + qs * ldq, ldq,
+                         rows, p.hd, tid);
+    load_tile_sw<BM, HD>(sA + b * BM * HD, p.dA + static_cast<size_t>(h) * 2 * p.hd + qs * lda, lda,
+                         rows, p.hd, tid);
   };
   // lse and D of an item's rows (threads tid < BM, one row each) travel through registers one
   // item ahead: fetched at the top of item it - 1, stored to sL / sD at the top of item it, so
@@ -459,8 +465,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dkdv_pipe_kernel(const B
     sL[b * BM + tid] = nok ? nl * kLog2e : INFINITY;
     sD[b * BM + tid] = nok ? nd : 0.f;
   };
-  load_tile_l<SW, BN, HD>(sK, gK + k0 * ldkv, ldkv, k_end - k0, p.hd, tid);
-  load_tile_l<SW, BN, HD>(sV, gV + k0 * ldkv, ldkv, k_end - k0, p.hd, tid);
+  load_tile_sw<BN, HD>(sK, gK + k0 * ldkv, ldkv, k_end - k0, p.hd, tid);
+  load_tile_sw<BN, HD>(sV, gV + k0 * ldkv, ldkv, k_end - k0, p.hd, tid);
   load_item(0, 0);
   cp_async_commit();
   if (tid < BM) {
@@ -479,74 +485,168 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dkdv_pipe_kernel(const B
 #pragma unroll
   for (int i = 0; i < HD / 2; ++i) acc[i] = 0.f;
 
-  for (int it = 0; it < n_items; ++it) {
-    const int buf = it & 1;
+  if constexpr (XI) {
+    // Sᵀ (warpgroup 0) or dPᵀ (warpgroup 1) of the item in slot sb, as one wgmma group.
+    float st[BM / 2];
+    auto issue_first = [&](int sb) {
+#pragma unroll
+      for (int i = 0; i < BM / 2; ++i) st[i] = 0.f;
+      reg_fence(st);
+      wgmma_fence();
+      const uint64_t da = LN::desc_k(wg == 0 ? Kt : Vt);
+      const uint64_t db =
+          LN::desc_k(wg == 0 ? reinterpret_cast<const unsigned char*>(sQ + sb * BM * HD)
+                             : reinterpret_cast<const unsigned char*>(sA + sb * BM * HD));
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; ++kk)
+        wgmma_ss<BM, 0>(st, da + LN::k_step(kk), db + LN::k_step(kk), 1);
+      wgmma_commit();
+    };
     cp_async_wait<0>();
     fence_proxy_async();
-    __syncthreads();  // item it visible (tiles, lse, D); every warp is done with item it-1
-    if (it + 1 < n_items) {
-      load_item(it + 1, buf ^ 1);
+    __syncthreads();  // item 0 visible
+    if (n_items > 1) {
+      load_item(1, 1);
       cp_async_commit();
       if (tid < BM) {
-        store_ld(buf ^ 1);                       // item it + 1 (fetched at the top of item it - 1)
-        if (it + 2 < n_items) fetch_ld(it + 2);  // stored at the top of item it + 1
+        store_ld(1);
+        if (n_items > 2) fetch_ld(2);
       }
     }
-    const unsigned char* Q = reinterpret_cast<const unsigned char*>(sQ + buf * BM * HD);
-    const unsigned char* A = reinterpret_cast<const unsigned char*>(sA + buf * BM * HD);
-    const float* L = sL + buf * BM;
-    const float* Dv = sD + buf * BM;
-    const int qs = d.b + (m_first + it % n_m) * BM;
-    const bool diag = k0 + BN - 1 > qs;  // some key of the tile lies after some query
-
-    // Sᵀ = K Qᵀ (warpgroup 0) or dPᵀ = V dAᵀ (warpgroup 1): 64 keys x 64 queries.
-    float st[BM / 2];
-#pragma unroll
-    for (int i = 0; i < BM / 2; ++i) st[i] = 0.f;
-    reg_fence(st);
     reg_fence(acc);
-    wgmma_fence();
-    // Descriptors advance by adding to their address field (bytes / 16): no carry can leave it,
-    // shared addresses are below 2^18.
-    const uint64_t da = LN::desc_k(wg == 0 ? Kt : Vt);
-    const uint64_t db = LN::desc_k(wg == 0 ? Q : A);
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk)
-      wgmma_ss<BM, 0>(st, da + LN::k_step(kk), db + LN::k_step(kk), 1);
-    wgmma_commit();
+    issue_first(0);
     wgmma_wait<0>();
     reg_fence(st);
+    for (int it = 0; it < n_items; ++it) {
+      const int buf = it & 1;
+      const unsigned char* Q = reinterpret_cast<const unsigned char*>(sQ + buf * BM * HD);
+      const unsigned char* A = reinterpret_cast<const unsigned char*>(sA + buf * BM * HD);
+      const float* L = sL + buf * BM;
+      const float* Dv = sD + buf * BM;
+      const int qs = d.b + (m_first + it % n_m) * BM;
+      const bool diag = k0 + BN - 1 > qs;
 
-    uint32_t pa[BM / 16][4];
-    if (wg == 0) {
+      uint32_t pa[BM / 16][4];
+      if (wg == 0) {
 #pragma unroll
-      for (int i = 0; i < BM / 2; ++i) {
-        const int q = (i >> 2) * 8 + 2 * c + (i & 1);  // query column in the item
-        float x = st[i] * p.scale_log2 - L[q];
-        if (diag && ((i & 2) ? u1 : u0) > qs + q) x = -INFINITY;
-        st[i] = ex2(x);
-        sP[i * 128 + wtid] = st[i];
+        for (int i = 0; i < BM / 2; ++i) {
+          const int q = (i >> 2) * 8 + 2 * c + (i & 1);
+          float x = st[i] * p.scale_log2 - L[q];
+          if (diag && ((i & 2) ? u1 : u0) > qs + q) x = -INFINITY;
+          st[i] = ex2(x);
+          sP[i * 128 + wtid] = st[i];
+        }
+        named_bar_arrive(kBarP, kThreads);
+      } else {
+        named_bar_sync(kBarP, kThreads);
+#pragma unroll
+        for (int i = 0; i < BM / 2; ++i) {
+          const int q = (i >> 2) * 8 + 2 * c + (i & 1);
+          st[i] = sP[i * 128 + wtid] * (st[i] - Dv[q]);
+        }
       }
-      named_bar_arrive(kBarP, kThreads);
-    } else {
-      named_bar_sync(kBarP, kThreads);
+      acc_to_a<BM>(st, pa);
+      const uint64_t db2 = LN::desc_mn(wg == 0 ? A : Q);
+      reg_fence_u(pa);
+      wgmma_fence();
 #pragma unroll
-      for (int i = 0; i < BM / 2; ++i) {
-        const int q = (i >> 2) * 8 + 2 * c + (i & 1);
-        st[i] = sP[i * 128 + wtid] * (st[i] - Dv[q]);
+      for (int ks = 0; ks < BM / 16; ++ks) wgmma_rs<HD, 1>(acc, pa[ks], db2 + LN::mn_step(ks), 1);
+      wgmma_commit();
+      if (it + 1 < n_items) {
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();  // B1: item it+1 visible; every warp is past its reads of sP (item it)
+        issue_first(buf ^ 1);
+        wgmma_wait<1>();  // this warpgroup's dV / dK product of item it is done
+        reg_fence(acc);
+        reg_fence_u(pa);
+        __syncthreads();  // B2: both warpgroups' are: slot buf is free
+        if (it + 2 < n_items) {
+          load_item(it + 2, buf);
+          cp_async_commit();
+          if (tid < BM) {
+            store_ld(buf);                           // item it + 2
+            if (it + 3 < n_items) fetch_ld(it + 3);  // stored in iteration it + 1
+          }
+        }
+        wgmma_wait<0>();
+        reg_fence(st);
+      } else {
+        wgmma_wait<0>();
+        reg_fence(acc);
+        reg_fence_u(pa);
       }
     }
-    acc_to_a<BM>(st, pa);
-    // dV += Pᵀ dA (warpgroup 0) or dK += dSᵀ Q (warpgroup 1).
-    const uint64_t db2 = LN::desc_mn(wg == 0 ? A : Q);
-    reg_fence_u(pa);
-    wgmma_fence();
+  } else {
+    for (int it = 0; it < n_items; ++it) {
+      const int buf = it & 1;
+      cp_async_wait<0>();
+      fence_proxy_async();
+      __syncthreads();  // item it visible (tiles, lse, D); every warp is done with item it-1
+      if (it + 1 < n_items) {
+        load_item(it + 1, buf ^ 1);
+        cp_async_commit();
+        if (tid < BM) {
+          store_ld(buf ^ 1);  // item it + 1 (fetched at the top of item it - 1)
+          if (it + 2 < n_items) fetch_ld(it + 2);  // stored at the top of item it + 1
+        }
+      }
+      const unsigned char* Q = reinterpret_cast<const unsigned char*>(sQ + buf * BM * HD);
+      const unsigned char* A = reinterpret_cast<const unsigned char*>(sA + buf * BM * HD);
+      const float* L = sL + buf * BM;
+      const float* Dv = sD + buf * BM;
+      const int qs = d.b + (m_first + it % n_m) * BM;
+      const bool diag = k0 + BN - 1 > qs;  // some key of the tile lies after some query
+
+      // Sᵀ = K Qᵀ (warpgroup 0) or dPᵀ = V dAᵀ (warpgroup 1): 64 keys x 64 queries.
+      float st[BM / 2];
 #pragma unroll
-    for (int ks = 0; ks < BM / 16; ++ks) wgmma_rs<HD, 1>(acc, pa[ks], db2 + LN::mn_step(ks), 1);
-    wgmma_commit();
-    wgmma_wait<0>();
-    reg_fence(acc);
-    reg_fence_u(pa);
+      for (int i = 0; i < BM / 2; ++i) st[i] = 0.f;
+      reg_fence(st);
+      reg_fence(acc);
+      wgmma_fence();
+      // Descriptors advance by adding to their address field (bytes / 16): no carry can leave it,
+      // shared addresses are below 2^18.
+      const uint64_t da = LN::desc_k(wg == 0 ? Kt : Vt);
+      const uint64_t db = LN::desc_k(wg == 0 ? Q : A);
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; ++kk)
+        wgmma_ss<BM, 0>(st, da + LN::k_step(kk), db + LN::k_step(kk), 1);
+      wgmma_commit();
+      wgmma_wait<0>();
+      reg_fence(st);
+
+      uint32_t pa[BM / 16][4];
+      if (wg == 0) {
+#pragma unroll
+        for (int i = 0; i < BM / 2; ++i) {
+          const int q = (i >> 2) * 8 + 2 * c + (i & 1);  // query column in the item
+          float x = st[i] * p.scale_log2 - L[q];
+          if (diag && ((i & 2) ? u1 : u0) > qs + q) x = -INFINITY;
+          st[i] = ex2(x);
+          sP[i * 128 + wtid] = st[i];
+        }
+        named_bar_arrive(kBarP, kThreads);
+      } else {
+        named_bar_sync(kBarP, kThreads);
+#pragma unroll
+        for (int i = 0; i < BM / 2; ++i) {
+          const int q = (i >> 2) * 8 + 2 * c + (i & 1);
+          st[i] = sP[i * 128 + wtid] * (st[i] - Dv[q]);
+        }
+      }
+      acc_to_a<BM>(st, pa);
+      // dV += Pᵀ dA (warpgroup 0) or dK += dSᵀ Q (warpgroup 1).
+      const uint64_t db2 = LN::desc_mn(wg == 0 ? A : Q);
+      reg_fence_u(pa);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < BM / 16; ++ks) wgmma_rs<HD, 1>(acc, pa[ks], db2 + LN::mn_step(ks), 1);
+      wgmma_commit();
+      wgmma_wait<0>();
+      reg_fence(acc);
+      reg_fence_u(pa);
+    }
   }
 
 #pragma unroll

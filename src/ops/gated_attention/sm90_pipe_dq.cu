@@ -10,14 +10,7 @@ namespace gdn::ops::attn {
 void launch_bwd_dq_pipe(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream) {
   launch_hd_class(
       p, hd_class, blocks, stream, "attn_bwd_dq_pipe_kernel",
-      [](auto hd) { return &attn_bwd_dq_pipe_kernel<decltype(hd)::value, false>; },
-      [](auto hd) { return dq_pipe_smem_bytes<decltype(hd)::value>(); });
-}
-
-void launch_bwd_dq_swz(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream) {
-  launch_hd_class(
-      p, hd_class, blocks, stream, "attn_bwd_dq_pipe_kernel (swizzled)",
-      [](auto hd) { return &attn_bwd_dq_pipe_kernel<decltype(hd)::value, true>; },
+      [](auto hd) { return &attn_bwd_dq_pipe_kernel<decltype(hd)::value>; },
       [](auto hd) { return dq_pipe_smem_bytes<decltype(hd)::value>(); });
 }
 

@@ -10,14 +10,7 @@ namespace gdn::ops::attn {
 void launch_fwd_pipe(const FwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream) {
   launch_hd_class(
       p, hd_class, blocks, stream, "attn_fwd_pipe_kernel",
-      [](auto hd) { return &attn_fwd_pipe_kernel<decltype(hd)::value, false>; },
-      [](auto hd) { return fwd_pipe_smem_bytes<decltype(hd)::value>(); });
-}
-
-void launch_fwd_swz(const FwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream) {
-  launch_hd_class(
-      p, hd_class, blocks, stream, "attn_fwd_pipe_kernel (swizzled)",
-      [](auto hd) { return &attn_fwd_pipe_kernel<decltype(hd)::value, true>; },
+      [](auto hd) { return &attn_fwd_pipe_kernel<decltype(hd)::value>; },
       [](auto hd) { return fwd_pipe_smem_bytes<decltype(hd)::value>(); });
 }
 
