@@ -17,15 +17,18 @@
 //     full 64 x HD accumulator and Pᵀ / dSᵀ as register A operands. Pᵀ goes to warpgroup 1 in fp32
 //     through shared memory in the accumulator's own register order (thread t of warpgroup 1
 //     reads exactly the elements thread t of warpgroup 0 wrote), handed over by a named barrier.
+//     lse and D of the next item travel through registers a whole item ahead. "cuda.pipe_xi"
+//     (the default) also pipelines across items (XI below); "cuda.pipe" keeps one item at a time.
 // The per-element arithmetic and the order of every accumulation are the mma.sync kernels', and on
 // an H200 the outputs are bit-identical to cuda.flash's (bench/cuda_bench_attn_kernels checks it
 // at T = 8192).
 //
-// Measured (H200, T = 8192, 16 / 4 heads x 256, one document; cuda.flash in brackets): forward
-// 2.12 ms (2.18), dk/dv 5.77 ms (5.65), dq 2.05 ms (3.08). Nsight Compute puts the forward and dq
-// at 82-84% of L2 throughput with the SMs 27-42% busy: the K / V (Q / dA) tiles, 16-byte cp.async
-// per thread, come from L2 at about 2 TB/s and that, not the tensor cores, is the limit; dk/dv
-// sits at 55% L2 and 20% SM, bound by latency (see cuda.cu for what remains).
+// Measured (H200, T = 8192, 16 / 4 heads x 256, one document, bench/cuda_bench_attn_kernels
+// --iters 10; cuda.flash in brackets): forward 1.25 ms (2.17), dk/dv 2.95 ms with XI, 3.07
+// without (5.61), dq 1.36 ms (3.05). With the earlier no-swizzle tiles the forward and dq sat at
+// 82-84% of Nsight Compute's L2 throughput at about 2 TB/s (a warp's 16-byte copies touched eight
+// L2 lines); swizzled, dk/dv (XI) is at 30% L2 and 39% SM, a third of its stalls at block
+// barriers (see cuda.cu for what remains).
 #pragma once
 
 #include "ops/gated_attention/cuda_common.cuh"
