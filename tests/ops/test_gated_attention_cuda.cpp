@@ -114,9 +114,10 @@ DevInputs to_device(const Inputs& in) {
           b(in.dout)};
 }
 
-const char* const kImpls[] = {"cuda.flash", "cuda.pipe"};
-// The resolver's choice on Hopper: the higher priority (cuda.pipe 30, cuda.flash 10).
-constexpr const char* kPreferred = "cuda.pipe";
+const char* const kImpls[] = {"cuda.flash", "cuda.pipe", "cuda.pipe_xi"};
+// The resolver's choice on Hopper: the highest priority (cuda.pipe_xi 35, cuda.pipe 30, cuda.flash
+// 10).
+constexpr const char* kPreferred = "cuda.pipe_xi";
 
 // The function table of a registered CUDA implementation.
 const GatedAttentionTable& table_of(const std::string& impl) {
@@ -226,6 +227,9 @@ const SweepCase kCases[] = {
     SweepCase{"OneDocHd256Gqa4", {300}, 4, 1, 256, 0.25, 1e7},
     // A longer document: 6 query tiles, up to 11 key steps (the pipelines' slots turn over).
     SweepCase{"LongDocHd256Gqa2", {700}, 2, 1, 256, 0.25, 1e7},
+    // Two longer documents, a partial tile each, four query heads per kv head: dk/dv blocks walk
+    // up to 4 x 18 items (lse / D fetched two items ahead, the Q / dA slots turn over often).
+    SweepCase{"LongDocsHd256Gqa4", {1100, 333}, 4, 1, 256, 0.25, 1e7},
     // Documents of exactly one and two tiles, one past a tile boundary, grouped heads.
     SweepCase{"TileEdgesHd256Gqa2", {128, 129, 63}, 2, 1, 256, 0.25, 1e7},
     SweepCase{"ManyDocsHd256Gqa1", {65, 191, 2}, 2, 2, 256, 0.5, 1e4},

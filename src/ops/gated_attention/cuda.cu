@@ -4,8 +4,10 @@
 // Two implementations share this host side and the row kernels and differ in the three attention
 // kernels (fwd, dk/dv, dq), which compute the same things with the same tiles of work and, on an
 // H200, the same bits (HGMMA and HMMA round alike and the products accumulate in the same order):
-//   cuda.pipe  (priority 30, Hopper): warpgroup MMAs (wgmma) with the tile products overlapped,
-//              sm90_pipe.cuh;
+//   cuda.pipe_xi (priority 35, Hopper): warpgroup MMAs (wgmma) on 128-byte-swizzled tiles with
+//              the tile products overlapped, sm90_pipe.cuh, the dk/dv kernel pipelined across its
+//              items (the default);
+//   cuda.pipe  (30, Hopper): the same with the dk/dv kernel one item at a time (kept for A/B);
 //   cuda.flash (10, any sm_80+): mma.sync m16n8k16 with ldmatrix, cuda_fwd.cuh / cuda_bwd.cuh.
 // The resolver takes the first that the device supports and that passes the probe, so a Hopper
 // kernel that went wrong falls back to the mma.sync one.
@@ -48,18 +50,19 @@
 // Scratch (Context::scratch, grown once): forward 2(N+1) int32; backward also D [T, Hq], dq_hat
 // [T, Hq, hd] and dk_hat [T, Hkv, hd] fp32 and the weight-grad partials (ceil(T / 4) x 2hd fp32).
 //
-// Where the time goes (H200, T = 8192 as one document, 16 / 4 heads x 256, cuda.pipe; measured
-// with bench/cuda_bench_attn_kernels): forward 2.24 ms = prologue 0.11 + attention 2.12; backward
-// 8.26 ms = preprocess 0.07 + dk/dv 5.77 + dq 2.05 + epilogue 0.33 + the rest 0.04. What remains,
-// in order of size:
-//   - the attention kernels are fed from L2 by 16-byte cp.async per thread at about 2 TB/s, which
-//     Nsight Compute reports as 82-84% of L2 throughput (forward, dq) while the SMs are 20-42%
-//     busy. Fewer, larger L2 requests (TMA, cp.async.bulk.tensor, into 128-byte-swizzled tiles,
-//     as FlashAttention-3 does) or fewer requests altogether (a cluster sharing each K / V tile
-//     among the query heads of a kv group by multicast) are the next step;
-//   - dk/dv is latency-bound (55% L2, 20% SM): per item, warps 0-1 read lse and D with plain loads
-//     on warpgroup 0's critical path, and the two warpgroups run in lockstep (one block barrier
-//     and one P handoff per 64 x 64 item);
+// Where the time goes (H200, T = 8192 as one document, 16 / 4 heads x 256, cuda.pipe_xi; measured
+// with bench/cuda_bench_attn_kernels --iters 10): forward 1.37 ms = prologue 0.11 + attention
+// 1.25; backward 4.74 ms = preprocess 0.07 + dk/dv 2.95 + dq 1.36 + epilogue 0.33 + the rest 0.04
+// (torch SDPA in the same run: 0.88 / 4.60 ms forward / forward + backward, so 1.33x). What
+// remains, in order of size:
+//   - dk/dv (373 TFLOP/s of its four products) is latency-bound: Nsight Compute 30% L2, 39% SM,
+//     a third of the stall cycles at the two block barriers per item; the 64 x 64 items re-read
+//     Q and dA from L2 once per key tile (64 KB per 8.4 MFLOP). A producer warp with TMA and
+//     mbarriers instead of block barriers, a third Q / dA slot (shared memory is full at two),
+//     or a cluster of two key tiles sharing Q / dA by multicast are the next steps;
+//   - the forward (440 TFLOP/s; SDPA 625) and dq (606 TFLOP/s of three products): same loads,
+//     one block barrier per step;
+//   - the row kernels: epilogue 0.33 ms, prologue 0.11 ms;
 //   - documents are ordered by their tile index, not by work, so with several documents the
 //     longest tiles do not all start first.
 #include <algorithm>
@@ -352,13 +355,19 @@ constexpr attn::AttnKernels kPipe{attn::launch_fwd_pipe, attn::launch_bwd_dq_pip
                                   attn::launch_bwd_dkdv_pipe};
 void forward_mma(const GatedAttentionFwd& a) { forward_with(a, kMmaSync); }
 void backward_mma(const GatedAttentionBwd& a) { backward_with(a, kMmaSync); }
+constexpr attn::AttnKernels kPipeXi{attn::launch_fwd_pipe, attn::launch_bwd_dq_pipe,
+                                    attn::launch_bwd_dkdv_xi};
 void forward_pipe(const GatedAttentionFwd& a) { forward_with(a, kPipe); }
 void backward_pipe(const GatedAttentionBwd& a) { backward_with(a, kPipe); }
+void forward_pipe_xi(const GatedAttentionFwd& a) { forward_with(a, kPipeXi); }
+void backward_pipe_xi(const GatedAttentionBwd& a) { backward_with(a, kPipeXi); }
 const GatedAttentionTable kTable{forward_mma, backward_mma};
 const GatedAttentionTable kTablePipe{forward_pipe, backward_pipe};
+const GatedAttentionTable kTablePipeXi{forward_pipe_xi, backward_pipe_xi};
 
 const attn::AttnKernels& kernels_of(std::string_view impl) {
   if (impl == "cuda.flash") return kMmaSync;
+  if (impl == "cuda.pipe_xi") return kPipeXi;
   GDN_CHECK(impl == "cuda.pipe", "{}: no implementation named '{}'", kName, impl);
   return kPipe;
 }
@@ -394,6 +403,8 @@ GDN_REGISTER(gated_attention_cuda) {
       {"gated_attention", "cuda.flash", Backend::Cuda, 10, supports, &kTable});
   Registry::global().add_impl(
       {"gated_attention", "cuda.pipe", Backend::Cuda, 30, supports_wgmma, &kTablePipe});
+  Registry::global().add_impl(
+      {"gated_attention", "cuda.pipe_xi", Backend::Cuda, 35, supports_wgmma, &kTablePipeXi});
 }
 
 }  // namespace gdn::ops

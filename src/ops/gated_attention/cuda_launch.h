@@ -20,6 +20,8 @@ void launch_bwd_dkdv(const BwdParams& p, int hd_class, unsigned blocks, cudaStre
 void launch_fwd_pipe(const FwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
 void launch_bwd_dq_pipe(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
 void launch_bwd_dkdv_pipe(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
+// The dk/dv kernel pipelined across items (sm90_pipe.cuh, XI).
+void launch_bwd_dkdv_xi(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
 
 // The attention kernels of one implementation.
 struct AttnKernels {
@@ -29,7 +31,7 @@ struct AttnKernels {
 };
 
 // For kernel benchmarks (bench/cuda_bench_attn_kernels.cu): the forward / backward of CUDA
-// implementation `impl` ("cuda.flash" or "cuda.pipe"), no validation beyond the
+// implementation `impl` ("cuda.flash", "cuda.pipe" or "cuda.pipe_xi"), no validation beyond the
 // implementation's own, with an event recorded on the context stream before the first launch and
 // after each: forward 4 marks (tile index, prologue, attention), backward 7 (tile index,
 // preprocess, dk/dv, dq, epilogue, dw reduce).

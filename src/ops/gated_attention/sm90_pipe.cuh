@@ -1,9 +1,9 @@
 // Gated attention on Hopper, "cuda.pipe": the three attention kernels of cuda_fwd.cuh and
 // cuda_bwd.cuh on warpgroup MMAs (wgmma, sm_90a), with the tile products of a block overlapped.
 // Same block-to-tile maps, masking, online softmax and outputs as the mma.sync kernels; operands
-// come straight from shared memory in the chunk-row layout of sm90_wgmma.cuh, P and dS go to the
-// next product as register A operands. Warp w still owns rows 16w .. 16w+15 of its warpgroup's
-// 64-row accumulators (the m64nN accumulator layout per warp is mma.sync's m16n8 one).
+// come straight from shared memory in the 128-byte-swizzled layout of sm90_wgmma.cuh, P and dS go
+// to the next product as register A operands. Warp w still owns rows 16w .. 16w+15 of its
+// warpgroup's 64-row accumulators (the m64nN accumulator layout per warp is mma.sync's m16n8 one).
 //
 //   forward: 128 query rows (64 per warpgroup), 64 keys per step, software-pipelined per
 //     warpgroup (FlashAttention-3, Shah et al. 2024, §3.2 "intra-warpgroup overlapping"): while
@@ -17,15 +17,18 @@
 //     full 64 x HD accumulator and Pᵀ / dSᵀ as register A operands. Pᵀ goes to warpgroup 1 in fp32
 //     through shared memory in the accumulator's own register order (thread t of warpgroup 1
 //     reads exactly the elements thread t of warpgroup 0 wrote), handed over by a named barrier.
+//     lse and D of the next item travel through registers a whole item ahead. "cuda.pipe_xi"
+//     (the default) also pipelines across items (XI below); "cuda.pipe" keeps one item at a time.
 // The per-element arithmetic and the order of every accumulation are the mma.sync kernels', and on
 // an H200 the outputs are bit-identical to cuda.flash's (bench/cuda_bench_attn_kernels checks it
 // at T = 8192).
 //
-// Measured (H200, T = 8192, 16 / 4 heads x 256, one document; cuda.flash in brackets): forward
-// 2.12 ms (2.18), dk/dv 5.77 ms (5.65), dq 2.05 ms (3.08). Nsight Compute puts the forward and dq
-// at 82-84% of L2 throughput with the SMs 27-42% busy: the K / V (Q / dA) tiles, 16-byte cp.async
-// per thread, come from L2 at about 2 TB/s and that, not the tensor cores, is the limit; dk/dv
-// sits at 55% L2 and 20% SM, bound by latency (see cuda.cu for what remains).
+// Measured (H200, T = 8192, 16 / 4 heads x 256, one document, bench/cuda_bench_attn_kernels
+// --iters 10; cuda.flash in brackets): forward 1.25 ms (2.17), dk/dv 2.95 ms with XI, 3.07
+// without (5.61), dq 1.36 ms (3.05). With the earlier no-swizzle tiles the forward and dq sat at
+// 82-84% of Nsight Compute's L2 throughput at about 2 TB/s (a warp's 16-byte copies touched eight
+// L2 lines); swizzled, dk/dv (XI) is at 30% L2 and 39% SM, a third of its stalls at block
+// barriers (see cuda.cu for what remains).
 #pragma once
 
 #include "ops/gated_attention/cuda_common.cuh"
@@ -35,18 +38,19 @@ namespace gdn::ops::attn {
 
 constexpr int kPipeDqKeys = 64;  // keys per step of the pipelined dq kernel
 
+// Each adds 1024 bytes: the kernels start their tiles on a 1024-byte boundary (dyn_smem_1k).
 template <int HD>
 constexpr size_t fwd_pipe_smem_bytes() {  // Q [BM x HD], K and V [2][BN x HD]
-  return sizeof(bf16_t) * HD * (kBigTile + 4 * kFwdKeys);
+  return sizeof(bf16_t) * HD * (kBigTile + 4 * kFwdKeys) + 1024;
 }
 template <int HD>
 constexpr size_t dq_pipe_smem_bytes() {  // Q, dA [BM x HD], three K / V slots [BN x HD]
-  return sizeof(bf16_t) * HD * (2 * kBigTile + 3 * kPipeDqKeys);
+  return sizeof(bf16_t) * HD * (2 * kBigTile + 3 * kPipeDqKeys) + 1024;
 }
 template <int HD>
 constexpr size_t dkdv_pipe_smem_bytes() {  // K, V; Q, dA [2]; Pᵀ fp32 [64 x 64]; lse, D [2][64]
   return sizeof(bf16_t) * HD * 6 * kSmallTile + sizeof(float) * kSmallTile * kSmallTile +
-         sizeof(float) * 4 * kSmallTile;
+         sizeof(float) * 4 * kSmallTile + 1024;
 }
 static_assert(fwd_pipe_smem_bytes<256>() <= 227 * 1024 && dq_pipe_smem_bytes<256>() <= 227 * 1024 &&
                   dkdv_pipe_smem_bytes<256>() <= 227 * 1024,
@@ -61,10 +65,11 @@ static_assert(fwd_pipe_smem_bytes<256>() <= 227 * 1024 && dq_pipe_smem_bytes<256
 template <int HD>
 __global__ void __launch_bounds__(kThreads, 1) attn_fwd_pipe_kernel(const FwdParams p) {
   constexpr int BM = kBigTile, BN = kFwdKeys;
-  constexpr uint32_t ROWB = 16 * HD;                   // bytes per 8 rows of a tile
-  bf16_t* sQ = reinterpret_cast<bf16_t*>(dyn_smem());  // [BM x HD] chunk-row
-  bf16_t* sK = sQ + BM * HD;                           // [2][BN x HD]
-  bf16_t* sV = sK + 2 * BN * HD;                       // [2][BN x HD]
+  using LB = TileL<BM, HD>;                               // Q
+  using LN = TileL<BN, HD>;                               // K, V
+  bf16_t* sQ = reinterpret_cast<bf16_t*>(dyn_smem_1k());  // [BM x HD] swizzled
+  bf16_t* sK = sQ + BM * HD;                              // [2][BN x HD]
+  bf16_t* sV = sK + 2 * BN * HD;                          // [2][BN x HD]
 
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const int h = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.Hq));
@@ -85,14 +90,14 @@ __global__ void __launch_bounds__(kThreads, 1) attn_fwd_pipe_kernel(const FwdPar
   const bf16_t* gK = p.k_hat + static_cast<size_t>(j) * p.hd;  // row u at + u·ldkv
   const bf16_t* gV = p.v + static_cast<size_t>(j) * p.hd;
 
-  load_tile_step<BM, HD>(sQ, gQ + q0 * ldq, ldq, q_end - q0, p.hd, tid);
-  load_tile_step<BN, HD>(sK, gK + d.b * ldkv, ldkv, imin(BN, q_end - d.b), p.hd, tid);
+  load_tile_sw<BM, HD>(sQ, gQ + q0 * ldq, ldq, q_end - q0, p.hd, tid);
+  load_tile_sw<BN, HD>(sK, gK + d.b * ldkv, ldkv, imin(BN, q_end - d.b), p.hd, tid);
   cp_async_commit();
 
   const int g = lane >> 2, c = lane & 3;
   const int t0 = q0 + warp * 16 + g, t1 = t0 + 8;  // this thread's rows (tokens)
   const unsigned char* qrows =                     // this warpgroup's 64 query rows
-      reinterpret_cast<const unsigned char*>(sQ) + (warp >> 2) * 8 * ROWB;
+      reinterpret_cast<const unsigned char*>(sQ) + LB::rows((warp >> 2) * 64);
   float acc[HD / 2];  // O, C layout of m64nHD
 #pragma unroll
   for (int i = 0; i < HD / 2; ++i) acc[i] = 0.f;
@@ -107,13 +112,13 @@ __global__ void __launch_bounds__(kThreads, 1) attn_fwd_pipe_kernel(const FwdPar
     __syncthreads();  // ... everybody's part; every warp is done with K_{jt-1} and V_{jt-2}
     if (jt + 1 < nk) {
       const int k1 = d.b + (jt + 1) * BN;
-      load_tile_step<BN, HD>(sK + ((jt + 1) & 1) * BN * HD, gK + k1 * ldkv, ldkv,
-                             imin(BN, q_end - k1), p.hd, tid);
+      load_tile_sw<BN, HD>(sK + ((jt + 1) & 1) * BN * HD, gK + k1 * ldkv, ldkv,
+                           imin(BN, q_end - k1), p.hd, tid);
     }
     {
       const int k0 = d.b + jt * BN;
-      load_tile_step<BN, HD>(sV + (jt & 1) * BN * HD, gV + k0 * ldkv, ldkv, imin(BN, q_end - k0),
-                             p.hd, tid);
+      load_tile_sw<BN, HD>(sV + (jt & 1) * BN * HD, gV + k0 * ldkv, ldkv, imin(BN, q_end - k0),
+                           p.hd, tid);
     }
     cp_async_commit();
     const unsigned char* Vp =  // V_{jt-1}
@@ -125,15 +130,14 @@ __global__ void __launch_bounds__(kThreads, 1) attn_fwd_pipe_kernel(const FwdPar
     for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
     uint64_t vdesc[BN / 16];  // formed before the first wgmma of the stage (C7513)
 #pragma unroll
-    for (int ks = 0; ks < BN / 16; ++ks) vdesc[ks] = smem_desc(Vp + ks * 2 * ROWB, ROWB, 128);
+    for (int ks = 0; ks < BN / 16; ++ks) vdesc[ks] = LN::desc_mn(Vp) + LN::mn_step(ks);
     reg_fence(s);
     reg_fence_u(pa);
     reg_fence(acc);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk)
-      wgmma_ss<BN, 0>(s, smem_desc(qrows + kk * 256, 128, ROWB), smem_desc(K + kk * 256, 128, ROWB),
-                      1);
+      wgmma_ss<BN, 0>(s, LB::desc_k(qrows) + LB::k_step(kk), LN::desc_k(K) + LN::k_step(kk), 1);
     wgmma_commit();
     if (jt > 0) {
       wgmma_fence();
@@ -206,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_fwd_pipe_kernel(const FwdPar
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < BN / 16; ++ks)
-      wgmma_rs<HD, 1>(acc, pa[ks], smem_desc(Vp + ks * 2 * ROWB, ROWB, 128), 1);
+      wgmma_rs<HD, 1>(acc, pa[ks], LN::desc_mn(Vp) + LN::mn_step(ks), 1);
     wgmma_commit();
     wgmma_wait<0>();
     reg_fence(acc);
@@ -249,10 +253,11 @@ __global__ void __launch_bounds__(kThreads, 1) attn_fwd_pipe_kernel(const FwdPar
 template <int HD>
 __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_pipe_kernel(const BwdParams p) {
   constexpr int BM = kBigTile, BN = kPipeDqKeys;
-  constexpr uint32_t ROWB = 16 * HD;
-  bf16_t* sQ = reinterpret_cast<bf16_t*>(dyn_smem());  // [BM x HD]
-  bf16_t* sA = sQ + BM * HD;                           // [BM x HD] dA
-  bf16_t* sKV = sA + BM * HD;                          // [3][BN x HD]: K, K, V
+  using LB = TileL<BM, HD>;                               // Q, dA
+  using LN = TileL<BN, HD>;                               // K, V
+  bf16_t* sQ = reinterpret_cast<bf16_t*>(dyn_smem_1k());  // [BM x HD]
+  bf16_t* sA = sQ + BM * HD;                              // [BM x HD] dA
+  bf16_t* sKV = sA + BM * HD;                             // [3][BN x HD]: K, K, V
 
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const int h = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.Hq));
@@ -276,11 +281,11 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_pipe_kernel(const Bwd
   const bf16_t* gV = p.v + static_cast<size_t>(j) * p.hd;
   bf16_t* const sVs = sKV + 2 * BN * HD;  // the V slot
 
-  load_tile_step<BM, HD>(sQ, gQ + q0 * ldq, ldq, q_end - q0, p.hd, tid);
-  load_tile_step<BM, HD>(sA, gA + q0 * lda, lda, q_end - q0, p.hd, tid);
-  load_tile_step<BN, HD>(sKV, gK + d.b * ldkv, ldkv, imin(BN, q_end - d.b), p.hd, tid);
+  load_tile_sw<BM, HD>(sQ, gQ + q0 * ldq, ldq, q_end - q0, p.hd, tid);
+  load_tile_sw<BM, HD>(sA, gA + q0 * lda, lda, q_end - q0, p.hd, tid);
+  load_tile_sw<BN, HD>(sKV, gK + d.b * ldkv, ldkv, imin(BN, q_end - d.b), p.hd, tid);
   cp_async_commit();
-  load_tile_step<BN, HD>(sVs, gV + d.b * ldkv, ldkv, imin(BN, q_end - d.b), p.hd, tid);
+  load_tile_sw<BN, HD>(sVs, gV + d.b * ldkv, ldkv, imin(BN, q_end - d.b), p.hd, tid);
   cp_async_commit();
 
   const int g = lane >> 2, c = lane & 3;
@@ -294,7 +299,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_pipe_kernel(const Bwd
     lse2[r] = ok ? p.lse[row] * kLog2e : INFINITY;
     Dr[r] = ok ? p.D[row] : 0.f;
   }
-  const size_t wg_off = static_cast<size_t>(warp >> 2) * 8 * ROWB;  // this warpgroup's 64 rows
+  const size_t wg_off = LB::rows((warp >> 2) * 64);  // this warpgroup's 64 rows
   const unsigned char* qrows = reinterpret_cast<const unsigned char*>(sQ) + wg_off;
   const unsigned char* arows = reinterpret_cast<const unsigned char*>(sA) + wg_off;
   const unsigned char* V = reinterpret_cast<const unsigned char*>(sVs);
@@ -308,8 +313,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_pipe_kernel(const Bwd
     __syncthreads();  // K_jt visible; every warp is done with step jt-1 (the slot of K_{jt-1})
     if (jt + 1 < nk) {
       const int k1 = d.b + (jt + 1) * BN;
-      load_tile_step<BN, HD>(sKV + ((jt + 1) & 1) * BN * HD, gK + k1 * ldkv, ldkv,
-                             imin(BN, q_end - k1), p.hd, tid);
+      load_tile_sw<BN, HD>(sKV + ((jt + 1) & 1) * BN * HD, gK + k1 * ldkv, ldkv,
+                           imin(BN, q_end - k1), p.hd, tid);
     }
     cp_async_commit();  // {K_{jt+1}}
     const unsigned char* K = reinterpret_cast<const unsigned char*>(sKV + (jt & 1) * BN * HD);
@@ -324,16 +329,14 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_pipe_kernel(const Bwd
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk)
-      wgmma_ss<BN, 0>(s, smem_desc(qrows + kk * 256, 128, ROWB), smem_desc(K + kk * 256, 128, ROWB),
-                      1);
+      wgmma_ss<BN, 0>(s, LB::desc_k(qrows) + LB::k_step(kk), LN::desc_k(K) + LN::k_step(kk), 1);
     wgmma_commit();
     cp_async_wait<1>();  // V_jt: all but {K_{jt+1}}
     fence_proxy_async();
     __syncthreads();  // V_jt visible
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk)
-      wgmma_ss<BN, 0>(dp, smem_desc(arows + kk * 256, 128, ROWB),
-                      smem_desc(V + kk * 256, 128, ROWB), 1);
+      wgmma_ss<BN, 0>(dp, LB::desc_k(arows) + LB::k_step(kk), LN::desc_k(V) + LN::k_step(kk), 1);
     wgmma_commit();
     wgmma_wait<0>();
     reg_fence(s);
@@ -341,7 +344,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_pipe_kernel(const Bwd
     __syncthreads();  // every warp is done with V_jt
     if (jt + 1 < nk) {
       const int k1 = d.b + (jt + 1) * BN;
-      load_tile_step<BN, HD>(sVs, gV + k1 * ldkv, ldkv, imin(BN, q_end - k1), p.hd, tid);
+      load_tile_sw<BN, HD>(sVs, gV + k1 * ldkv, ldkv, imin(BN, q_end - k1), p.hd, tid);
     }
     cp_async_commit();  // {V_{jt+1}}
 
@@ -364,7 +367,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_pipe_kernel(const Bwd
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < BN / 16; ++ks)
-      wgmma_rs<HD, 1>(acc, pa[ks], smem_desc(K + ks * 2 * ROWB, ROWB, 128), 1);
+      wgmma_rs<HD, 1>(acc, pa[ks], LN::desc_mn(K) + LN::mn_step(ks), 1);
     wgmma_commit();
     wgmma_wait<0>();
     reg_fence(acc);
@@ -397,15 +400,21 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_pipe_kernel(const Bwd
 // sP is rewritten for the next item only after the block barrier that starts it, which warpgroup
 // 1 reaches after its reads. Epilogue: warpgroup 0 writes dv (bf16), warpgroup 1 dk_hat =
 // scale · dK (fp32 scratch), for the keys inside the document.
-template <int HD>
+//
+// XI (cross-item pipelining, FlashAttention-3's intra-warpgroup overlap, Shah et al. 2024, §3.2,
+// across items): each warpgroup issues the first product of item it+1 before it waits for the
+// second of item it, so the tensor cores run through the block barrier between items. Two block
+// barriers per item: B1 (item it+1's tiles visible) before the first product of it+1, B2 (both
+// warpgroups' second products of item it done) before item it+2 is copied into item it's slot.
+template <int HD, bool XI>
 __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dkdv_pipe_kernel(const BwdParams p) {
   constexpr int BN = kSmallTile, BM = kSmallTile;
-  constexpr uint32_t ROWB = 16 * HD;
-  constexpr int kBarP = 1;                                 // named barrier: Pᵀ written
-  bf16_t* sK = reinterpret_cast<bf16_t*>(dyn_smem());      // [BN x HD]
-  bf16_t* sV = sK + BN * HD;                               // [BN x HD]
-  bf16_t* sQ = sV + BN * HD;                               // [2][BM x HD]
-  bf16_t* sA = sQ + 2 * BM * HD;                           // [2][BM x HD] dA
+  using LN = TileL<BN, HD>;                               // K, V, Q, dA
+  constexpr int kBarP = 1;                                // named barrier: Pᵀ written
+  bf16_t* sK = reinterpret_cast<bf16_t*>(dyn_smem_1k());  // [BN x HD]
+  bf16_t* sV = sK + BN * HD;                              // [BN x HD]
+  bf16_t* sQ = sV + BN * HD;                              // [2][BM x HD]
+  bf16_t* sA = sQ + 2 * BM * HD;                          // [2][BM x HD] dA
   float* sP = reinterpret_cast<float*>(sA + 2 * BM * HD);  // [BN·BM / 128][128] Pᵀ, register order
   float* sL = sP + BN * BM;                                // [2][BM] lse · log2e
   float* sD = sL + 2 * BM;                                 // [2][BM] D
@@ -436,21 +445,38 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dkdv_pipe_kernel(const B
   auto load_item = [&](int it, int b) {
     const int h = j * p.group + it / n_m;
     const int qs = d.b + (m_first + it % n_m) * BM, rows = imin(BM, d.e - qs);
-    load_tile_step<BM, HD>(sQ + b * BM * HD, p.q_hat + static_cast<size_t>(h) * p.hd + qs * ldq,
-                           ldq, rows, p.hd, tid);
-    load_tile_step<BM, HD>(sA + b * BM * HD, p.dA + static_cast<size_t>(h) * 2 * p.hd + qs * lda,
-                           lda, rows, p.hd, tid);
-    if (tid < BM) {
-      const bool ok = tid < rows;
-      const size_t row = static_cast<size_t>(qs + (ok ? tid : 0)) * p.Hq + h;
-      sL[b * BM + tid] = ok ? p.lse[row] * kLog2e : INFINITY;
-      sD[b * BM + tid] = ok ? p.D[row] : 0.f;
-    }
+    load_tile_sw<BM, HD>(sQ + b * BM * HD, p.q_hat + static_cast<size_t>(h) * p.hd + qs * ldq, ldq,
+                         rows, p.hd, tid);
+    load_tile_sw<BM, HD>(sA + b * BM * HD, p.dA + static_cast<size_t>(h) * 2 * p.hd + qs * lda, lda,
+                         rows, p.hd, tid);
   };
-  load_tile_step<BN, HD>(sK, gK + k0 * ldkv, ldkv, k_end - k0, p.hd, tid);
-  load_tile_step<BN, HD>(sV, gV + k0 * ldkv, ldkv, k_end - k0, p.hd, tid);
+  // lse and D of an item's rows (threads tid < BM, one row each) travel through registers one
+  // item ahead: fetched at the top of item it - 1, stored to sL / sD at the top of item it, so
+  // that no warp waits for the load (a plain load and store at the top of the item would stall
+  // warps 0-1, and with them warpgroup 0's first product, for a whole L2 round trip).
+  float nl = 0.f, nd = 0.f;  // raw lse, D of the next item's row tid
+  bool nok = false;          // that row lies inside the document
+  auto fetch_ld = [&](int it) {
+    const int h = j * p.group + it / n_m;
+    const int qs = d.b + (m_first + it % n_m) * BM;
+    nok = tid < d.e - qs;
+    const size_t row = static_cast<size_t>(qs + (nok ? tid : 0)) * p.Hq + h;
+    nl = p.lse[row];
+    nd = p.D[row];
+  };
+  auto store_ld = [&](int b) {
+    sL[b * BM + tid] = nok ? nl * kLog2e : INFINITY;
+    sD[b * BM + tid] = nok ? nd : 0.f;
+  };
+  load_tile_sw<BN, HD>(sK, gK + k0 * ldkv, ldkv, k_end - k0, p.hd, tid);
+  load_tile_sw<BN, HD>(sV, gV + k0 * ldkv, ldkv, k_end - k0, p.hd, tid);
   load_item(0, 0);
   cp_async_commit();
+  if (tid < BM) {
+    fetch_ld(0);
+    store_ld(0);
+    if (n_items > 1) fetch_ld(1);
+  }
 
   const int g = lane >> 2, c = lane & 3;
   const int wg = warp >> 2, wtid = tid & 127;  // warpgroup, thread in the warpgroup
@@ -462,70 +488,168 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dkdv_pipe_kernel(const B
 #pragma unroll
   for (int i = 0; i < HD / 2; ++i) acc[i] = 0.f;
 
-  for (int it = 0; it < n_items; ++it) {
-    const int buf = it & 1;
+  if constexpr (XI) {
+    // Sᵀ (warpgroup 0) or dPᵀ (warpgroup 1) of the item in slot sb, as one wgmma group.
+    float st[BM / 2];
+    auto issue_first = [&](int sb) {
+#pragma unroll
+      for (int i = 0; i < BM / 2; ++i) st[i] = 0.f;
+      reg_fence(st);
+      wgmma_fence();
+      const uint64_t da = LN::desc_k(wg == 0 ? Kt : Vt);
+      const uint64_t db =
+          LN::desc_k(wg == 0 ? reinterpret_cast<const unsigned char*>(sQ + sb * BM * HD)
+                             : reinterpret_cast<const unsigned char*>(sA + sb * BM * HD));
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; ++kk)
+        wgmma_ss<BM, 0>(st, da + LN::k_step(kk), db + LN::k_step(kk), 1);
+      wgmma_commit();
+    };
     cp_async_wait<0>();
     fence_proxy_async();
-    __syncthreads();  // item it visible (tiles, lse, D); every warp is done with item it-1
-    if (it + 1 < n_items) {
-      load_item(it + 1, buf ^ 1);
+    __syncthreads();  // item 0 visible
+    if (n_items > 1) {
+      load_item(1, 1);
       cp_async_commit();
-    }
-    const unsigned char* Q = reinterpret_cast<const unsigned char*>(sQ + buf * BM * HD);
-    const unsigned char* A = reinterpret_cast<const unsigned char*>(sA + buf * BM * HD);
-    const float* L = sL + buf * BM;
-    const float* Dv = sD + buf * BM;
-    const int qs = d.b + (m_first + it % n_m) * BM;
-    const bool diag = k0 + BN - 1 > qs;  // some key of the tile lies after some query
-
-    // Sᵀ = K Qᵀ (warpgroup 0) or dPᵀ = V dAᵀ (warpgroup 1): 64 keys x 64 queries.
-    float st[BM / 2];
-#pragma unroll
-    for (int i = 0; i < BM / 2; ++i) st[i] = 0.f;
-    reg_fence(st);
-    reg_fence(acc);
-    wgmma_fence();
-    // Descriptors advance by adding to their address field (bytes / 16): no carry can leave it,
-    // shared addresses are below 2^18.
-    const uint64_t da = smem_desc(wg == 0 ? Kt : Vt, 128, ROWB);
-    const uint64_t db = smem_desc(wg == 0 ? Q : A, 128, ROWB);
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) wgmma_ss<BM, 0>(st, da + kk * 16, db + kk * 16, 1);
-    wgmma_commit();
-    wgmma_wait<0>();
-    reg_fence(st);
-
-    uint32_t pa[BM / 16][4];
-    if (wg == 0) {
-#pragma unroll
-      for (int i = 0; i < BM / 2; ++i) {
-        const int q = (i >> 2) * 8 + 2 * c + (i & 1);  // query column in the item
-        float x = st[i] * p.scale_log2 - L[q];
-        if (diag && ((i & 2) ? u1 : u0) > qs + q) x = -INFINITY;
-        st[i] = ex2(x);
-        sP[i * 128 + wtid] = st[i];
-      }
-      named_bar_arrive(kBarP, kThreads);
-    } else {
-      named_bar_sync(kBarP, kThreads);
-#pragma unroll
-      for (int i = 0; i < BM / 2; ++i) {
-        const int q = (i >> 2) * 8 + 2 * c + (i & 1);
-        st[i] = sP[i * 128 + wtid] * (st[i] - Dv[q]);
+      if (tid < BM) {
+        store_ld(1);
+        if (n_items > 2) fetch_ld(2);
       }
     }
-    acc_to_a<BM>(st, pa);
-    // dV += Pᵀ dA (warpgroup 0) or dK += dSᵀ Q (warpgroup 1).
-    const uint64_t db2 = smem_desc(wg == 0 ? A : Q, ROWB, 128);
-    reg_fence_u(pa);
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < BM / 16; ++ks)
-      wgmma_rs<HD, 1>(acc, pa[ks], db2 + ks * (2 * ROWB / 16), 1);
-    wgmma_commit();
-    wgmma_wait<0>();
     reg_fence(acc);
-    reg_fence_u(pa);
+    issue_first(0);
+    wgmma_wait<0>();
+    reg_fence(st);
+    for (int it = 0; it < n_items; ++it) {
+      const int buf = it & 1;
+      const unsigned char* Q = reinterpret_cast<const unsigned char*>(sQ + buf * BM * HD);
+      const unsigned char* A = reinterpret_cast<const unsigned char*>(sA + buf * BM * HD);
+      const float* L = sL + buf * BM;
+      const float* Dv = sD + buf * BM;
+      const int qs = d.b + (m_first + it % n_m) * BM;
+      const bool diag = k0 + BN - 1 > qs;
+
+      uint32_t pa[BM / 16][4];
+      if (wg == 0) {
+#pragma unroll
+        for (int i = 0; i < BM / 2; ++i) {
+          const int q = (i >> 2) * 8 + 2 * c + (i & 1);
+          float x = st[i] * p.scale_log2 - L[q];
+          if (diag && ((i & 2) ? u1 : u0) > qs + q) x = -INFINITY;
+          st[i] = ex2(x);
+          sP[i * 128 + wtid] = st[i];
+        }
+        named_bar_arrive(kBarP, kThreads);
+      } else {
+        named_bar_sync(kBarP, kThreads);
+#pragma unroll
+        for (int i = 0; i < BM / 2; ++i) {
+          const int q = (i >> 2) * 8 + 2 * c + (i & 1);
+          st[i] = sP[i * 128 + wtid] * (st[i] - Dv[q]);
+        }
+      }
+      acc_to_a<BM>(st, pa);
+      const uint64_t db2 = LN::desc_mn(wg == 0 ? A : Q);
+      reg_fence_u(pa);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < BM / 16; ++ks) wgmma_rs<HD, 1>(acc, pa[ks], db2 + LN::mn_step(ks), 1);
+      wgmma_commit();
+      if (it + 1 < n_items) {
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();  // B1: item it+1 visible; every warp is past its reads of sP (item it)
+        issue_first(buf ^ 1);
+        wgmma_wait<1>();  // this warpgroup's dV / dK product of item it is done
+        reg_fence(acc);
+        reg_fence_u(pa);
+        __syncthreads();  // B2: both warpgroups' are: slot buf is free
+        if (it + 2 < n_items) {
+          load_item(it + 2, buf);
+          cp_async_commit();
+          if (tid < BM) {
+            store_ld(buf);                           // item it + 2
+            if (it + 3 < n_items) fetch_ld(it + 3);  // stored in iteration it + 1
+          }
+        }
+        wgmma_wait<0>();
+        reg_fence(st);
+      } else {
+        wgmma_wait<0>();
+        reg_fence(acc);
+        reg_fence_u(pa);
+      }
+    }
+  } else {
+    for (int it = 0; it < n_items; ++it) {
+      const int buf = it & 1;
+      cp_async_wait<0>();
+      fence_proxy_async();
+      __syncthreads();  // item it visible (tiles, lse, D); every warp is done with item it-1
+      if (it + 1 < n_items) {
+        load_item(it + 1, buf ^ 1);
+        cp_async_commit();
+        if (tid < BM) {
+          store_ld(buf ^ 1);  // item it + 1 (fetched at the top of item it - 1)
+          if (it + 2 < n_items) fetch_ld(it + 2);  // stored at the top of item it + 1
+        }
+      }
+      const unsigned char* Q = reinterpret_cast<const unsigned char*>(sQ + buf * BM * HD);
+      const unsigned char* A = reinterpret_cast<const unsigned char*>(sA + buf * BM * HD);
+      const float* L = sL + buf * BM;
+      const float* Dv = sD + buf * BM;
+      const int qs = d.b + (m_first + it % n_m) * BM;
+      const bool diag = k0 + BN - 1 > qs;  // some key of the tile lies after some query
+
+      // Sᵀ = K Qᵀ (warpgroup 0) or dPᵀ = V dAᵀ (warpgroup 1): 64 keys x 64 queries.
+      float st[BM / 2];
+#pragma unroll
+      for (int i = 0; i < BM / 2; ++i) st[i] = 0.f;
+      reg_fence(st);
+      reg_fence(acc);
+      wgmma_fence();
+      // Descriptors advance by adding to their address field (bytes / 16): no carry can leave it,
+      // shared addresses are below 2^18.
+      const uint64_t da = LN::desc_k(wg == 0 ? Kt : Vt);
+      const uint64_t db = LN::desc_k(wg == 0 ? Q : A);
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; ++kk)
+        wgmma_ss<BM, 0>(st, da + LN::k_step(kk), db + LN::k_step(kk), 1);
+      wgmma_commit();
+      wgmma_wait<0>();
+      reg_fence(st);
+
+      uint32_t pa[BM / 16][4];
+      if (wg == 0) {
+#pragma unroll
+        for (int i = 0; i < BM / 2; ++i) {
+          const int q = (i >> 2) * 8 + 2 * c + (i & 1);  // query column in the item
+          float x = st[i] * p.scale_log2 - L[q];
+          if (diag && ((i & 2) ? u1 : u0) > qs + q) x = -INFINITY;
+          st[i] = ex2(x);
+          sP[i * 128 + wtid] = st[i];
+        }
+        named_bar_arrive(kBarP, kThreads);
+      } else {
+        named_bar_sync(kBarP, kThreads);
+#pragma unroll
+        for (int i = 0; i < BM / 2; ++i) {
+          const int q = (i >> 2) * 8 + 2 * c + (i & 1);
+          st[i] = sP[i * 128 + wtid] * (st[i] - Dv[q]);
+        }
+      }
+      acc_to_a<BM>(st, pa);
+      // dV += Pᵀ dA (warpgroup 0) or dK += dSᵀ Q (warpgroup 1).
+      const uint64_t db2 = LN::desc_mn(wg == 0 ? A : Q);
+      reg_fence_u(pa);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < BM / 16; ++ks) wgmma_rs<HD, 1>(acc, pa[ks], db2 + LN::mn_step(ks), 1);
+      wgmma_commit();
+      wgmma_wait<0>();
+      reg_fence(acc);
+      reg_fence_u(pa);
+    }
   }
 
 #pragma unroll

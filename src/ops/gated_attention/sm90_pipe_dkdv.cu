@@ -10,7 +10,14 @@ namespace gdn::ops::attn {
 void launch_bwd_dkdv_pipe(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream) {
   launch_hd_class(
       p, hd_class, blocks, stream, "attn_bwd_dkdv_pipe_kernel",
-      [](auto hd) { return &attn_bwd_dkdv_pipe_kernel<decltype(hd)::value>; },
+      [](auto hd) { return &attn_bwd_dkdv_pipe_kernel<decltype(hd)::value, false>; },
+      [](auto hd) { return dkdv_pipe_smem_bytes<decltype(hd)::value>(); });
+}
+
+void launch_bwd_dkdv_xi(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream) {
+  launch_hd_class(
+      p, hd_class, blocks, stream, "attn_bwd_dkdv_pipe_kernel (XI)",
+      [](auto hd) { return &attn_bwd_dkdv_pipe_kernel<decltype(hd)::value, true>; },
       [](auto hd) { return dkdv_pipe_smem_bytes<decltype(hd)::value>(); });
 }
 
