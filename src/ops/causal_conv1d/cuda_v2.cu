@@ -71,6 +71,20 @@ constexpr int kK = 8;         // rows per stage (one cp.async commit group)
 constexpr int kMaxW = 4;      // widths this kernel covers (W > 4 runs cuda.tiled)
 constexpr int kMinSeg = 64;   // shortest segment a warp is given (halo and setup amortise)
 
+// Programmatic dependent launch (sm_90): a kernel launched with the attribute may start before the
+// previous one ends; griddepcontrol.wait returns once that grid has completed and its memory is
+// visible. Without the attribute both are no-ops.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Backward: 2 warps a block, 3 stages of (x, dy) a warp (2 in flight while one is computed,
 // 16 KB a warp), 24 KB a warp; 4 blocks (8 warps, 2 per scheduler) a multiprocessor, <= 255
 // registers: the window, the u window, the weights and the dweight sums are 8 channels x W fp32
@@ -212,10 +226,142 @@ __device__ __forceinline__ void shift(float (&r)[W][kV]) {
 
 // --- forward -----------------------------------------------------------------------------------
 
+// Sigmoid of the kernels here: cuda_state.cuh's (ex2 + reciprocal, two MUFU operations, the values
+// cuda.tiled computes) or, kTanh, 0.5 tanh(z / 2) + 0.5 with one MUFU operation (tanh.approx,
+// relative error ~2^-11: a measurement variant, not the default).
+template <bool kTanh>
+__device__ __forceinline__ float sig(float z) {
+  if constexpr (kTanh) {
+    float t;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(0.5f * z));
+    return fmaf(0.5f, t, 0.5f);
+  } else {
+    return sigmoid(z);
+  }
+}
+
+constexpr int kFwdThreads = 128;
+// Blocks a multiprocessor: R = 16 takes up to 255 registers at W = 4 (two blocks, 256 threads,
+// 78 KB of loads in flight; a 128-register bound spills 2 KB), R = 8 up to 168 (three blocks).
+template <int R>
+constexpr int fwd_min_blocks() {
+  return R >= 16 ? 2 : 3;
+}
+
+// The lane's 8 channels of weight [C, W] (W 16-byte pieces from channel c: c % 8 == 0 and weight
+// 16-byte aligned) and bias (one 16-byte piece, bias 16-byte aligned) as fp32.
+template <int W>
+__device__ __forceinline__ void load_weights_vec(const bf16_t* __restrict__ w,
+                                                 const bf16_t* __restrict__ bias, int64_t c,
+                                                 float (&wr)[W][kV], float (&br)[kV]) {
+  float wf[W * kV];  // channel-major: wf[v * W + j] = weight[c + v, j]
+#pragma unroll
+  for (int q = 0; q < W; ++q) {
+    float f[kV];
+    unpack8(__ldg(reinterpret_cast<const uint4*>(w + c * W) + q), f);
+#pragma unroll
+    for (int v = 0; v < kV; ++v) wf[q * kV + v] = f[v];
+  }
+#pragma unroll
+  for (int j = 0; j < W; ++j)
+#pragma unroll
+    for (int v = 0; v < kV; ++v) wr[j][v] = wf[v * W + j];
+  if (bias != nullptr) {
+    unpack8(__ldg(reinterpret_cast<const uint4*>(bias + c)), br);
+  } else {
+#pragma unroll
+    for (int v = 0; v < kV; ++v) br[v] = 0.f;
+  }
+}
+
+// Forward, one thread per (run of R tokens, 8 channels): the thread issues all R + W-1 of its
+// 16-byte row loads (rows t0 - S .. t0 + R - 1 of its channels) before the first use, the way the
+// elementwise kernels reach the copy rate (swiglu: 0.99), then computes its R outputs from
+// registers. Consecutive threads own consecutive channel packs of one run, so a warp reads 512
+// contiguous bytes per row; the W-1 halo rows of a run are the previous run's last rows, loaded
+// moments earlier by the neighbouring blocks (L2 hits: DRAM traffic stays x once + y once). A run
+// inside one document (the common case) takes the loop without tests; a run that meets a document
+// start, the end of T, or a state takes the general loop (the document walked from a binary search
+// at t0; taps before the document start read the initial state or zeros, never a row). Same
+// arithmetic, in the same order, as cuda.tiled (preact, sigmoid): y is bit-identical to it.
+template <int W, int R, bool kSilu, bool kStream>
+__global__ void __launch_bounds__(kFwdThreads, fwd_min_blocks<R>())
+    conv2_fwd_kernel(const bf16_t* __restrict__ x,     // [T, C]
+                     const bf16_t* __restrict__ w,     // [C, W]
+                     const bf16_t* __restrict__ bias,  // [C] or null
+                     const int32_t* __restrict__ cu,   // [N+1] or null
+                     const bf16_t* __restrict__ init,  // [N, C, W-1] or null
+                     bf16_t* __restrict__ y,           // [T, C]
+                     int64_t T, int64_t C, int N, int64_t packs, int64_t nruns) {
+  constexpr int S = W - 1;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * kFwdThreads + threadIdx.x;
+  const int64_t run = idx / packs;
+  if (run >= nruns) return;
+  const int64_t c = (idx - run * packs) * kV;
+  const int64_t t0 = run * R;
+  uint4 buf[R + S];  // rows t0 - S + r
+#pragma unroll
+  for (int r = 0; r < R + S; ++r) {
+    const int64_t p = t0 - S + r;
+    buf[r] = p >= 0 && p < T ? __ldg(reinterpret_cast<const uint4*>(x + p * C + c))
+                             : make_uint4(0u, 0u, 0u, 0u);
+  }
+  float wr[W][kV], br[kV];
+  load_weights_vec<W>(w, bias, c, wr, br);
+  Doc d = find_doc(cu, N, T, t0);  // t0 < T
+  auto put = [&](int64_t t, float(&z)[kV]) {
+    if constexpr (kSilu) {
+#pragma unroll
+      for (int v = 0; v < kV; ++v) z[v] *= sigmoid(z[v]);
+    }
+    uint4* dst = reinterpret_cast<uint4*>(y + t * C + c);
+    if constexpr (kStream) {
+      __stcs(dst, pack8(z));
+    } else {
+      *dst = pack8(z);
+    }
+  };
+  if (t0 - S >= d.s && t0 + R <= d.e) {  // d.e <= T
+    float win[W][kV];
+#pragma unroll
+    for (int j = 0; j < S; ++j) unpack8(buf[j], win[j]);
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      unpack8(buf[i + S], win[S]);
+      float z[kV];
+      preact<W>(wr, br, win, z);
+      put(t0 + i, z);
+      shift<W>(win);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const int64_t t = t0 + i;
+      if (t >= T) break;
+      if (t >= d.e) advance_doc(d, cu, N, T, t);
+      float e[W][kV];
+#pragma unroll
+      for (int j = 0; j < W; ++j) {
+        const int64_t p = t - S + j;
+        if (p >= d.s) {  // a row of x (d.s >= 0, p <= t < T), buffered since p >= t0 - S
+          unpack8(buf[i + j], e[j]);
+        } else {  // p - d.s + S in [0, S) since d.s <= t
+          state_cols<S>(init, d.n, static_cast<int>(p - d.s + S), c, C, true, e[j]);
+        }
+      }
+      float z[kV];
+      preact<W>(wr, br, e, z);
+      put(t, z);
+    }
+  }
+}
+
+// --- backward ----------------------------------------------------------------------------------
+
 // grid (G, channel columns), kBwdWarps warps a block; warp q = blockIdx.x * kBwdWarps + warp of a
 // column owns tokens [T q / P, T (q+1) / P), P = G kBwdWarps. Writes dx rows
 // [a, b) of its segment and its block's dweight / dbias partial row set partial[blockIdx.x].
-template <int W, bool kSilu>
+template <int W, bool kSilu, bool kTanh>
 __global__ void __launch_bounds__(kBwdWarps * 32, kBwdMinBlocks)
     conv2_bwd_kernel(const bf16_t* __restrict__ x,     // [T, C]
                      const bf16_t* __restrict__ w,     // [C, W]
@@ -227,6 +373,7 @@ __global__ void __launch_bounds__(kBwdWarps * 32, kBwdMinBlocks)
                      bf16_t* __restrict__ dx,          // [T, C]
                      float* __restrict__ partial,      // [gridDim.x, W+1, C]
                      int64_t T, int64_t C, int N) {
+  pdl_launch_dependents();  // the reduction may be scheduled now; it waits for this grid's end
   constexpr int S = W - 1;
   constexpr int NS = kBwdStages;
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
@@ -308,7 +455,7 @@ __global__ void __launch_bounds__(kBwdWarps * 32, kBwdMinBlocks)
       for (int v = 0; v < kV; ++v) {
         float u = g[v];
         if constexpr (kSilu) {
-          const float sg = sigmoid(z[v]);
+          const float sg = sig<kTanh>(z[v]);
           u *= sg * (1.f + z[v] * (1.f - sg));
         }
         uw[S][v] = u;
@@ -397,6 +544,42 @@ __global__ void __launch_bounds__(kBwdWarps * 32, kBwdMinBlocks)
   }
 }
 
+// dweight[c, j] += sum_b partial[b, j, c] (j < W), dbias[c] += sum_b partial[b, W, c], b in
+// order: the sums of cuda_state.cuh's conv_dw_reduce_kernel, bit for bit, with 4 channels a thread
+// (16-byte loads, C % 8 == 0) and 8 partials in flight, launched with programmatic dependent
+// launch so that its launch overlaps the backward kernel's end (griddepcontrol.wait below).
+template <int W>
+__global__ void __launch_bounds__(256)
+    conv2_dw_reduce_kernel(const float* __restrict__ partial,  // [G, W+1, C]
+                           float* __restrict__ dw,             // [C, W]
+                           float* __restrict__ db,             // [C] or null
+                           int G, int64_t C) {
+  pdl_wait();
+  const int64_t C4 = C / 4;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;
+  if (idx >= (W + 1) * C4) return;
+  const int j = static_cast<int>(idx / C4);
+  const int64_t c = (idx - j * C4) * 4;
+  if (j == W && db == nullptr) return;
+  float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 8
+  for (int b = 0; b < G; ++b) {
+    const float4 v = __ldcg(
+        reinterpret_cast<const float4*>(partial + (static_cast<int64_t>(b) * (W + 1) + j) * C + c));
+    s[0] += v.x;
+    s[1] += v.y;
+    s[2] += v.z;
+    s[3] += v.w;
+  }
+#pragma unroll
+  for (int v = 0; v < 4; ++v) {
+    if (j < W)
+      dw[(c + v) * W + j] += s[v];
+    else
+      db[c + v] += s[v];
+  }
+}
+
 // --- host side ---------------------------------------------------------------------------------
 
 bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data()) % 16 == 0; }
@@ -444,12 +627,50 @@ int64_t blocks_per_column(const void* kernel, int warps, size_t smem, const Shap
   return std::clamp<int64_t>(fit / k.ncb, 1, std::min<int64_t>(useful, 65535));
 }
 
-// The forward is cuda.tiled's: measured on the H200 (PERF.md run 10) it beat a streamed forward
-// of this design (87 vs 105 us at [8192, 8192], W = 4), while this backward beat cuda.tiled's
-// (127 vs 174 us).
-void forward(const CausalConv1dFwd& a) { tiled().forward(a); }
+// Forward: the register-streamed kernel above for the calls it covers (weight and bias 16-byte
+// aligned too: they are read as 16-byte pieces), cuda.tiled otherwise.
+template <int R, bool kStream>
+void forward_runs(const CausalConv1dFwd& a) {
+  if (!covered(a.x, a.weight, a.y, a.weight, a.bias)) {
+    tiled().forward(a);
+    return;
+  }
+  const Shape k = shape_of(a.x, a.weight, a.cu_seqlens);
+  if (k.C == 0) return;
+  const bf16_t* x = dev_in(a.x);                 // [T, C]
+  const bf16_t* w = dev_in(a.weight);            // [C, W]
+  const bf16_t* bias = dev_in(a.bias);           // [C] or null
+  const bf16_t* init = dev_in(a.initial_state);  // [N, C, W-1] or null
+  bf16_t* y = dev_out(a.y);                      // [T, C]
+  bf16_t* fin = dev_out(a.final_state);          // [N, C, W-1] or null
+  const int N = static_cast<int>(k.N);
+  cudaStream_t s = cuda::stream();
+  with_width<kMaxW>(k.W, "cuda.v2", [&](auto wc) {
+    constexpr int W = decltype(wc)::value;
+    if (k.T > 0) {
+      const int64_t packs = k.C / kV, nruns = (k.T + R - 1) / R;
+      const int64_t blocks = (nruns * packs + kFwdThreads - 1) / kFwdThreads;
+      GDN_CHECK(blocks <= INT_MAX, "causal_conv1d (cuda.v2): [{}, {}] is too large", k.T, k.C);
+      auto launch = [&](auto kernel) {
+        kernel<<<static_cast<unsigned>(blocks), kFwdThreads, 0, s>>>(x, w, bias, k.cu, init, y, k.T,
+                                                                     k.C, N, packs, nruns);
+        GDN_CUDA_LAUNCH_CHECK("conv2_fwd_kernel");
+      };
+      if (a.silu)
+        launch(conv2_fwd_kernel<W, R, true, kStream>);
+      else
+        launch(conv2_fwd_kernel<W, R, false, kStream>);
+    }
+    if (fin != nullptr && W > 1 && N > 0) {
+      conv_final_state_kernel<W>
+          <<<small_grid(k.N * k.C), 256, 0, s>>>(x, k.cu, init, fin, k.T, k.C, N);
+      GDN_CUDA_LAUNCH_CHECK("conv_final_state_kernel");
+    }
+  });
+}
 
-void backward(const CausalConv1dBwd& a) {
+template <bool kTanh>
+void backward_impl(const CausalConv1dBwd& a) {
   if (!covered(a.x, a.weight, a.dy, a.dx, Tensor())) {
     tiled().backward(a);
     return;
@@ -474,23 +695,45 @@ void backward(const CausalConv1dBwd& a) {
         kernel<<<grid, kBwdWarps * 32, bwd_smem(), s>>>(x, w, bias, k.cu, init, dy, dfin, dx,
                                                         partial, k.T, k.C, N);
         GDN_CUDA_LAUNCH_CHECK("conv2_bwd_kernel");
-        launch_dw_reduce<W>(p, k, partial, G, s);
+        // The G partials, summed per (channel, tap) in block order; launched programmatically.
+        const int64_t items = (W + 1) * (k.C / 4);
+        cudaLaunchConfig_t cfg{};
+        cfg.gridDim = dim3(static_cast<unsigned>((items + 255) / 256));
+        cfg.blockDim = dim3(256);
+        cfg.stream = s;
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        GDN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, conv2_dw_reduce_kernel<W>,
+                                          static_cast<const float*>(partial), p.dw, p.db,
+                                          static_cast<int>(G), k.C));
+        GDN_CUDA_LAUNCH_CHECK("conv2_dw_reduce_kernel");
       };
       if (a.silu)
-        launch(conv2_bwd_kernel<W, true>);
+        launch(conv2_bwd_kernel<W, true, kTanh>);
       else
-        launch(conv2_bwd_kernel<W, false>);
+        launch(conv2_bwd_kernel<W, false, kTanh>);
     }
     launch_dinit<W>(p, k, a.silu, s);
   });
 }
 
-const CausalConv1dTable kTable{forward, backward};
+const CausalConv1dTable kTable{forward_runs<16, false>, backward_impl<false>};
+// Measurement variants (A/B with GDN_OP_CAUSAL_CONV1D; lower priority than cuda.v2).
+const CausalConv1dTable kTableR8{forward_runs<8, false>, backward_impl<false>};
+const CausalConv1dTable kTableCs{forward_runs<16, true>, backward_impl<false>};
+const CausalConv1dTable kTableTanh{forward_runs<16, false>, backward_impl<true>};
 
 }  // namespace
 
 GDN_REGISTER(causal_conv1d_cuda_v2) {
   Registry::global().add_impl({"causal_conv1d", "cuda.v2", Backend::Cuda, 20, nullptr, &kTable});
+  Registry::global().add_impl({"causal_conv1d", "cuda.v2r8", Backend::Cuda, 3, nullptr, &kTableR8});
+  Registry::global().add_impl({"causal_conv1d", "cuda.v2cs", Backend::Cuda, 2, nullptr, &kTableCs});
+  Registry::global().add_impl(
+      {"causal_conv1d", "cuda.v2tanh", Backend::Cuda, 1, nullptr, &kTableTanh});
 }
 
 }  // namespace gdn::ops

@@ -369,7 +369,7 @@ __device__ __forceinline__ void combine(const DwArgs& a, uint32_t k, int w0, int
 
 // One item: window w (sorted positions [s, e)), column chunk `chunk`. Every thread of the block
 // calls it (it holds barriers); `st` is the staged window.
-template <int V>
+template <int V, int KB, bool kPrefetch>
 __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w, int chunk,
                                         int* s_last) {
   const int D = a.D;
@@ -401,13 +401,13 @@ __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w,
   for (int g = 0; g < kGroups; ++g)
 #pragma unroll
     for (int v = 0; v < V; ++v) acc[g][v] = 0.f;
-  for (int i0 = 0; i0 < nv; i0 += kBatch) {
+  for (int i0 = 0; i0 < nv; i0 += KB) {
     // Every load of the batch first: the dy rows, and the dW rows of the runs that end in the
     // batch and go straight to dW (distinct rows: one run per key).
-    DyBits<V> d[kBatch][kGroups] = {};
-    float cur[kBatch][kGroups][V];
+    DyBits<V> d[KB][kGroups] = {};
+    float cur[KB][kGroups][V];
 #pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
+    for (int j = 0; j < KB; ++j) {
       const int i = i0 + j;
       if (i < nv) {
         const int64_t t = st.tok[i];
@@ -425,8 +425,8 @@ __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w,
     // The next batch's rows towards L2 meanwhile: twice the bytes in flight per thread for no
     // registers (the loads above hold 96 bytes per thread, 1024 threads per multiprocessor).
 #pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      const int i = i0 + kBatch + j;
+    for (int j = 0; j < (kPrefetch ? KB : 0); ++j) {
+      const int i = i0 + KB + j;
       if (i < nv) {
         const int64_t t = st.tok[i];
         const uint32_t k = st.key[i];
@@ -441,7 +441,7 @@ __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w,
       }
     }
 #pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
+    for (int j = 0; j < KB; ++j) {
       const int i = i0 + j;
       if (i < nv) {
 #pragma unroll
@@ -499,8 +499,8 @@ __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w,
 }
 
 // Persistent grid over items (window-major: item = w * chunks + chunk); kDwThreads threads.
-template <int V>
-__global__ void __launch_bounds__(kDwThreads, 8) emb2_dw_kernel(const DwArgs a) {
+template <int V, int KB, bool kPrefetch>
+__global__ void __launch_bounds__(kDwThreads, KB > 2 ? 5 : 8) emb2_dw_kernel(const DwArgs a) {
   pdl_wait();  // step 1's ranks and zeroed counters
   __shared__ Stage stage[2];
   __shared__ int s_last[2];
@@ -529,7 +529,7 @@ __global__ void __launch_bounds__(kDwThreads, 8) emb2_dw_kernel(const DwArgs a) 
     const int next = item + static_cast<int>(gridDim.x);
     if (next < nitems) stage_window(next, stage[buf ^ 1]);
     const int w = item / a.chunks;
-    dw_item<V>(a, stage[buf], w, item - w * a.chunks, s_last);
+    dw_item<V, KB, kPrefetch>(a, stage[buf], w, item - w * a.chunks, s_last);
     cuda::cp_async_wait<0>();
     __syncthreads();
   }
@@ -561,11 +561,11 @@ void rank_opt_in(size_t limit) {
   });
 }
 
-template <int V>
+template <int V, int KB, bool kPrefetch>
 void launch_dw(const DwArgs& args, cudaStream_t s) {
   int per_sm = 0;
-  GDN_CUDA_CHECK(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, emb2_dw_kernel<V>, kDwThreads, 0));
+  GDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &per_sm, emb2_dw_kernel<V, KB, kPrefetch>, kDwThreads, 0));
   const int64_t items = static_cast<int64_t>(args.nwin) * args.chunks;
   const auto grid = static_cast<unsigned>(std::min<int64_t>(
       items, static_cast<int64_t>(cuda::Context::get().sm_count()) * std::max(per_sm, 1)));
@@ -579,11 +579,11 @@ void launch_dw(const DwArgs& args, cudaStream_t s) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  GDN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, emb2_dw_kernel<V>, args));
+  GDN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, emb2_dw_kernel<V, KB, kPrefetch>, args));
   GDN_CUDA_LAUNCH_CHECK("emb2_dw_kernel");
 }
 
-template <int kWin>
+template <int kWin, int KB, bool kPrefetch>
 void backward(const EmbeddingBwd& a) {
   // Staging: 16-byte pieces of the window (kWin % 4 == 0), at most 16 per array.
   static_assert(kWin >= 4 && kWin % 4 == 0 && kWin <= kMaxWin && kMaxWin <= 64);
@@ -687,13 +687,16 @@ void backward(const EmbeddingBwd& a) {
               chunks,
               static_cast<uint32_t>(vocab)};
   if (V == 4) {
-    launch_dw<4>(args, s);
+    launch_dw<4, KB, kPrefetch>(args, s);
   } else {
-    launch_dw<1>(args, s);
+    launch_dw<1, KB, kPrefetch>(args, s);
   }
 }
 
-const EmbeddingTable kTable16{forward, backward<16>};
+const EmbeddingTable kTable16{forward, backward<16, kBatch, true>};
+// Measurement variants (A/B with GDN_OP_EMBEDDING; lower priority than cuda.v2).
+const EmbeddingTable kTableB4{forward, backward<16, 4, true>};
+const EmbeddingTable kTableB4np{forward, backward<16, 4, false>};
 
 }  // namespace
 
@@ -701,6 +704,8 @@ const EmbeddingTable kTable16{forward, backward<16>};
 // GDN_OP_EMBEDDING=cuda.sorted_windows).
 GDN_REGISTER(embedding_cuda_v2) {
   Registry::global().add_impl({"embedding", "cuda.v2", Backend::Cuda, 20, nullptr, &kTable16});
+  Registry::global().add_impl({"embedding", "cuda.v2b4", Backend::Cuda, 3, nullptr, &kTableB4});
+  Registry::global().add_impl({"embedding", "cuda.v2b4np", Backend::Cuda, 2, nullptr, &kTableB4np});
 }
 
 }  // namespace gdn::ops
