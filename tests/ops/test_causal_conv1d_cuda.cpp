@@ -34,7 +34,7 @@ using testing::randn;
 constexpr ProbeError kTol = bf16_tolerance("causal_conv1d");
 
 // The implementations under test; "" is ref (F64 on the host).
-const char* const kImpls[] = {"cuda.tiled", "cuda.v2", "cuda.v2r8", "cuda.v2tanh"};
+const char* const kImpls[] = {"cuda.tiled", "cuda.v2", "cuda.v2old", "cuda.v2r16"};
 
 // The registered cuda implementation `name` (its function table); a test fails without it.
 const CausalConv1dTable& impl_table(const std::string& name) {

@@ -26,9 +26,8 @@ class EmbeddingCuda : public CudaOpTest {};
 
 // Every cuda implementation, called through its table (the sweep checks each one, not only the
 // resolver's choice). cuda.v2 is the one the resolver picks.
-const std::vector<std::string> kImpls = {"cuda.sorted_windows", "cuda.v2", "cuda.v2b4",
-                                         "cuda.v2b4np"};
-const std::string kChosen = "cuda.v2";
+const std::vector<std::string> kImpls = {"cuda.sorted_windows", "cuda.v2", "cuda.v3", "cuda.v3p3"};
+const std::string kChosen = "cuda.v3";
 
 const EmbeddingTable& table_of(const std::string& impl) {
   const EmbeddingTable* t = cuda_table<EmbeddingTable>("embedding", impl);
