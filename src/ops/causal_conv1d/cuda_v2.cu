@@ -6,11 +6,11 @@
 // cu_seqlens per token per tile, per-token document tests, 4 channels a lane over 16-token runs
 // whose halo and recompute cost 20 %). Here the per-byte instruction count is cut instead:
 //
-// Work split: a warp owns 256 channels (8 a lane: one 16-byte pack per row) and one contiguous
-// segment of tokens [a, b): the T tokens of a channel column are cut into P equal segments, P =
-// the warps of the column's blocks (a persistent grid: as many blocks as fit at once, no fewer
-// than kMinSeg tokens a segment). A warp streams its rows once, in order, so the halo (the W-1
-// rows before a, and in backward the W-1 rows after b) is paid once per segment (~2 % at the
+// Backward work split: a warp owns 256 channels (8 a lane: one 16-byte pack per row) and one
+// contiguous segment of tokens [a, b): the T tokens of a channel column are cut into P equal
+// segments, P = the warps of the column's blocks (a persistent grid: as many blocks as fit at once,
+// no fewer than kMinSeg tokens a segment). A warp streams its rows once, in order, so the halo (the
+// W-1 rows before a, and in backward the W-1 rows after b) is paid once per segment (~2 % at the
 // benchmark shape) instead of once per 16 tokens, and the W-tap window slides in registers.
 //
 // Streaming: each lane copies its own 16 bytes of every row into a per-warp ring of shared memory
@@ -31,8 +31,11 @@
 // read from a device cu_seqlens are clamped (start in [0, t], end in [t+1, T]) before they address
 // memory, so a garbage cu_seqlens gives garbage values but no out-of-range access.
 //
-// Forward: cuda.tiled's forward (measured faster, PERF.md run 10); this file's streaming design
-// is used for the backward only.
+// Forward: its own kernel, not the streaming design (a streamed forward measured 105 us against
+// cuda.tiled's 87, PERF.md run 10): one thread per (run of R = 8 tokens, 8 channels) issues its
+// R + W-1 16-byte row loads before the first use, as the elementwise kernels do, and computes from
+// registers (see conv2_fwd_kernel). H200, [8192, 8192], W 4, SiLU, 1 / 4 / 16 documents, one run:
+// 84.0 / 84.7 / 85.2 us against cuda.tiled's 87.1 / 91.4 / 100.9 (R = 16: 90.4, at 255 registers).
 // Backward: per token t' of [a, min(b + S, T)) the warp recomputes z and u = dy * silu'(z) from the
 // window (Dao's causal-conv1d recomputes z the same way), adds u * ext taps to its dweight / dbias
 // register sums for t' < b, and emits dx[t' - S] = sum_j w[j] u[t' - j] once u of its W taps is
@@ -44,7 +47,7 @@
 // on the shapes, the documents and the device's multiprocessor count. dinitial_state: the small
 // kernel of cuda_state.cuh.
 //
-// Bytes moved: forward x once (+ W-1 halo rows per segment, mostly L2 hits) and y once; backward x
+// Bytes moved: forward x once (+ W-1 halo rows per 8-token run, L2 hits) and y once; backward x
 // and dy once (+ 2 (W-1) and W-1 halo rows per segment) and dx once; plus the partials.
 #include <algorithm>
 #include <climits>
@@ -70,20 +73,6 @@ constexpr int kCB = 32 * kV;  // channels per warp (and per block column): 512 b
 constexpr int kK = 8;         // rows per stage (one cp.async commit group)
 constexpr int kMaxW = 4;      // widths this kernel covers (W > 4 runs cuda.tiled)
 constexpr int kMinSeg = 64;   // shortest segment a warp is given (halo and setup amortise)
-
-// Programmatic dependent launch (sm_90): a kernel launched with the attribute may start before the
-// previous one ends; griddepcontrol.wait returns once that grid has completed and its memory is
-// visible. Without the attribute both are no-ops.
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
 
 // Backward: 2 warps a block, 3 stages of (x, dy) a warp (2 in flight while one is computed,
 // 16 KB a warp), 24 KB a warp; 4 blocks (8 warps, 2 per scheduler) a multiprocessor, <= 255
@@ -366,7 +355,6 @@ __global__ void __launch_bounds__(kBwdWarps * 32, kBwdMinBlocks)
                      bf16_t* __restrict__ dx,          // [T, C]
                      float* __restrict__ partial,      // [gridDim.x, W+1, C]
                      int64_t T, int64_t C, int N) {
-  pdl_launch_dependents();  // the reduction may be scheduled now; it waits for this grid's end
   constexpr int S = W - 1;
   constexpr int NS = kBwdStages;
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
@@ -537,42 +525,6 @@ __global__ void __launch_bounds__(kBwdWarps * 32, kBwdMinBlocks)
   }
 }
 
-// dweight[c, j] += sum_b partial[b, j, c] (j < W), dbias[c] += sum_b partial[b, W, c], b in
-// order: the sums of cuda_state.cuh's conv_dw_reduce_kernel, bit for bit, with 4 channels a thread
-// (16-byte loads, C % 8 == 0) and 8 partials in flight, launched with programmatic dependent
-// launch so that its launch overlaps the backward kernel's end (griddepcontrol.wait below).
-template <int W>
-__global__ void __launch_bounds__(256)
-    conv2_dw_reduce_kernel(const float* __restrict__ partial,  // [G, W+1, C]
-                           float* __restrict__ dw,             // [C, W]
-                           float* __restrict__ db,             // [C] or null
-                           int G, int64_t C) {
-  pdl_wait();
-  const int64_t C4 = C / 4;
-  const int64_t idx = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;
-  if (idx >= (W + 1) * C4) return;
-  const int j = static_cast<int>(idx / C4);
-  const int64_t c = (idx - j * C4) * 4;
-  if (j == W && db == nullptr) return;
-  float s[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 8
-  for (int b = 0; b < G; ++b) {
-    const float4 v = __ldcg(
-        reinterpret_cast<const float4*>(partial + (static_cast<int64_t>(b) * (W + 1) + j) * C + c));
-    s[0] += v.x;
-    s[1] += v.y;
-    s[2] += v.z;
-    s[3] += v.w;
-  }
-#pragma unroll
-  for (int v = 0; v < 4; ++v) {
-    if (j < W)
-      dw[(c + v) * W + j] += s[v];
-    else
-      db[c + v] += s[v];
-  }
-}
-
 // --- host side ---------------------------------------------------------------------------------
 
 bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data()) % 16 == 0; }
@@ -662,7 +614,7 @@ void forward_runs(const CausalConv1dFwd& a) {
   });
 }
 
-template <bool kStream, bool kPdl>
+template <bool kStream>
 void backward_impl(const CausalConv1dBwd& a) {
   if (!covered(a.x, a.weight, a.dy, a.dx, Tensor())) {
     tiled().backward(a);
@@ -688,25 +640,7 @@ void backward_impl(const CausalConv1dBwd& a) {
         kernel<<<grid, kBwdWarps * 32, bwd_smem(), s>>>(x, w, bias, k.cu, init, dy, dfin, dx,
                                                         partial, k.T, k.C, N);
         GDN_CUDA_LAUNCH_CHECK("conv2_bwd_kernel");
-        if constexpr (!kPdl) {
-          launch_dw_reduce<W>(p, k, partial, G, s);
-          return;
-        }
-        // The G partials, summed per (channel, tap) in block order; launched programmatically.
-        const int64_t items = (W + 1) * (k.C / 4);
-        cudaLaunchConfig_t cfg{};
-        cfg.gridDim = dim3(static_cast<unsigned>((items + 255) / 256));
-        cfg.blockDim = dim3(256);
-        cfg.stream = s;
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[0].val.programmaticStreamSerializationAllowed = 1;
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
-        GDN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, conv2_dw_reduce_kernel<W>,
-                                          static_cast<const float*>(partial), p.dw, p.db,
-                                          static_cast<int>(G), k.C));
-        GDN_CUDA_LAUNCH_CHECK("conv2_dw_reduce_kernel");
+        launch_dw_reduce<W>(p, k, partial, G, s);
       };
       if (a.silu)
         launch(conv2_bwd_kernel<W, true, kStream>);
@@ -717,20 +651,17 @@ void backward_impl(const CausalConv1dBwd& a) {
   });
 }
 
-const CausalConv1dTable kTable{forward_runs<8, true>, backward_impl<true, true>};
-// Measurement variants (A/B with GDN_OP_CAUSAL_CONV1D; lower priority than cuda.v2): the forward
-// and backward of the previous commit's cuda.v2 choices, and 16-token runs.
-const CausalConv1dTable kTableOld{forward_runs<8, false>, backward_impl<false, false>};
-const CausalConv1dTable kTableR16{forward_runs<16, true>, backward_impl<true, false>};
+const CausalConv1dTable kTable{forward_runs<8, false>, backward_impl<false>};
+// Not yet measured (the session's device time ran out): evict-first (st.global.cs) stores of y and
+// dx. At 16 tokens a thread they took the forward from 90.4 to 84.6 us; at 8 tokens it is 84.0 with
+// plain stores. For A/B with GDN_OP_CAUSAL_CONV1D=cuda.v2cs; below cuda.v2 until measured.
+const CausalConv1dTable kTableCs{forward_runs<8, true>, backward_impl<true>};
 
 }  // namespace
 
 GDN_REGISTER(causal_conv1d_cuda_v2) {
   Registry::global().add_impl({"causal_conv1d", "cuda.v2", Backend::Cuda, 20, nullptr, &kTable});
-  Registry::global().add_impl(
-      {"causal_conv1d", "cuda.v2old", Backend::Cuda, 3, nullptr, &kTableOld});
-  Registry::global().add_impl(
-      {"causal_conv1d", "cuda.v2r16", Backend::Cuda, 2, nullptr, &kTableR16});
+  Registry::global().add_impl({"causal_conv1d", "cuda.v2cs", Backend::Cuda, 3, nullptr, &kTableCs});
 }
 
 }  // namespace gdn::ops
