@@ -1,16 +1,17 @@
-// Causal conv1d on CUDA (label gpu), for both implementations, cuda.tiled (cuda.cu) and cuda.v2
-// (cuda_v2.cu; it runs cuda.tiled for W > 4, C % 8 != 0 or unaligned tensors, so those cases check
-// the fallback): cuda vs ref over widths W in {1, 2, 4, 8}, document layouts (T < W, 1-token
-// documents, zero-length documents at the start, middle and end, 50 documents, one long document
-// crossing many tiles / segments, documents starting just before / at / after tile and warp
-// boundaries, many documents of 0..100 tokens across cuda.v2's segments and 8-token chunks, no
-// cu_seqlens) and every option combination (bias, SiLU, initial state, dfinal_state, final state
-// requested), on both load paths (16-byte and scalar) and both store paths; forward and every
-// gradient. Then: no read across documents (NaN in one document leaves the others finite),
-// dweight / dbias accumulation and run-to-run determinism over a persistent grid whose blocks
-// walk several tiles, unaligned tensors, saturating SiLU, empty batches, the resolver's choice
-// (cuda.v2) and probe, leaking implementations rejected by the probe, `ops run` on the cuda
-// backend, and bad input. Tolerances come from the one table, src/backend/tolerances.h.
+// Causal conv1d on CUDA (label gpu), for every implementation, cuda.tiled (cuda.cu), cuda.v2 and
+// its evict-first-store variant cuda.v2cs (cuda_v2.cu; they run cuda.tiled for W > 4, C % 8 != 0
+// or unaligned tensors, so those cases check the fallback): cuda vs ref over widths W in {1, 2, 4,
+// 8}, document layouts (T < W, 1-token documents, zero-length documents at the start, middle and
+// end, 50 documents, one long document crossing many tiles / segments, documents starting just
+// before / at / after tile and warp boundaries, many documents of 0..100 tokens across cuda.v2's
+// segments, 8-token chunks and 8-token forward runs, no cu_seqlens) and every option combination
+// (bias, SiLU, initial state, dfinal_state, final state requested), on both load paths (16-byte and
+// scalar) and both store paths; forward and every gradient. Then: no read across documents (NaN in
+// one document leaves the others finite), dweight / dbias accumulation and run-to-run determinism
+// over a persistent grid whose blocks walk several tiles, unaligned tensors, saturating SiLU, empty
+// batches, the resolver's choice (cuda.v2) and probe, leaking implementations rejected by the
+// probe, `ops run` on the cuda backend, and bad input. Tolerances come from the one table,
+// src/backend/tolerances.h.
 #include <unistd.h>
 
 #include <cmath>
@@ -34,7 +35,7 @@ using testing::randn;
 constexpr ProbeError kTol = bf16_tolerance("causal_conv1d");
 
 // The implementations under test; "" is ref (F64 on the host).
-const char* const kImpls[] = {"cuda.tiled", "cuda.v2"};
+const char* const kImpls[] = {"cuda.tiled", "cuda.v2", "cuda.v2cs"};
 
 // The registered cuda implementation `name` (its function table); a test fails without it.
 const CausalConv1dTable& impl_table(const std::string& name) {

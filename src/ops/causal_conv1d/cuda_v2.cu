@@ -6,11 +6,11 @@
 // cu_seqlens per token per tile, per-token document tests, 4 channels a lane over 16-token runs
 // whose halo and recompute cost 20 %). Here the per-byte instruction count is cut instead:
 //
-// Work split: a warp owns 256 channels (8 a lane: one 16-byte pack per row) and one contiguous
-// segment of tokens [a, b): the T tokens of a channel column are cut into P equal segments, P =
-// the warps of the column's blocks (a persistent grid: as many blocks as fit at once, no fewer
-// than kMinSeg tokens a segment). A warp streams its rows once, in order, so the halo (the W-1
-// rows before a, and in backward the W-1 rows after b) is paid once per segment (~2 % at the
+// Backward work split: a warp owns 256 channels (8 a lane: one 16-byte pack per row) and one
+// contiguous segment of tokens [a, b): the T tokens of a channel column are cut into P equal
+// segments, P = the warps of the column's blocks (a persistent grid: as many blocks as fit at once,
+// no fewer than kMinSeg tokens a segment). A warp streams its rows once, in order, so the halo (the
+// W-1 rows before a, and in backward the W-1 rows after b) is paid once per segment (~2 % at the
 // benchmark shape) instead of once per 16 tokens, and the W-tap window slides in registers.
 //
 // Streaming: each lane copies its own 16 bytes of every row into a per-warp ring of shared memory
@@ -31,8 +31,11 @@
 // read from a device cu_seqlens are clamped (start in [0, t], end in [t+1, T]) before they address
 // memory, so a garbage cu_seqlens gives garbage values but no out-of-range access.
 //
-// Forward: cuda.tiled's forward (measured faster, PERF.md run 10); this file's streaming design
-// is used for the backward only.
+// Forward: its own kernel, not the streaming design (a streamed forward measured 105 us against
+// cuda.tiled's 87, PERF.md run 10): one thread per (run of R = 8 tokens, 8 channels) issues its
+// R + W-1 16-byte row loads before the first use, as the elementwise kernels do, and computes from
+// registers (see conv2_fwd_kernel). H200, [8192, 8192], W 4, SiLU, 1 / 4 / 16 documents, one run:
+// 84.0 / 84.7 / 85.2 us against cuda.tiled's 87.1 / 91.4 / 100.9 (R = 16: 90.4, at 255 registers).
 // Backward: per token t' of [a, min(b + S, T)) the warp recomputes z and u = dy * silu'(z) from the
 // window (Dao's causal-conv1d recomputes z the same way), adds u * ext taps to its dweight / dbias
 // register sums for t' < b, and emits dx[t' - S] = sum_j w[j] u[t' - j] once u of its W taps is
@@ -44,7 +47,7 @@
 // on the shapes, the documents and the device's multiprocessor count. dinitial_state: the small
 // kernel of cuda_state.cuh.
 //
-// Bytes moved: forward x once (+ W-1 halo rows per segment, mostly L2 hits) and y once; backward x
+// Bytes moved: forward x once (+ W-1 halo rows per 8-token run, L2 hits) and y once; backward x
 // and dy once (+ 2 (W-1) and W-1 halo rows per segment) and dx once; plus the partials.
 #include <algorithm>
 #include <climits>
@@ -100,6 +103,18 @@ __device__ __forceinline__ void unpack8(const uint4& u, float (&f)[kV]) {
 __device__ __forceinline__ uint4 pack8(const float (&f)[kV]) {
   return make_uint4(cuda::pack2(f[0], f[1]), cuda::pack2(f[2], f[3]), cuda::pack2(f[4], f[5]),
                     cuda::pack2(f[6], f[7]));
+}
+
+// A 16-byte store of an output that is not read again: kStream, st.global.cs (evict-first; measured
+// on the H200 at [8192, 8192]: the forward at 16 tokens a thread took 90.4 us with plain stores,
+// 84.6 with these); plain otherwise.
+template <bool kStream>
+__device__ __forceinline__ void put16(bf16_t* p, const uint4& v) {
+  if constexpr (kStream) {
+    __stcs(reinterpret_cast<uint4*>(p), v);
+  } else {
+    *reinterpret_cast<uint4*>(p) = v;
+  }
 }
 
 // The document of the warp's current token: index, first token, one past its last token.
@@ -212,10 +227,123 @@ __device__ __forceinline__ void shift(float (&r)[W][kV]) {
 
 // --- forward -----------------------------------------------------------------------------------
 
+constexpr int kFwdThreads = 128;
+// Blocks a multiprocessor: R = 16 takes up to 255 registers at W = 4 (two blocks, 256 threads,
+// 78 KB of loads in flight; a 128-register bound spills 2 KB), R = 8 up to 168 (three blocks).
+template <int R>
+constexpr int fwd_min_blocks() {
+  return R >= 16 ? 2 : 3;
+}
+
+// The lane's 8 channels of weight [C, W] (W 16-byte pieces from channel c: c % 8 == 0 and weight
+// 16-byte aligned) and bias (one 16-byte piece, bias 16-byte aligned) as fp32.
+template <int W>
+__device__ __forceinline__ void load_weights_vec(const bf16_t* __restrict__ w,
+                                                 const bf16_t* __restrict__ bias, int64_t c,
+                                                 float (&wr)[W][kV], float (&br)[kV]) {
+  float wf[W * kV];  // channel-major: wf[v * W + j] = weight[c + v, j]
+#pragma unroll
+  for (int q = 0; q < W; ++q) {
+    float f[kV];
+    unpack8(__ldg(reinterpret_cast<const uint4*>(w + c * W) + q), f);
+#pragma unroll
+    for (int v = 0; v < kV; ++v) wf[q * kV + v] = f[v];
+  }
+#pragma unroll
+  for (int j = 0; j < W; ++j)
+#pragma unroll
+    for (int v = 0; v < kV; ++v) wr[j][v] = wf[v * W + j];
+  if (bias != nullptr) {
+    unpack8(__ldg(reinterpret_cast<const uint4*>(bias + c)), br);
+  } else {
+#pragma unroll
+    for (int v = 0; v < kV; ++v) br[v] = 0.f;
+  }
+}
+
+// Forward, one thread per (run of R tokens, 8 channels): the thread issues all R + W-1 of its
+// 16-byte row loads (rows t0 - S .. t0 + R - 1 of its channels) before the first use, the way the
+// elementwise kernels reach the copy rate (swiglu: 0.99), then computes its R outputs from
+// registers. Consecutive threads own consecutive channel packs of one run, so a warp reads 512
+// contiguous bytes per row; the W-1 halo rows of a run are the previous run's last rows, loaded
+// moments earlier by the neighbouring blocks (L2 hits: DRAM traffic stays x once + y once). A run
+// inside one document (the common case) takes the loop without tests; a run that meets a document
+// start, the end of T, or a state takes the general loop (the document walked from a binary search
+// at t0; taps before the document start read the initial state or zeros, never a row). Same
+// arithmetic, in the same order, as cuda.tiled (preact, sigmoid): y is bit-identical to it.
+template <int W, int R, bool kSilu, bool kStream>
+__global__ void __launch_bounds__(kFwdThreads, fwd_min_blocks<R>())
+    conv2_fwd_kernel(const bf16_t* __restrict__ x,     // [T, C]
+                     const bf16_t* __restrict__ w,     // [C, W]
+                     const bf16_t* __restrict__ bias,  // [C] or null
+                     const int32_t* __restrict__ cu,   // [N+1] or null
+                     const bf16_t* __restrict__ init,  // [N, C, W-1] or null
+                     bf16_t* __restrict__ y,           // [T, C]
+                     int64_t T, int64_t C, int N, int64_t packs, int64_t nruns) {
+  constexpr int S = W - 1;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * kFwdThreads + threadIdx.x;
+  const int64_t run = idx / packs;
+  if (run >= nruns) return;
+  const int64_t c = (idx - run * packs) * kV;
+  const int64_t t0 = run * R;
+  uint4 buf[R + S];  // rows t0 - S + r
+#pragma unroll
+  for (int r = 0; r < R + S; ++r) {
+    const int64_t p = t0 - S + r;
+    buf[r] = p >= 0 && p < T ? __ldg(reinterpret_cast<const uint4*>(x + p * C + c))
+                             : make_uint4(0u, 0u, 0u, 0u);
+  }
+  float wr[W][kV], br[kV];
+  load_weights_vec<W>(w, bias, c, wr, br);
+  Doc d = find_doc(cu, N, T, t0);  // t0 < T
+  auto put = [&](int64_t t, float(&z)[kV]) {
+    if constexpr (kSilu) {
+#pragma unroll
+      for (int v = 0; v < kV; ++v) z[v] *= sigmoid(z[v]);
+    }
+    put16<kStream>(y + t * C + c, pack8(z));
+  };
+  if (t0 - S >= d.s && t0 + R <= d.e) {  // d.e <= T
+    float win[W][kV];
+#pragma unroll
+    for (int j = 0; j < S; ++j) unpack8(buf[j], win[j]);
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      unpack8(buf[i + S], win[S]);
+      float z[kV];
+      preact<W>(wr, br, win, z);
+      put(t0 + i, z);
+      shift<W>(win);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const int64_t t = t0 + i;
+      if (t >= T) break;
+      if (t >= d.e) advance_doc(d, cu, N, T, t);
+      float e[W][kV];
+#pragma unroll
+      for (int j = 0; j < W; ++j) {
+        const int64_t p = t - S + j;
+        if (p >= d.s) {  // a row of x (d.s >= 0, p <= t < T), buffered since p >= t0 - S
+          unpack8(buf[i + j], e[j]);
+        } else {  // p - d.s + S in [0, S) since d.s <= t
+          state_cols<S>(init, d.n, static_cast<int>(p - d.s + S), c, C, true, e[j]);
+        }
+      }
+      float z[kV];
+      preact<W>(wr, br, e, z);
+      put(t, z);
+    }
+  }
+}
+
+// --- backward ----------------------------------------------------------------------------------
+
 // grid (G, channel columns), kBwdWarps warps a block; warp q = blockIdx.x * kBwdWarps + warp of a
 // column owns tokens [T q / P, T (q+1) / P), P = G kBwdWarps. Writes dx rows
 // [a, b) of its segment and its block's dweight / dbias partial row set partial[blockIdx.x].
-template <int W, bool kSilu>
+template <int W, bool kSilu, bool kStream>
 __global__ void __launch_bounds__(kBwdWarps * 32, kBwdMinBlocks)
     conv2_bwd_kernel(const bf16_t* __restrict__ x,     // [T, C]
                      const bf16_t* __restrict__ w,     // [C, W]
@@ -293,7 +421,7 @@ __global__ void __launch_bounds__(kBwdWarps * 32, kBwdMinBlocks)
         for (int j = i + 1; j < W; ++j)  // u(t + S - j) inside the document: t + S - j < e
 #pragma unroll
           for (int v = 0; v < kV; ++v) o[v] = fmaf(wr[j][v], uw[i + S - j][v], o[v]);
-        if (active) *reinterpret_cast<uint4*>(dx + t * C + c) = pack8(o);
+        if (active) put16<kStream>(dx + t * C + c, pack8(o));
       }
     };
 
@@ -329,7 +457,7 @@ __global__ void __launch_bounds__(kBwdWarps * 32, kBwdMinBlocks)
         for (int j = 0; j < W; ++j)
 #pragma unroll
           for (int v = 0; v < kV; ++v) o[v] = fmaf(wr[j][v], uw[S - j][v], o[v]);
-        if (active) *reinterpret_cast<uint4*>(dx + (tp - S) * C + c) = pack8(o);
+        if (active) put16<kStream>(dx + (tp - S) * C + c, pack8(o));
       }
       shift<W>(win);
       shift<W>(uw);
@@ -444,12 +572,50 @@ int64_t blocks_per_column(const void* kernel, int warps, size_t smem, const Shap
   return std::clamp<int64_t>(fit / k.ncb, 1, std::min<int64_t>(useful, 65535));
 }
 
-// The forward is cuda.tiled's: measured on the H200 (PERF.md run 10) it beat a streamed forward
-// of this design (87 vs 105 us at [8192, 8192], W = 4), while this backward beat cuda.tiled's
-// (127 vs 174 us).
-void forward(const CausalConv1dFwd& a) { tiled().forward(a); }
+// Forward: the register-streamed kernel above for the calls it covers (weight and bias 16-byte
+// aligned too: they are read as 16-byte pieces), cuda.tiled otherwise.
+template <int R, bool kStream>
+void forward_runs(const CausalConv1dFwd& a) {
+  if (!covered(a.x, a.weight, a.y, a.weight, a.bias)) {
+    tiled().forward(a);
+    return;
+  }
+  const Shape k = shape_of(a.x, a.weight, a.cu_seqlens);
+  if (k.C == 0) return;
+  const bf16_t* x = dev_in(a.x);                 // [T, C]
+  const bf16_t* w = dev_in(a.weight);            // [C, W]
+  const bf16_t* bias = dev_in(a.bias);           // [C] or null
+  const bf16_t* init = dev_in(a.initial_state);  // [N, C, W-1] or null
+  bf16_t* y = dev_out(a.y);                      // [T, C]
+  bf16_t* fin = dev_out(a.final_state);          // [N, C, W-1] or null
+  const int N = static_cast<int>(k.N);
+  cudaStream_t s = cuda::stream();
+  with_width<kMaxW>(k.W, "cuda.v2", [&](auto wc) {
+    constexpr int W = decltype(wc)::value;
+    if (k.T > 0) {
+      const int64_t packs = k.C / kV, nruns = (k.T + R - 1) / R;
+      const int64_t blocks = (nruns * packs + kFwdThreads - 1) / kFwdThreads;
+      GDN_CHECK(blocks <= INT_MAX, "causal_conv1d (cuda.v2): [{}, {}] is too large", k.T, k.C);
+      auto launch = [&](auto kernel) {
+        kernel<<<static_cast<unsigned>(blocks), kFwdThreads, 0, s>>>(x, w, bias, k.cu, init, y, k.T,
+                                                                     k.C, N, packs, nruns);
+        GDN_CUDA_LAUNCH_CHECK("conv2_fwd_kernel");
+      };
+      if (a.silu)
+        launch(conv2_fwd_kernel<W, R, true, kStream>);
+      else
+        launch(conv2_fwd_kernel<W, R, false, kStream>);
+    }
+    if (fin != nullptr && W > 1 && N > 0) {
+      conv_final_state_kernel<W>
+          <<<small_grid(k.N * k.C), 256, 0, s>>>(x, k.cu, init, fin, k.T, k.C, N);
+      GDN_CUDA_LAUNCH_CHECK("conv_final_state_kernel");
+    }
+  });
+}
 
-void backward(const CausalConv1dBwd& a) {
+template <bool kStream>
+void backward_impl(const CausalConv1dBwd& a) {
   if (!covered(a.x, a.weight, a.dy, a.dx, Tensor())) {
     tiled().backward(a);
     return;
@@ -477,20 +643,25 @@ void backward(const CausalConv1dBwd& a) {
         launch_dw_reduce<W>(p, k, partial, G, s);
       };
       if (a.silu)
-        launch(conv2_bwd_kernel<W, true>);
+        launch(conv2_bwd_kernel<W, true, kStream>);
       else
-        launch(conv2_bwd_kernel<W, false>);
+        launch(conv2_bwd_kernel<W, false, kStream>);
     }
     launch_dinit<W>(p, k, a.silu, s);
   });
 }
 
-const CausalConv1dTable kTable{forward, backward};
+const CausalConv1dTable kTable{forward_runs<8, false>, backward_impl<false>};
+// Not yet measured (the session's device time ran out): evict-first (st.global.cs) stores of y and
+// dx. At 16 tokens a thread they took the forward from 90.4 to 84.6 us; at 8 tokens it is 84.0 with
+// plain stores. For A/B with GDN_OP_CAUSAL_CONV1D=cuda.v2cs; below cuda.v2 until measured.
+const CausalConv1dTable kTableCs{forward_runs<8, true>, backward_impl<true>};
 
 }  // namespace
 
 GDN_REGISTER(causal_conv1d_cuda_v2) {
   Registry::global().add_impl({"causal_conv1d", "cuda.v2", Backend::Cuda, 20, nullptr, &kTable});
+  Registry::global().add_impl({"causal_conv1d", "cuda.v2cs", Backend::Cuda, 3, nullptr, &kTableCs});
 }
 
 }  // namespace gdn::ops
