@@ -194,10 +194,10 @@ TEST_F(AdamWCuda, GlobalNormIsBitwiseReproducible) {
 }
 
 TEST_F(AdamWCuda, GlobalNormOverManyUnitsAndLists) {
-  // One tensor of 2^23 + 5 elements (2049 units of 4096: more than the blocks resident at once, so
-  // the persistent grid's blocks walk several units each, prefetching the next), 700 small ones
-  // (two grad_sumsq lists of <= 512 tensors), one of them unaligned (the per-element path between
-  // vector units). Against the fp64 sum on the host, and bitwise reproducible.
+  // One tensor of 2^23 + 5 elements (many more work units than blocks resident at once), 700
+  // small ones (several grad_sumsq lists of <= 128 tensors), one of them unaligned (the
+  // per-element path between vector units). Against the fp64 sum on the host, and bitwise
+  // reproducible.
   std::vector<OwnedTensor> keep;
   std::vector<Tensor> g;
   double want = 0.0;
@@ -222,6 +222,37 @@ TEST_F(AdamWCuda, GlobalNormOverManyUnitsAndLists) {
 
 TEST_F(AdamWCuda, ClipDecidedOnTheDeviceMatchesTheHostScaleWithoutDraining) {
   testing_adamw::check_clip_on_device(Device::CUDA);
+}
+
+TEST_F(AdamWCuda, GlobalNormAroundTheUnitAndLoadStepEdges) {
+  // grad_sumsq's blocks read units of 32768 elements in steps of 8192 (256 threads x 8 groups of
+  // 4): sizes just under, at and past both, with 1-3 trailing elements past the last whole group,
+  // and tensors starting 4, 8 or 12 bytes past a 16-byte boundary (the per-element path) over
+  // several units. Against the fp64 sum on the host, and bitwise reproducible.
+  std::vector<OwnedTensor> keep;
+  std::vector<Tensor> g;
+  double want = 0.0;
+  auto add = [&](int64_t n, uint64_t seed, int offset) {
+    const Vec x = values(n, seed, 0.5);
+    for (double v : x) want += v * v;
+    OwnedTensor t = from_f64(x, DType::F32, {n}, Device::CUDA);
+    if (offset == 0) {
+      g.push_back(t.view());
+      keep.push_back(std::move(t));
+    } else {
+      g.push_back(unaligned_copy(t, offset, keep));
+    }
+  };
+  const int64_t sizes[] = {1,     3,     4,     5,     8191,  8192,  8193,  8195,
+                           32767, 32768, 32769, 32771, 32772, 65541, 98303, 3 * 32768 + 7};
+  uint64_t seed = 500;
+  for (int64_t n : sizes) add(n, seed++, 0);
+  add(2 * 32768 + 5, seed++, 4);
+  add(32768 + 8192 + 2, seed++, 8);
+  add(7, seed++, 12);
+  const double got = grad_global_norm(g);
+  EXPECT_NEAR(got, std::sqrt(want), 1e-12 * std::sqrt(want));
+  for (int rep = 0; rep < 3; ++rep) EXPECT_EQ(grad_global_norm(g), got) << "rep " << rep;
 }
 
 TEST_F(AdamWCuda, RefreshBf16RoundsToNearestEven) {

@@ -68,10 +68,14 @@ struct Shape {
 void PrintTo(const Shape& s, std::ostream* os) { *os << "[" << s.R << ", " << s.D << "]"; }
 // One row; odd and tiny widths (scalar path); D % 8 == 0 from one pack per row (tpr = 1) to the
 // register limit (D = 4096: tpr = 256) and past it (12288, re-read); scalar rows past their limit
-// (D = 2053, 9001); many rows; the GDN width 128.
-const Shape kShapes[] = {{1, 1},     {1, 7},      {3, 97},    {1, 8},      {5, 16},
-                         {9, 128},   {4099, 128}, {33, 1000}, {257, 1031}, {5, 4096},
-                         {3, 12288}, {4, 2053},   {2, 9001},  {70000, 64}};
+// (D = 2053, 9001); many rows; the GDN width 128; pack counts that leave some of a row group's
+// register-held packs unused (24, 40, 136, 520), 16 and 32 threads a row (256, 512), and row
+// counts that are not a multiple of the rows per block, up to more blocks than are resident at
+// once (40001).
+const Shape kShapes[] = {
+    {1, 1},     {1, 7},      {3, 97},     {1, 8},     {5, 16},   {9, 128},     {4099, 128},
+    {33, 1000}, {257, 1031}, {5, 4096},   {3, 12288}, {4, 2053}, {2, 9001},    {70000, 64},
+    {65, 24},   {1031, 40},  {1031, 256}, {777, 512}, {3, 520},  {40001, 128}, {33, 128 + 8}};
 
 class L2NormCudaSweep : public L2NormCuda, public ::testing::WithParamInterface<Shape> {};
 

@@ -140,6 +140,8 @@ void compare(const Dev& d, const Ref& r, const Tensor& dy64) {
 // the waits use both parities twice), 64 with packs left over (1032), 128 (3000: some threads own
 // 2 packs, some 3; 4096), 256 (4104: one row, groups without rows; 8192); the other widths check
 // that it defers to cuda.rowwise.
+// The forward's fixed-width kernel (2048 <= D <= 4096, 16-byte packs): 128 threads a row with an
+// odd row count ([4099, 2048]), 256 (4096, and 3000 with packs left over).
 struct Shape {
   int64_t R, D;
 };

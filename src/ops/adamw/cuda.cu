@@ -21,10 +21,11 @@
 // The step evaluates exactly the cpu formula (op.h): scalars formed in fp64 on the host and
 // rounded to fp32 once; m, v, the denominator and p in fp32; p_bf16 = bf16(p) rounded to nearest
 // even (__float2bfloat16_rn, bit-identical to the host's conversion).
-// grad_sumsq: each unit's squares summed in fp64 (per thread, then a butterfly and the 8 warps in
-// order) into one fp64 partial per unit; one block then adds the partials in a fixed order. The
-// units depend only on the tensors' sizes, so the sum is bitwise reproducible and independent of
-// the device; it differs from cpu's (64K-element chunks) only by fp64 rounding.
+// grad_sumsq: its own, larger units (kSumUnit = 32768 elements, one block each, 8 16-byte loads
+// in flight per thread); each unit's squares summed in fp64 (per thread, then a butterfly and the
+// 8 warps in order) into one fp64 partial per unit; one block then adds the partials in a fixed
+// order. The units depend only on the tensors' sizes, so the sum is bitwise reproducible and
+// independent of the device; it differs from cpu's (64K-element chunks) only by fp64 rounding.
 // Bytes moved (the floor): step 16 read + 12 written (+ 2 for the bf16 copy) per element;
 // grad_sumsq 4 per element; refresh_bf16 4 read + 2 written per element.
 #include <algorithm>
@@ -48,6 +49,12 @@ constexpr int kMaxTensors = 128;
 constexpr int kThreads = 256;
 constexpr int kGroups = 4;                                  // 16-byte groups per thread per stream
 constexpr int64_t kUnit = int64_t{kThreads} * kGroups * 4;  // elements per block: 4096
+// grad_sumsq: units of 32768 elements, walked in steps of kSumStep = 8192 (kSumG 16-byte loads per
+// thread a step). A read-only stream needs more bytes per block than the step's 4096 elements
+// to amortise a block's start and its reduction (PERF.md run 11).
+constexpr int kSumG = 8;
+constexpr int64_t kSumStep = int64_t{kThreads} * kSumG * 4;  // 8192
+constexpr int64_t kSumUnit = 4 * kSumStep;                   // 32768
 
 // Up to kMaxTensors tensors of one launch; kPtrs pointers per tensor (adamw: p, g, m, v, p_bf16;
 // grad_sumsq: g; refresh: master, copy). Tensors with no element are never added, so first_unit
@@ -184,30 +191,37 @@ __global__ void __launch_bounds__(kThreads)
   if (tail + threadIdx.x < end) scalar(tail + threadIdx.x);
 }
 
-// partial[u] = sum of g^2 over unit u, in fp64 (a fixed order inside the unit).
+// partial[u] = sum of g^2 over unit u of kSumUnit elements, in fp64 (a fixed order inside the
+// unit). The thread loop walks the unit in steps of kSumStep elements, kSumG 16-byte loads a
+// thread a step, all issued before the first use.
 __global__ void __launch_bounds__(kThreads)
     grad_sumsq_kernel(const __grid_constant__ TensorList<1> list,
                       double* __restrict__ partial) {  // [units of this list]
   __shared__ double warp_sums[kThreads / 32];
   const int64_t u = blockIdx.x;
   const int i = find_tensor(list, u);
-  const int64_t begin = (u - list.first_unit[i]) * kUnit;
-  const int64_t end = std::min<int64_t>(list.numel[i], begin + kUnit);
+  const int64_t begin = (u - list.first_unit[i]) * kSumUnit;
+  const int64_t end = std::min<int64_t>(list.numel[i], begin + kSumUnit);
   const float* g = static_cast<const float*>(list.ptr[0][i]);  // [n]
   double acc = 0.0;
   if (list.vec[i]) {
-    float4 gv[kGroups];
+    for (int64_t base = begin; base < end; base += kSumStep) {
+      // Unconditional loads (a group past the end reads the unit's first group instead and is
+      // dropped below): predicated loads would be issued one at a time, each after the previous
+      // group's arithmetic (seen in the SASS), i.e. one 16-byte load in flight per thread.
+      float4 gv[kSumG];
 #pragma unroll
-    for (int k = 0; k < kGroups; ++k) {
-      const int64_t j = begin + (static_cast<int64_t>(k) * kThreads + threadIdx.x) * 4;
-      if (j + 4 <= end) gv[k] = __ldcs(reinterpret_cast<const float4*>(g + j));
-    }
+      for (int k = 0; k < kSumG; ++k) {
+        const int64_t j = base + (static_cast<int64_t>(k) * kThreads + threadIdx.x) * 4;
+        gv[k] = __ldcs(reinterpret_cast<const float4*>(g + (j + 4 <= end ? j : begin)));
+      }
 #pragma unroll
-    for (int k = 0; k < kGroups; ++k) {
-      const int64_t j = begin + (static_cast<int64_t>(k) * kThreads + threadIdx.x) * 4;
-      if (j + 4 <= end) {
-        const double a = gv[k].x, b = gv[k].y, c = gv[k].z, d = gv[k].w;
-        acc += a * a + b * b + c * c + d * d;
+      for (int k = 0; k < kSumG; ++k) {
+        const int64_t j = base + (static_cast<int64_t>(k) * kThreads + threadIdx.x) * 4;
+        if (j + 4 <= end) {
+          const double a = gv[k].x, b = gv[k].y, c = gv[k].z, d = gv[k].w;
+          acc += a * a + b * b + c * c + d * d;
+        }
       }
     }
     const int64_t tail = begin + ((end - begin) & ~int64_t{3});
@@ -216,6 +230,7 @@ __global__ void __launch_bounds__(kThreads)
       acc += a * a;
     }
   } else {
+#pragma unroll 4
     for (int64_t j = begin + threadIdx.x; j < end; j += kThreads) {
       const double a = g[j];
       acc += a * a;
@@ -241,7 +256,16 @@ __global__ void __launch_bounds__(kSumThreads)
                         int64_t count, double* __restrict__ out) {
   __shared__ double s[kSumThreads];
   double acc = 0.0;
-  for (int64_t j = threadIdx.x; j < count; j += kSumThreads) acc += partial[j];
+  int64_t j = threadIdx.x;
+  for (; j + 3 * kSumThreads < count; j += 4 * kSumThreads) {  // four loads in flight
+    const double a = partial[j], b = partial[j + kSumThreads], c = partial[j + 2 * kSumThreads],
+                 d = partial[j + 3 * kSumThreads];
+    acc += a;
+    acc += b;
+    acc += c;
+    acc += d;
+  }
+  for (; j < count; j += kSumThreads) acc += partial[j];
   s[threadIdx.x] = acc;
   __syncthreads();
   for (int half = kSumThreads / 2; half > 0; half >>= 1) {
@@ -283,7 +307,7 @@ __global__ void __launch_bounds__(kThreads)
 
 // --- host side ---------------------------------------------------------------------------------
 
-int64_t units_of(int64_t numel) { return (numel + kUnit - 1) / kUnit; }
+int64_t units_of(int64_t numel, int64_t unit = kUnit) { return (numel + unit - 1) / unit; }
 
 bool aligned(const void* p, uintptr_t to) { return reinterpret_cast<uintptr_t>(p) % to == 0; }
 
@@ -292,7 +316,7 @@ bool aligned(const void* p, uintptr_t to) { return reinterpret_cast<uintptr_t>(p
 template <int kPtrs, class Launch>
 class ListBatcher {
  public:
-  explicit ListBatcher(Launch launch) : launch_(launch) {}
+  explicit ListBatcher(Launch launch, int64_t unit = kUnit) : launch_(launch), unit_(unit) {}
   void add(int64_t numel, const std::array<void*, kPtrs>& ptrs, bool decay, bool vec) {
     if (numel == 0) return;
     const int i = list_.n;
@@ -301,7 +325,7 @@ class ListBatcher {
     for (int k = 0; k < kPtrs; ++k) list_.ptr[k][i] = ptrs[static_cast<size_t>(k)];
     list_.decay[i] = decay ? 1 : 0;
     list_.vec[i] = vec ? 1 : 0;
-    units_ += units_of(numel);
+    units_ += units_of(numel, unit_);
     list_.n = i + 1;
     if (list_.n == kMaxTensors) flush();
   }
@@ -317,6 +341,7 @@ class ListBatcher {
 
  private:
   Launch launch_;
+  int64_t unit_;
   TensorList<kPtrs> list_;
   int64_t units_ = 0;  // in the current list
   int64_t done_ = 0;   // in the lists already launched
@@ -369,7 +394,7 @@ void step(const AdamWStep& s) {
 // The sum of squares into *dst (device memory), on the compute stream.
 void sumsq_to(std::span<const Tensor> grads, double* dst) {
   int64_t total = 0;
-  for (const Tensor& g : grads) total += units_of(g.numel());
+  for (const Tensor& g : grads) total += units_of(g.numel(), kSumUnit);
   cuda::Context& ctx = cuda::Context::get();
   cudaStream_t stream = ctx.stream();
   if (total == 0) {
@@ -382,7 +407,7 @@ void sumsq_to(std::span<const Tensor> grads, double* dst) {
     grad_sumsq_kernel<<<static_cast<unsigned>(units), kThreads, 0, stream>>>(l, partial + first);
     GDN_CUDA_LAUNCH_CHECK("grad_sumsq_kernel");
   };
-  ListBatcher<1, decltype(launch)> batch(launch);
+  ListBatcher<1, decltype(launch)> batch(launch, kSumUnit);
   for (const Tensor& g : grads) batch.add(g.numel(), {g.data()}, false, cuda::aligned16(g.data()));
   batch.flush();
   sum_partials_kernel<<<1, kSumThreads, 0, stream>>>(partial, total, dst);
@@ -397,7 +422,7 @@ double grad_sumsq(std::span<const Tensor> grads) {
   cuda::Context& ctx = cuda::Context::get();
   // The result after the unit sums (scratch is reused by sumsq_to: one extra double at the end).
   int64_t total = 0;
-  for (const Tensor& g : grads) total += units_of(g.numel());
+  for (const Tensor& g : grads) total += units_of(g.numel(), kSumUnit);
   double* res =
       static_cast<double*>(ctx.scratch(static_cast<size_t>(total + 1) * sizeof(double))) + total;
   sumsq_to(grads, res);

@@ -32,7 +32,7 @@
 // p_bf16 always BF16 (the cuda compute copy; on cpu the op exists with a host bf16 output).
 // Deterministic: yes. The step is elementwise. grad_global_norm sums fixed 64K-element chunks in
 // fp64 and adds the chunk sums in order, so the norm is bitwise independent of the thread count.
-// cuda: the same in 4096-element units (a fixed order that depends on the tensor sizes only).
+// cuda: the same in 32768-element units (a fixed order that depends on the tensor sizes only).
 //
 // cuda launches (src/ops/adamw/cuda.cu): the tensors of one call go to the kernels in lists of up
 // to 128 passed as kernel arguments (no device table to build, nothing allocated or copied): a
