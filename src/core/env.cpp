@@ -35,6 +35,13 @@ constexpr Knob kKnobs[] = {
      "row chunk (gemm, chunk sized by GDN_FLCE_CHUNK_BYTES), then a separate cross_entropy + "
      "z-loss pass, then dx and dW by gemm. Not scheduling-only: other roundings and sum orders.",
      false, nullptr},
+    {"GDN_FUSED_QK_L2NORM", KnobType::Bool, "1",
+     "GDN q/k normalisation: 1 lets the gated delta rule normalise q and k itself (in its "
+     "prologue, the backward folded into its final reduction); 0 (A/B) runs the l2norm op into "
+     "kept activations, the gated delta rule without normalisation, then the l2norm backward. Not "
+     "scheduling-only: the gradients of the normalised q, k are rounded to the activation dtype "
+     "between the ops.",
+     false, nullptr},
     {"GDN_FUSED_SWIGLU", KnobType::Bool, "1",
      "MLP activation: 1 runs the fused swiglu kernel; 0 (A/B) runs silu(gate) and then a separate "
      "multiply by up (backward: two multiplies and the silu backward). Not scheduling-only: "

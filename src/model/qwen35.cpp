@@ -23,6 +23,7 @@
 #include "ops/gated_rmsnorm/op.h"
 #include "ops/gdn_gates/op.h"
 #include "ops/gemm/op.h"
+#include "ops/l2norm/op.h"
 #include "ops/linear_cross_entropy/op.h"
 #include "ops/mul/op.h"
 #include "ops/rmsnorm/op.h"
@@ -73,13 +74,16 @@ FusedRoutes FusedRoutes::from_env() {
   r.swiglu = env::get_bool("GDN_FUSED_SWIGLU");
   r.zc_norm = env::get_bool("GDN_FUSED_ZC_NORM");
   r.lm_head = env::get_bool("GDN_FUSED_LM_HEAD");
+  r.qk_l2norm = env::get_bool("GDN_FUSED_QK_L2NORM");
   return r;
 }
 
 std::string FusedRoutes::describe() const {
   return fmt::format(
-      "conv {}, swiglu {}, zero-centred norm {}, LM head {}",
+      "conv {}, q/k l2norm {}, swiglu {}, zero-centred norm {}, LM head {}",
       conv ? "fused (SiLU in the conv)" : "UNFUSED (conv, then silu; GDN_FUSED_CONV=0)",
+      qk_l2norm ? "fused (in the gated delta rule)"
+                : "UNFUSED (l2norm op, then the gated delta rule; GDN_FUSED_QK_L2NORM=0)",
       swiglu ? "fused" : "UNFUSED (silu, then mul; GDN_FUSED_SWIGLU=0)",
       zc_norm ? "fused ((1 + w) in the kernel)"
               : "UNFUSED (1 + w materialised, plain rmsnorm; GDN_FUSED_ZC_NORM=0)",
@@ -174,7 +178,8 @@ void Qwen35Model::zero_grads() {
 }
 
 std::string Qwen35Model::memory_plan() const {
-  const bool all_fused = fused_.conv && fused_.swiglu && fused_.zc_norm && fused_.lm_head;
+  const bool all_fused =
+      fused_.conv && fused_.qk_l2norm && fused_.swiglu && fused_.zc_norm && fused_.lm_head;
   return fmt::format(
              "memory plan ({} backend, micro-batch up to {} tokens / {} documents, recompute {}): "
              "parameters {}, gradients {}, activations {} (+ {} per-layer scratch); total {}",
@@ -222,8 +227,9 @@ StepStats Qwen35Model::step(const MicroBatch& mb, const StepOptions& opt) {
 namespace {
 
 struct LayerActs {
-  Tensor h_in, rstd_in, xn;                                    // [T, D], [T], [T, D]
-  Tensor qkv, q, k, v, z, a, b, g, beta, o, nrstd;             // GDN
+  Tensor h_in, rstd_in, xn;                         // [T, D], [T], [T, D]
+  Tensor qkv, q, k, v, z, a, b, g, beta, o, nrstd;  // GDN
+  Tensor qn, kn, qn_rstd, kn_rstd;  // GDN, GDN_FUSED_QK_L2NORM=0: l2norm(q), l2norm(k), their rstd
   Tensor qg, ak, av, q_hat, k_hat, attn, lse, q_rstd, k_rstd;  // attention
   Tensor y;                                     // mixer output before the out projection
   Tensor h_mid, rstd_post, xn2, gate, up, act;  // MLP
@@ -401,8 +407,17 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
       place(s.a, p.act, full, again, {T, Hv});
       Tensor conv;
       place(conv, p.act, true, again, {T, C});
-      place(s.q, p.act, cheap, again, {T, Hk, dk});
-      place(s.k, p.act, cheap, again, {T, Hk, dk});
+      // GDN_FUSED_QK_L2NORM=0: the backward reads the normalised q, k (and their rstd) instead,
+      // so q and k themselves live in the scratch.
+      const bool qk_fused = fused_.qk_l2norm;
+      place(s.q, p.act, cheap || !qk_fused, again, {T, Hk, dk});
+      place(s.k, p.act, cheap || !qk_fused, again, {T, Hk, dk});
+      if (!qk_fused) {
+        place(s.qn, p.act, cheap, again, {T, Hk, dk});
+        place(s.kn, p.act, cheap, again, {T, Hk, dk});
+        place(s.qn_rstd, p.stat, cheap, again, {T * Hk});
+        place(s.kn_rstd, p.stat, cheap, again, {T * Hk});
+      }
       place(s.v, p.act, cheap, again, {T, Hv, dv});
       place(s.g, p.stat, full, again, {T, Hv});
       place(s.beta, p.stat, full, again, {T, Hv});
@@ -429,13 +444,20 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
         copy_cols(s.q, conv, 0, false);
         copy_cols(s.k, conv, KD, false);
         copy_cols(s.v, conv, 2 * KD, false);
+        if (!qk_fused) {  // the l2norm op, then the gated delta rule without its own
+          pr.next("gdn.l2norm.fwd");
+          l2norm_forward(
+              {s.q.reshape({T * Hk, dk}), s.qn.reshape({T * Hk, dk}), s.qn_rstd, kGdrL2NormEps});
+          l2norm_forward(
+              {s.k.reshape({T * Hk, dk}), s.kn.reshape({T * Hk, dk}), s.kn_rstd, kGdrL2NormEps});
+        }
       }
       if (run_op(full)) {
         ProfileRange pr("gdn_gates.fwd");
         gdn_gates_forward({s.a, s.b, P(w.a_log), P(w.dt_bias), s.g, s.beta});
         pr.next("gdr.fwd");
-        gated_delta_rule_forward(
-            {s.q, s.k, s.v, s.g, s.beta, cu, Tensor(), s.o, Tensor(), 0.0, true, s.gdr_saved});
+        gated_delta_rule_forward({qk_fused ? s.q : s.qn, qk_fused ? s.k : s.kn, s.v, s.g, s.beta,
+                                  cu, Tensor(), s.o, Tensor(), 0.0, qk_fused, s.gdr_saved});
       }
       if (run_op(cheap)) {
         ProfileRange pr("gated_rmsnorm.fwd");
@@ -667,6 +689,10 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
         Tensor dg = p.alloc(p.stat, {T, Hv}), dbeta = p.alloc(p.stat, {T, Hv});
         Tensor da = p.alloc_act({T, Hv}), db = p.alloc_act({T, Hv});
         Tensor dconv = p.alloc_act({T, C}), dqkv = p.alloc_act({T, C});
+        const bool qk_fused = fused_.qk_l2norm;
+        // GDN_FUSED_QK_L2NORM=0: the gated delta rule's gradients of the normalised q, k.
+        Tensor dqn = qk_fused ? Tensor() : p.alloc_act({T, Hk, dk});
+        Tensor dkn = qk_fused ? Tensor() : p.alloc_act({T, Hk, dk});
         if (live) {
           {
             ProfileRange pr("out_proj.bwd");
@@ -678,8 +704,17 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
                                   d_o.reshape({T * Hv, dv}), dz.reshape({T * Hv, dv}),
                                   G(w.gated_norm)});
           pr_n.next("gdr.bwd");
-          gated_delta_rule_backward({s.q, s.k, s.v, s.g, s.beta, cu, Tensor(), d_o, Tensor(), dq,
-                                     dkk, dvv, dg, dbeta, Tensor(), 0.0, true, s.gdr_saved});
+          gated_delta_rule_backward({qk_fused ? s.q : s.qn, qk_fused ? s.k : s.kn, s.v, s.g, s.beta,
+                                     cu, Tensor(), d_o, Tensor(), qk_fused ? dq : dqn,
+                                     qk_fused ? dkk : dkn, dvv, dg, dbeta, Tensor(), 0.0, qk_fused,
+                                     s.gdr_saved});
+          if (!qk_fused) {
+            pr_n.next("gdn.l2norm.bwd");
+            l2norm_backward({s.qn.reshape({T * Hk, dk}), s.qn_rstd, dqn.reshape({T * Hk, dk}),
+                             dq.reshape({T * Hk, dk})});
+            l2norm_backward({s.kn.reshape({T * Hk, dk}), s.kn_rstd, dkn.reshape({T * Hk, dk}),
+                             dkk.reshape({T * Hk, dk})});
+          }
           pr_n.next("gdn_gates.bwd");
           gdn_gates_backward(
               {s.a, s.b, P(w.a_log), P(w.dt_bias), dg, dbeta, da, db, G(w.a_log), G(w.dt_bias)});

@@ -70,6 +70,8 @@ Recompute recompute_from_name(std::string_view name);  // throws naming the bad 
 // knob each (default 1 = fused), read once at model construction (docs/TRAINING.md lists them):
 //   conv:    causal_conv1d with SiLU fused | conv without SiLU, then the silu op (the backward
 //            recomputes the pre-activation with a conv pass, as the fused kernel does in registers)
+//   qk_l2norm: the gated delta rule normalising q, k itself (use_qk_l2norm) | the l2norm op into
+//            kept activations, the gated delta rule without it, then the l2norm backward
 //   swiglu:  the swiglu op | silu(gate), then mul(., up); backward mul twice, then silu backward
 //   zc_norm: rmsnorm forming (1 + w) in fp32 | 1 + w materialised per step (a copy of w, axpy of a
 //            ones vector) and the plain rmsnorm; dw is the same sum, accumulated into w's gradient
@@ -78,7 +80,7 @@ Recompute recompute_from_name(std::string_view name);  // throws naming the bad 
 // The unfused routes round their intermediates to the activation dtype (bf16 on cuda), so none of
 // these knobs is scheduling-only: they agree with the fused routes to that precision.
 struct FusedRoutes {
-  bool conv = true, swiglu = true, zc_norm = true, lm_head = true;
+  bool conv = true, qk_l2norm = true, swiglu = true, zc_norm = true, lm_head = true;
   static FusedRoutes from_env();  // throws naming the knob on an invalid value
   std::string describe() const;   // "conv fused, swiglu unfused (silu + mul), ..."
 };

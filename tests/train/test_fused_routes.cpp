@@ -80,18 +80,20 @@ struct Case {
 
 const Case kCases[] = {
     {"GDN_FUSED_CONV", {"conv.silu.fwd", "conv.silu.bwd"}, nullptr, true},
+    {"GDN_FUSED_QK_L2NORM", {"gdn.l2norm.fwd", "gdn.l2norm.bwd"}, nullptr, true},
     {"GDN_FUSED_SWIGLU", {"swiglu.mul.fwd", "swiglu.mul.bwd", "swiglu.silu.bwd"}, nullptr, true},
     {"GDN_FUSED_ZC_NORM", {"zc_norm.materialise"}, nullptr, true},
     {"GDN_FUSED_LM_HEAD", {"lm_head.logits", "lm_head.ce", "lm_head.grad"}, "lm_head_loss", false},
 };
 
 // fp32 activations on the cpu: the unfused routes store their intermediate (the conv's
-// pre-activation, silu(gate), 1 + w) in fp32, the very value the fused cpu kernels hold in an fp32
-// register, and the silu / mul / plain-norm kernels evaluate the fused kernels' expressions (same
-// operations, same order), so those three knobs leave the cpu losses bitwise unchanged (on cuda
-// the intermediate is rounded to bf16 and they are not). The LM head's cross_entropy sums its rows
-// in another order (and on the host) than linear_cross_entropy: fp32 rounding, seen 3e-8
-// relative; 1e-5 relative still rejects a wrong term, which moves the loss by 1e-3 or more.
+// pre-activation, the normalised q, k and their gradients, silu(gate), 1 + w) in fp32, the very
+// value the fused cpu kernels hold in an fp32 register or buffer, and the silu / mul / l2norm /
+// plain-norm kernels evaluate the fused kernels' expressions (same operations, same order), so
+// those four knobs leave the cpu losses bitwise unchanged (on cuda the intermediates are rounded
+// to bf16 and they are not). The LM head's cross_entropy sums its rows in another order (and on
+// the host) than linear_cross_entropy: fp32 rounding, seen 3e-8 relative; 1e-5 relative still
+// rejects a wrong term, which moves the loss by 1e-3 or more.
 constexpr double kCpuRelTol = 1e-5;
 
 TEST(FusedRoutes, EachUnfusedRouteRunsAndAgreesWithTheFusedOne) {
@@ -134,6 +136,7 @@ TEST(FusedRoutes, EachUnfusedRouteRunsAndAgreesWithTheFusedOne) {
 TEST(FusedRoutes, AllUnfusedAtOnceAgreesWithTheFusedRoutes) {
   const RouteRun base = run_with({}, "base_all");
   const std::map<std::string, std::string> all = {{"GDN_FUSED_CONV", "0"},
+                                                  {"GDN_FUSED_QK_L2NORM", "0"},
                                                   {"GDN_FUSED_SWIGLU", "off"},
                                                   {"GDN_FUSED_ZC_NORM", "false"},
                                                   {"GDN_FUSED_LM_HEAD", "no"}};
@@ -163,8 +166,8 @@ TEST(FusedRoutes, UnfusedLmHeadChunksRows) {
 }
 
 TEST(FusedRoutes, InvalidValuesAreErrorsNamingTheKnob) {
-  for (const char* knob :
-       {"GDN_FUSED_CONV", "GDN_FUSED_SWIGLU", "GDN_FUSED_ZC_NORM", "GDN_FUSED_LM_HEAD"}) {
+  for (const char* knob : {"GDN_FUSED_CONV", "GDN_FUSED_QK_L2NORM", "GDN_FUSED_SWIGLU",
+                           "GDN_FUSED_ZC_NORM", "GDN_FUSED_LM_HEAD"}) {
     std::string msg;
     try {
       run_with({{knob, "2"}}, "bad");
@@ -177,8 +180,8 @@ TEST(FusedRoutes, InvalidValuesAreErrorsNamingTheKnob) {
 }
 
 TEST(FusedRoutes, KnobsAreDeclaredWithDefaultOne) {
-  for (const char* knob :
-       {"GDN_FUSED_CONV", "GDN_FUSED_SWIGLU", "GDN_FUSED_ZC_NORM", "GDN_FUSED_LM_HEAD"}) {
+  for (const char* knob : {"GDN_FUSED_CONV", "GDN_FUSED_QK_L2NORM", "GDN_FUSED_SWIGLU",
+                           "GDN_FUSED_ZC_NORM", "GDN_FUSED_LM_HEAD"}) {
     bool found = false;
     for (const env::Knob& k : env::knobs())
       if (std::string_view(k.name) == knob) {

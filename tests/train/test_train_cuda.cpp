@@ -91,14 +91,16 @@ TEST(TrainCuda, GdrRouteKnobAgreesToBf16Precision) {
 // The A/B knobs of the fused kernel routes (model/qwen35.h, docs/TRAINING.md): each GDN_FUSED_*
 // knob at 0 really runs its unfused composition (its ops show up in the profiled step 2), and the
 // step-1 and step-2 losses agree with the fused routes' to bf16 precision: the unfused routes
-// round an intermediate (the conv's pre-activation, silu(gate), 1 + w, the logits and dlogits) to
-// bf16 where the fused kernels keep it in fp32, so none of these knobs is scheduling-only.
+// round an intermediate (the conv's pre-activation, the gradients of the normalised q and k,
+// silu(gate), 1 + w, the logits and dlogits) to bf16 where the fused kernels keep it in fp32, so
+// none of these knobs is scheduling-only.
 TEST(TrainCuda, FusedRouteKnobsAgreeToBf16Precision) {
   struct Case {
     const char* knob;
     const char* range;  // a profile range only the unfused route has
   };
   const Case cases[] = {{"GDN_FUSED_CONV", "conv.silu.bwd"},
+                        {"GDN_FUSED_QK_L2NORM", "gdn.l2norm.bwd"},
                         {"GDN_FUSED_SWIGLU", "swiglu.mul.fwd"},
                         {"GDN_FUSED_ZC_NORM", "zc_norm.materialise"},
                         {"GDN_FUSED_LM_HEAD", "lm_head.ce"}};
@@ -131,8 +133,8 @@ TEST(TrainCuda, FusedRouteKnobsAgreeToBf16Precision) {
 // forward before each backward, which only changes scheduling, so the losses are bitwise those of
 // recompute none.
 TEST(TrainCuda, UnfusedRoutesUnderRecomputeAreBitwiseUnchanged) {
-  const char* knobs[] = {"GDN_FUSED_CONV", "GDN_FUSED_SWIGLU", "GDN_FUSED_ZC_NORM",
-                         "GDN_FUSED_LM_HEAD"};
+  const char* knobs[] = {"GDN_FUSED_CONV", "GDN_FUSED_QK_L2NORM", "GDN_FUSED_SWIGLU",
+                         "GDN_FUSED_ZC_NORM", "GDN_FUSED_LM_HEAD"};
   for (const char* k : knobs) setenv(k, "0", 1);
   env::reset_cache_for_testing();
   TrainOptions quiet;
