@@ -252,6 +252,15 @@ int check_environment() {
       validate(*k, name, value);
       continue;
     }
+    if (name == "GDN_FUSED_FWD") {  // a removed knob: say what replaced it
+      log::warn(
+          "environment variable GDN_FUSED_FWD is ignored: it was removed (commit e3a19b7) with the "
+          "gated delta rule's fused forward route, which the fast route replaced; "
+          "GDN_GDR_GENERIC=1 selects the other current route, GDN_FUSED_QK_L2NORM=0 unfuses its "
+          "q/k normalisation (docs/TRAINING.md)");
+      ++warnings;
+      continue;
+    }
     const Knob* best = nullptr;
     size_t best_d = SIZE_MAX;
     for (const Knob& c : kKnobs) {
