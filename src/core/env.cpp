@@ -24,6 +24,35 @@ constexpr Knob kKnobs[] = {
      "Byte budget for the logits chunk of the fused linear cross-entropy (extra memory beyond the "
      "fp32 dW buffer stays within it whatever the vocabulary size).",
      false, nullptr},
+    {"GDN_FUSED_CONV", KnobType::Bool, "1",
+     "GDN short convolution: 1 runs causal_conv1d with its SiLU fused; 0 (A/B) runs the conv "
+     "without SiLU, then a separate silu pass (forward and backward; the backward recomputes the "
+     "pre-activation with a conv pass). Not scheduling-only: the pre-activation is rounded to the "
+     "activation dtype between the passes.",
+     false, nullptr},
+    {"GDN_FUSED_LM_HEAD", KnobType::Bool, "1",
+     "LM head loss: 1 runs the fused linear_cross_entropy; 0 (A/B) materialises the logits per "
+     "row chunk (gemm, chunk sized by GDN_FLCE_CHUNK_BYTES), then a separate cross_entropy + "
+     "z-loss pass, then dx and dW by gemm. Not scheduling-only: other roundings and sum orders.",
+     false, nullptr},
+    {"GDN_FUSED_QK_L2NORM", KnobType::Bool, "1",
+     "GDN q/k normalisation: 1 lets the gated delta rule normalise q and k itself (in its "
+     "prologue, the backward folded into its final reduction); 0 (A/B) runs the l2norm op into "
+     "kept activations, the gated delta rule without normalisation, then the l2norm backward. Not "
+     "scheduling-only: the gradients of the normalised q, k are rounded to the activation dtype "
+     "between the ops.",
+     false, nullptr},
+    {"GDN_FUSED_SWIGLU", KnobType::Bool, "1",
+     "MLP activation: 1 runs the fused swiglu kernel; 0 (A/B) runs silu(gate) and then a separate "
+     "multiply by up (backward: two multiplies and the silu backward). Not scheduling-only: "
+     "silu(gate) is rounded to the activation dtype between the passes.",
+     false, nullptr},
+    {"GDN_FUSED_ZC_NORM", KnobType::Bool, "1",
+     "Zero-centred RMSNorms (input, post-attention, final): 1 forms (1 + w) in fp32 inside the "
+     "rmsnorm kernel; 0 (A/B) materialises 1 + w once per step (axpy into a copy of w, rounded to "
+     "the parameter dtype: bf16 on cuda) and runs the plain RMSNorm; the weight gradient is the "
+     "same sum (d(1+w)/dw = 1). Not scheduling-only on cuda (bf16 rounding of 1 + w).",
+     false, nullptr},
     {"GDN_GDR_GENERIC", KnobType::Bool, "0",
      "gated_delta_rule on CUDA: 1 takes the generic WMMA route for every shape (the reference for "
      "the fast route, which otherwise runs head dims <= 128 that are multiples of 8).",
@@ -221,6 +250,15 @@ int check_environment() {
     const Knob* k = find_knob(name);
     if (k != nullptr) {
       validate(*k, name, value);
+      continue;
+    }
+    if (name == "GDN_FUSED_FWD") {  // a removed knob: say what replaced it
+      log::warn(
+          "environment variable GDN_FUSED_FWD is ignored: it was removed (commit e3a19b7) with the "
+          "gated delta rule's fused forward route, which the fast route replaced; "
+          "GDN_GDR_GENERIC=1 selects the other current route, GDN_FUSED_QK_L2NORM=0 unfuses its "
+          "q/k normalisation (docs/TRAINING.md)");
+      ++warnings;
       continue;
     }
     const Knob* best = nullptr;

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <optional>
 
 #include "gdn/core/env.h"
@@ -13,6 +14,7 @@
 #include "gdn/core/profile.h"
 #include "ops/axpy/op.h"
 #include "ops/causal_conv1d/op.h"
+#include "ops/cross_entropy/op.h"
 #include "ops/embedding/op.h"
 #include "ops/gated_attention/op.h"
 #include "ops/gated_delta_rule/op.h"
@@ -22,8 +24,11 @@
 #include "ops/gated_rmsnorm/op.h"
 #include "ops/gdn_gates/op.h"
 #include "ops/gemm/op.h"
+#include "ops/l2norm/op.h"
 #include "ops/linear_cross_entropy/op.h"
+#include "ops/mul/op.h"
 #include "ops/rmsnorm/op.h"
+#include "ops/silu/op.h"
 #include "ops/swiglu/op.h"
 
 namespace gdn::model {
@@ -64,6 +69,29 @@ Recompute recompute_from_name(std::string_view name) {
   GDN_FAIL_HINT("use none, full or selective", "recompute policy '{}' is not known", name);
 }
 
+FusedRoutes FusedRoutes::from_env() {
+  FusedRoutes r;
+  r.conv = env::get_bool("GDN_FUSED_CONV");
+  r.swiglu = env::get_bool("GDN_FUSED_SWIGLU");
+  r.zc_norm = env::get_bool("GDN_FUSED_ZC_NORM");
+  r.lm_head = env::get_bool("GDN_FUSED_LM_HEAD");
+  r.qk_l2norm = env::get_bool("GDN_FUSED_QK_L2NORM");
+  return r;
+}
+
+std::string FusedRoutes::describe() const {
+  return fmt::format(
+      "conv {}, q/k l2norm {}, swiglu {}, zero-centred norm {}, LM head {}",
+      conv ? "fused (SiLU in the conv)" : "UNFUSED (conv, then silu; GDN_FUSED_CONV=0)",
+      qk_l2norm ? "fused (in the gated delta rule)"
+                : "UNFUSED (l2norm op, then the gated delta rule; GDN_FUSED_QK_L2NORM=0)",
+      swiglu ? "fused" : "UNFUSED (silu, then mul; GDN_FUSED_SWIGLU=0)",
+      zc_norm ? "fused ((1 + w) in the kernel)"
+              : "UNFUSED (1 + w materialised, plain rmsnorm; GDN_FUSED_ZC_NORM=0)",
+      lm_head ? "fused (linear_cross_entropy)"
+              : "UNFUSED (logits chunks by gemm, then cross_entropy; GDN_FUSED_LM_HEAD=0)");
+}
+
 Qwen35Model::Qwen35Model(Qwen35Config cfg, Backend backend, int64_t max_tokens, int64_t max_docs,
                          Recompute recompute)
     : cfg_(std::move(cfg)),
@@ -91,6 +119,28 @@ Qwen35Model::Qwen35Model(Qwen35Config cfg, Backend backend, int64_t max_tokens, 
     grads_.push_back(grad_arena_.alloc_tensor(gdt, s.shape));
   }
   zero_grads();
+  // The fused kernel routes (qwen35.h): read once here, logged once per distinct setting.
+  fused_ = FusedRoutes::from_env();
+  {
+    static std::mutex mu;
+    static std::string last;
+    const std::string d = fused_.describe();
+    std::lock_guard lock(mu);
+    if (d != last) {
+      log::info("kernel routes: {}", d);
+      last = d;
+    }
+  }
+  if (!fused_.zc_norm) {
+    const std::vector<double> ones(static_cast<size_t>(cfg_.hidden_size), 1.0);
+    ones_ = from_f64(ones, backend_dtype(backend_), {cfg_.hidden_size}, dev);
+  }
+  if (!fused_.lm_head) {
+    const int64_t budget = env::get_int("GDN_FLCE_CHUNK_BYTES");
+    GDN_CHECK(budget >= 1, "GDN_FLCE_CHUNK_BYTES = {} must be positive", budget);
+    const int64_t row = cfg_.vocab_size * dtype_size(backend_dtype(backend_));
+    lm_chunk_rows_ = std::clamp<int64_t>(budget / row, 1, max_tokens_);
+  }
   // The gated delta rule's `saved` (run() says why it is bounded): planned for batches of up to
   // max_tokens / GDN_GDR_SAVED_MIN_DOC_TOKENS documents; 0 plans none.
   const int64_t min_doc = env::get_int("GDN_GDR_SAVED_MIN_DOC_TOKENS");
@@ -134,6 +184,8 @@ void Qwen35Model::zero_grads() {
 }
 
 std::string Qwen35Model::memory_plan() const {
+  const bool all_fused =
+      fused_.conv && fused_.qk_l2norm && fused_.swiglu && fused_.zc_norm && fused_.lm_head;
   return fmt::format(
              "memory plan ({} backend, micro-batch up to {} tokens / {} documents, recompute {}): "
              "parameters {}, gradients {}, activations {} (+ {} per-layer scratch); total {}",
@@ -148,7 +200,9 @@ std::string Qwen35Model::memory_plan() const {
               : fmt::format("; the activations include GDR saved states of {} per GDN layer "
                             "(batches of up to {} documents)",
                             format_bytes(static_cast<double>(gdr_saved_plan_) * 2),
-                            gdr_saved_docs_));
+                            gdr_saved_docs_)) +
+         (all_fused ? std::string()
+                    : fmt::format("; unfused A/B routes in use ({})", fused_.describe()));
 }
 
 StepStats Qwen35Model::step(const MicroBatch& mb, const StepOptions& opt) {
@@ -179,8 +233,9 @@ StepStats Qwen35Model::step(const MicroBatch& mb, const StepOptions& opt) {
 namespace {
 
 struct LayerActs {
-  Tensor h_in, rstd_in, xn;                                    // [T, D], [T], [T, D]
-  Tensor qkv, q, k, v, z, a, b, g, beta, o, nrstd;             // GDN
+  Tensor h_in, rstd_in, xn;                         // [T, D], [T], [T, D]
+  Tensor qkv, q, k, v, z, a, b, g, beta, o, nrstd;  // GDN
+  Tensor qn, kn, qn_rstd, kn_rstd;  // GDN, GDN_FUSED_QK_L2NORM=0: l2norm(q), l2norm(k), their rstd
   Tensor qg, ak, av, q_hat, k_hat, attn, lse, q_rstd, k_rstd;  // attention
   Tensor y;                                     // mixer output before the out projection
   Tensor h_mid, rstd_post, xn2, gate, up, act;  // MLP
@@ -289,6 +344,29 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
   }
 #endif
 
+  // The zero-centred norms' weights. Fused (default): the rmsnorm kernel forms (1 + w) in fp32.
+  // GDN_FUSED_ZC_NORM=0: 1 + w is materialised once per step (a copy of w, then axpy of the ones
+  // vector: fp32 arithmetic, rounded to the parameter dtype) and the plain rmsnorm runs on it; its
+  // dw = sum(dy * xhat) is also d loss / dw (d(1 + w)/dw = 1), so it accumulates into w's gradient.
+  const bool zc = fused_.zc_norm;
+  std::map<int64_t, Tensor> zc_w;  // param id -> [D] 1 + w (unfused route only)
+  if (!zc) {
+    std::vector<int64_t> norm_ids{ids_.final_norm};
+    for (const LayerParamIds& w : ids_.layers) {
+      norm_ids.push_back(w.input_norm);
+      norm_ids.push_back(w.post_norm);
+    }
+    for (int64_t id : norm_ids) zc_w[id] = p.alloc_act({D});
+    if (live) {
+      ProfileRange pr("zc_norm.materialise");
+      for (const auto& [id, w1] : zc_w) {
+        copy_tensor(w1, P(id));
+        axpy({ones_, w1, 1.0});
+      }
+    }
+  }
+  auto NW = [&](int64_t id) { return zc ? P(id) : zc_w.at(id); };
+
   // Residual stream: H[l] is the input of layer l, H[L] the input of the final norm.
   std::vector<Tensor> H(static_cast<size_t>(L + 1));
   H[0] = p.alloc_act({T, D});
@@ -340,7 +418,7 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
     place(s.xn, p.act, cheap, again, {T, D});
     if (run_op(cheap)) {
       ProfileRange pr("rmsnorm.fwd");
-      rmsnorm_forward({s.h_in, P(w.input_norm), s.xn, s.rstd_in, eps, true});
+      rmsnorm_forward({s.h_in, NW(w.input_norm), s.xn, s.rstd_in, eps, zc});
     }
     Tensor y_out_w;  // the out projection weight of the mixer
     if (w.type == LayerType::Linear) {
@@ -350,8 +428,17 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
       place(s.a, p.act, full, again, {T, Hv});
       Tensor conv;
       place(conv, p.act, true, again, {T, C});
-      place(s.q, p.act, cheap, again, {T, Hk, dk});
-      place(s.k, p.act, cheap, again, {T, Hk, dk});
+      // GDN_FUSED_QK_L2NORM=0: the backward reads the normalised q, k (and their rstd) instead,
+      // so q and k themselves live in the scratch.
+      const bool qk_fused = fused_.qk_l2norm;
+      place(s.q, p.act, cheap || !qk_fused, again, {T, Hk, dk});
+      place(s.k, p.act, cheap || !qk_fused, again, {T, Hk, dk});
+      if (!qk_fused) {
+        place(s.qn, p.act, cheap, again, {T, Hk, dk});
+        place(s.kn, p.act, cheap, again, {T, Hk, dk});
+        place(s.qn_rstd, p.stat, cheap, again, {T * Hk});
+        place(s.kn_rstd, p.stat, cheap, again, {T * Hk});
+      }
       place(s.v, p.act, cheap, again, {T, Hv, dv});
       place(s.g, p.stat, full, again, {T, Hv});
       place(s.beta, p.stat, full, again, {T, Hv});
@@ -368,19 +455,30 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
       }
       if (run_op(cheap)) {
         ProfileRange pr("conv.fwd");
-        causal_conv1d_forward(
-            {s.qkv, P(w.conv1d).reshape({C, W}), Tensor(), cu, Tensor(), conv, Tensor(), true});
+        causal_conv1d_forward({s.qkv, P(w.conv1d).reshape({C, W}), Tensor(), cu, Tensor(), conv,
+                               Tensor(), fused_.conv});
+        if (!fused_.conv) {  // GDN_FUSED_CONV=0: the SiLU as its own pass, in place
+          pr.next("conv.silu.fwd");
+          silu_forward({conv, conv});
+        }
         pr.next("gdn.split_qkv.fwd");
         copy_cols(s.q, conv, 0, false);
         copy_cols(s.k, conv, KD, false);
         copy_cols(s.v, conv, 2 * KD, false);
+        if (!qk_fused) {  // the l2norm op, then the gated delta rule without its own
+          pr.next("gdn.l2norm.fwd");
+          l2norm_forward(
+              {s.q.reshape({T * Hk, dk}), s.qn.reshape({T * Hk, dk}), s.qn_rstd, kGdrL2NormEps});
+          l2norm_forward(
+              {s.k.reshape({T * Hk, dk}), s.kn.reshape({T * Hk, dk}), s.kn_rstd, kGdrL2NormEps});
+        }
       }
       if (run_op(full)) {
         ProfileRange pr("gdn_gates.fwd");
         gdn_gates_forward({s.a, s.b, P(w.a_log), P(w.dt_bias), s.g, s.beta});
         pr.next("gdr.fwd");
-        gated_delta_rule_forward(
-            {s.q, s.k, s.v, s.g, s.beta, cu, Tensor(), s.o, Tensor(), 0.0, true, s.gdr_saved});
+        gated_delta_rule_forward({qk_fused ? s.q : s.qn, qk_fused ? s.k : s.kn, s.v, s.g, s.beta,
+                                  cu, Tensor(), s.o, Tensor(), 0.0, qk_fused, s.gdr_saved});
       }
       if (run_op(cheap)) {
         ProfileRange pr("gated_rmsnorm.fwd");
@@ -426,7 +524,7 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
     }
     if (run_op(cheap)) {
       ProfileRange pr("rmsnorm.fwd");
-      rmsnorm_forward({s.h_mid, P(w.post_norm), s.xn2, s.rstd_post, eps, true});
+      rmsnorm_forward({s.h_mid, NW(w.post_norm), s.xn2, s.rstd_post, eps, zc});
     }
     if (run_op(full)) {
       ProfileRange pr("mlp.gate_up.fwd");
@@ -435,7 +533,13 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
     }
     if (run_op(cheap)) {
       ProfileRange pr("swiglu.fwd");
-      swiglu_forward({s.gate, s.up, s.act});
+      if (fused_.swiglu) {
+        swiglu_forward({s.gate, s.up, s.act});
+      } else {  // GDN_FUSED_SWIGLU=0: act = silu(gate), then act *= up, as two passes
+        silu_forward({s.gate, s.act});
+        pr.next("swiglu.mul.fwd");
+        mul({s.act, s.up, s.act});
+      }
     }
     if (!again && live) {
       ProfileRange pr("mlp.down.fwd");
@@ -455,8 +559,14 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
   Tensor hn = p.alloc_act({T, D});
   Tensor hn_rstd = p.alloc(p.stat, {T});
   const int64_t head = ids_.lm_head >= 0 ? ids_.lm_head : ids_.embed;
-  const int64_t ws_bytes = linear_cross_entropy_workspace_bytes(max_tokens_, V, 0);
-  Tensor ws = p.alloc(DType::F32, {(ws_bytes + 3) / 4});
+  // The fused route's workspace, or (GDN_FUSED_LM_HEAD=0) the unfused route's logits chunk
+  // [lm_chunk_rows_, V] and per-row losses.
+  const bool lm_fused = fused_.lm_head;
+  const int64_t ws_bytes = lm_fused ? linear_cross_entropy_workspace_bytes(max_tokens_, V, 0) : 0;
+  Tensor ws = lm_fused ? p.alloc(DType::F32, {(ws_bytes + 3) / 4}) : Tensor();
+  Tensor logits_chunk = lm_fused ? Tensor() : p.alloc_act({lm_chunk_rows_, V});
+  Tensor row_loss = lm_fused ? Tensor() : p.alloc(p.stat, {T});
+  Tensor row_z = lm_fused ? Tensor() : p.alloc(p.stat, {T});
   Tensor loss = p.alloc(p.stat, {1});
   Tensor lse = p.alloc(p.stat, {T});
   Tensor zl = p.alloc(p.stat, {1});
@@ -468,10 +578,15 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
     for (int32_t lab : mb->labels) targets += lab != -100;
     {
       ProfileRange pr("rmsnorm.fwd");
-      rmsnorm_forward({H[static_cast<size_t>(L)], P(ids_.final_norm), hn, hn_rstd, eps, true});
+      rmsnorm_forward({H[static_cast<size_t>(L)], NW(ids_.final_norm), hn, hn_rstd, eps, zc});
     }
+    if (opt.logits.defined()) {
+      ProfileRange pr("lm_head_loss");
+      linear_forward({hn, P(head), opt.logits});
+    }
+  }
+  if (live && lm_fused) {
     ProfileRange pr("lm_head_loss");
-    if (opt.logits.defined()) linear_forward({hn, P(head), opt.logits});
     if (opt.token_loss.defined()) {
       LinearCrossEntropyArgs la;
       la.x = hn;
@@ -511,6 +626,44 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
       stats->loss = stats->z_loss = std::numeric_limits<double>::quiet_NaN();
     }
     stats->targets = targets;
+  } else if (live) {
+    // GDN_FUSED_LM_HEAD=0: per chunk of rows, the logits by gemm, the cross_entropy pass (loss,
+    // lse, z-loss and, for the backward, c dL/dz over the logits), then dx = G W (=) and
+    // dW += G^T x by gemm. The mean over the denominator (as linear_cross_entropy's: the caller's,
+    // else this batch's targets; 0 gives loss 0 and zero gradients) is c = 1 / den; the rows are
+    // summed on the host in double.
+    const double den =
+        opt.loss_denominator >= 0 ? opt.loss_denominator : static_cast<double>(targets);
+    const double c = den > 0 ? 1.0 / den : 0.0;
+    for (int64_t r0 = 0; r0 < T; r0 += lm_chunk_rows_) {
+      const int64_t r1 = std::min(T, r0 + lm_chunk_rows_);
+      const Tensor z = logits_chunk.slice0(0, r1 - r0), hc = hn.slice0(r0, r1);
+      const Tensor lab = labels.slice0(r0, r1);
+      ProfileRange pr("lm_head.logits");
+      linear_forward({hc, P(head), z});
+      pr.next("lm_head.ce");
+      if (opt.token_loss.defined())
+        cross_entropy({z, lab, opt.token_loss.slice0(r0, r1), tl_lse.slice0(r0, r1),
+                       tl_z.slice0(r0, r1), Tensor(), 0.0, 1.0});
+      cross_entropy({z, lab, row_loss.slice0(r0, r1), lse.slice0(r0, r1), row_z.slice0(r0, r1),
+                     backward ? z : Tensor(), opt.z_loss, c});
+      if (backward) {
+        pr.next("lm_head.grad");
+        linear_backward({hc, P(head), z, dhn.slice0(r0, r1), G(head), false});
+      }
+    }
+    double lsum = 0, zsum = 0;
+    for (double v : to_f64_vector(row_loss)) lsum += v;
+    for (double v : to_f64_vector(row_z)) zsum += v;
+    stats->loss = den > 0 ? lsum / den : 0.0;
+    stats->z_loss = den > 0 ? zsum / den : 0.0;
+    stats->targets = targets;
+    // The device copies a deferred trainer reads (this A/B route reads its row losses on the host,
+    // so unlike the fused route it waits for the device once per micro-batch).
+    copy_into(loss, from_f64(std::vector<double>{stats->loss}, loss.dtype(), {1}));
+    copy_into(zl, from_f64(std::vector<double>{stats->z_loss}, zl.dtype(), {1}));
+    stats->loss_dev = loss;
+    stats->z_loss_dev = zl;
   }
   if (!backward && live) return;
 
@@ -519,8 +672,8 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
   Tensor dtmp = p.alloc_act({T, D});
   if (live) {
     ProfileRange pr("rmsnorm.bwd");
-    rmsnorm_backward({H[static_cast<size_t>(L)], P(ids_.final_norm), hn_rstd, dhn, dh,
-                      G(ids_.final_norm), true});
+    rmsnorm_backward(
+        {H[static_cast<size_t>(L)], NW(ids_.final_norm), hn_rstd, dhn, dh, G(ids_.final_norm), zc});
   }
   for (int64_t l = L - 1; l >= 0; --l) try {
       const LayerParamIds& w = ids_.layers[static_cast<size_t>(l)];
@@ -537,7 +690,18 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
         }
         {
           ProfileRange pr("swiglu.bwd");
-          swiglu_backward({s.gate, s.up, dact, dgate, dup});
+          if (fused_.swiglu) {
+            swiglu_backward({s.gate, s.up, dact, dgate, dup});
+          } else {
+            // GDN_FUSED_SWIGLU=0: sg = silu(gate) recomputed into dgate's buffer; dup = dact * sg;
+            // d sg = dact * up over sg; dgate = d sg * silu'(gate) in place.
+            silu_forward({s.gate, dgate});
+            pr.next("swiglu.mul.bwd");
+            mul({dact, dgate, dup});
+            mul({dact, s.up, dgate});
+            pr.next("swiglu.silu.bwd");
+            silu_backward({s.gate, dgate, dgate});
+          }
         }
         {
           ProfileRange pr("mlp.gate_up.bwd");
@@ -545,7 +709,7 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
           linear_backward({s.xn2, P(w.mlp_up), dup, dxn2, G(w.mlp_up), true});
         }
         ProfileRange pr("rmsnorm.bwd");
-        rmsnorm_backward({s.h_mid, P(w.post_norm), s.rstd_post, dxn2, dtmp, G(w.post_norm), true});
+        rmsnorm_backward({s.h_mid, NW(w.post_norm), s.rstd_post, dxn2, dtmp, G(w.post_norm), zc});
         axpy({dtmp, dh, 1.0});  // dh = d h_mid
       }
       Tensor dxn = p.alloc_act({T, D});
@@ -557,6 +721,10 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
         Tensor dg = p.alloc(p.stat, {T, Hv}), dbeta = p.alloc(p.stat, {T, Hv});
         Tensor da = p.alloc_act({T, Hv}), db = p.alloc_act({T, Hv});
         Tensor dconv = p.alloc_act({T, C}), dqkv = p.alloc_act({T, C});
+        const bool qk_fused = fused_.qk_l2norm;
+        // GDN_FUSED_QK_L2NORM=0: the gated delta rule's gradients of the normalised q, k.
+        Tensor dqn = qk_fused ? Tensor() : p.alloc_act({T, Hk, dk});
+        Tensor dkn = qk_fused ? Tensor() : p.alloc_act({T, Hk, dk});
         if (live) {
           {
             ProfileRange pr("out_proj.bwd");
@@ -568,8 +736,17 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
                                   d_o.reshape({T * Hv, dv}), dz.reshape({T * Hv, dv}),
                                   G(w.gated_norm)});
           pr_n.next("gdr.bwd");
-          gated_delta_rule_backward({s.q, s.k, s.v, s.g, s.beta, cu, Tensor(), d_o, Tensor(), dq,
-                                     dkk, dvv, dg, dbeta, Tensor(), 0.0, true, s.gdr_saved});
+          gated_delta_rule_backward({qk_fused ? s.q : s.qn, qk_fused ? s.k : s.kn, s.v, s.g, s.beta,
+                                     cu, Tensor(), d_o, Tensor(), qk_fused ? dq : dqn,
+                                     qk_fused ? dkk : dkn, dvv, dg, dbeta, Tensor(), 0.0, qk_fused,
+                                     s.gdr_saved});
+          if (!qk_fused) {
+            pr_n.next("gdn.l2norm.bwd");
+            l2norm_backward({s.qn.reshape({T * Hk, dk}), s.qn_rstd, dqn.reshape({T * Hk, dk}),
+                             dq.reshape({T * Hk, dk})});
+            l2norm_backward({s.kn.reshape({T * Hk, dk}), s.kn_rstd, dkn.reshape({T * Hk, dk}),
+                             dkk.reshape({T * Hk, dk})});
+          }
           pr_n.next("gdn_gates.bwd");
           gdn_gates_backward(
               {s.a, s.b, P(w.a_log), P(w.dt_bias), dg, dbeta, da, db, G(w.a_log), G(w.dt_bias)});
@@ -577,10 +754,19 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
           copy_cols(dq, dconv, 0, true);
           copy_cols(dkk, dconv, KD, true);
           copy_cols(dvv, dconv, 2 * KD, true);
+          if (!fused_.conv) {
+            // GDN_FUSED_CONV=0: recompute the conv's pre-activation with a conv pass (the fused
+            // backward does it in registers) into dqkv, which the conv backward writes only
+            // after the silu backward has read it; then dconv = dconv * silu'(pre) in place.
+            pr_n.next("conv.silu.bwd");
+            causal_conv1d_forward({s.qkv, P(w.conv1d).reshape({C, W}), Tensor(), cu, Tensor(), dqkv,
+                                   Tensor(), false});
+            silu_backward({dqkv, dconv, dconv});
+          }
           pr_n.next("conv.bwd");
           causal_conv1d_backward({s.qkv, P(w.conv1d).reshape({C, W}), Tensor(), cu, Tensor(), dconv,
                                   Tensor(), dqkv, G(w.conv1d).reshape({C, W}), Tensor(), Tensor(),
-                                  true});
+                                  fused_.conv});
           pr_n.next("gdn.in_proj.bwd");
           linear_backward({s.xn, P(w.in_proj_qkv), dqkv, dxn, G(w.in_proj_qkv), false});
           linear_backward({s.xn, P(w.in_proj_z), dz, dxn, G(w.in_proj_z), true});
@@ -625,7 +811,7 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
       }
       if (live) {
         ProfileRange pr("rmsnorm.bwd");
-        rmsnorm_backward({s.h_in, P(w.input_norm), s.rstd_in, dxn, dtmp, G(w.input_norm), true});
+        rmsnorm_backward({s.h_in, NW(w.input_norm), s.rstd_in, dxn, dtmp, G(w.input_norm), zc});
         axpy({dtmp, dh, 1.0});  // dh = d h_in
       }
       arena.release_to(mark);

@@ -74,6 +74,25 @@ enum class Recompute : uint8_t { None, Full, Selective };
 std::string_view recompute_name(Recompute r);
 Recompute recompute_from_name(std::string_view name);  // throws naming the bad value
 
+// Fused kernel routes and their unfused A/B counterparts (issue 8), one GDN_FUSED_* environment
+// knob each (default 1 = fused), read once at model construction (docs/TRAINING.md lists them):
+//   conv:    causal_conv1d with SiLU fused | conv without SiLU, then the silu op (the backward
+//            recomputes the pre-activation with a conv pass, as the fused kernel does in registers)
+//   qk_l2norm: the gated delta rule normalising q, k itself (use_qk_l2norm) | the l2norm op into
+//            kept activations, the gated delta rule without it, then the l2norm backward
+//   swiglu:  the swiglu op | silu(gate), then mul(., up); backward mul twice, then silu backward
+//   zc_norm: rmsnorm forming (1 + w) in fp32 | 1 + w materialised per step (a copy of w, axpy of a
+//            ones vector) and the plain rmsnorm; dw is the same sum, accumulated into w's gradient
+//   lm_head: linear_cross_entropy | per row chunk: logits by gemm, the cross_entropy op (loss,
+//            lse, z-loss and the gradient in place), dx and dW by gemm; rows summed on the host
+// The unfused routes round their intermediates to the activation dtype (bf16 on cuda), so none of
+// these knobs is scheduling-only: they agree with the fused routes to that precision.
+struct FusedRoutes {
+  bool conv = true, qk_l2norm = true, swiglu = true, zc_norm = true, lm_head = true;
+  static FusedRoutes from_env();  // throws naming the knob on an invalid value
+  std::string describe() const;   // "conv fused, swiglu unfused (silu + mul), ..."
+};
+
 class Qwen35Model {
  public:
   Qwen35Model(Qwen35Config cfg, Backend backend, int64_t max_tokens, int64_t max_docs,
@@ -103,6 +122,7 @@ class Qwen35Model {
   // Activations kept across the step plus the per-layer scratch (dropped/recomputed ones).
   size_t activation_bytes() const { return act_arena_.capacity() + tmp_arena_.capacity(); }
   Recompute recompute() const { return recompute_; }
+  const FusedRoutes& fused() const { return fused_; }
   size_t activation_peak() const { return act_arena_.peak(); }
   std::string memory_plan() const;
 
@@ -120,6 +140,11 @@ class Qwen35Model {
   // The gated delta rule's optional `saved` per GDN layer (Recompute::None on cuda, run() has the
   // policy): elements planned for each layer (0: none) and the documents per batch that fit them.
   int64_t gdr_saved_plan_ = 0, gdr_saved_docs_ = 0;
+  // Rows of the logits chunk of the unfused LM head (GDN_FUSED_LM_HEAD=0): GDN_FLCE_CHUNK_BYTES
+  // over one row of logits, clamped to [1, max_tokens].
+  int64_t lm_chunk_rows_ = 0;
+  FusedRoutes fused_;
+  OwnedTensor ones_;  // [D] compute dtype: the 1 of the unfused zero-centred norms' 1 + w
   Arena param_arena_, grad_arena_, act_arena_, tmp_arena_;
   std::vector<Tensor> params_, grads_;
   // A micro-batch's inputs (ids, labels, cu_seqlens) go to the device through page-locked

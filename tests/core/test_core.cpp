@@ -242,6 +242,20 @@ TEST_F(EnvTest, UnknownVariableWarnsWithClosestKnob) {
   EXPECT_THROW(env::check_environment(), Error);
 }
 
+// Issue 7's GDN_FUSED_FWD was removed: setting it warns with what replaced it, not with the
+// nearest name (GDN_FUSED_CONV, an unrelated knob).
+TEST_F(EnvTest, RemovedFusedForwardKnobWarnsWithItsReplacement) {
+  setenv("GDN_FUSED_FWD", "0", 1);
+  std::vector<std::string> lines;
+  log::set_sink([&](log::Level, std::string_view l) { lines.emplace_back(l); });
+  EXPECT_EQ(env::check_environment(), 1);
+  unsetenv("GDN_FUSED_FWD");
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_NE(lines[0].find("GDN_FUSED_FWD is ignored: it was removed"), std::string::npos)
+      << lines[0];
+  EXPECT_NE(lines[0].find("GDN_GDR_GENERIC"), std::string::npos) << lines[0];
+}
+
 TEST(EnvTable, EveryKnobHasHelpAndAValidDefault) {
   for (const env::Knob& k : env::knobs()) {
     EXPECT_GT(std::strlen(k.help), 10u) << k.name;

@@ -1,6 +1,7 @@
 // Training on the GPU (issue 8): the tiny model trained on the cuda backend tracks the same model
 // trained on the cpu backend from the same initialisation; the gated delta rule's two CUDA routes
-// agree to bf16 precision; a 1000-step run under GDN_FAIL_ON_NONFINITE=1 has no non-finite step.
+// and the fused kernel routes' unfused A/B counterparts (GDN_FUSED_*) agree to bf16 precision; a
+// 1000-step run under GDN_FAIL_ON_NONFINITE=1 has no non-finite step.
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -86,6 +87,74 @@ TEST(TrainCuda, GdrRouteKnobAgreesToBf16Precision) {
     std::printf("step %zu: fast route %.6f generic route %.6f\n", i + 1, a.losses[i], b.losses[i]);
     EXPECT_NEAR(a.losses[i], b.losses[i], 1e-2 * a.losses[i]) << "step " << i + 1;
   }
+}
+
+// The A/B knobs of the fused kernel routes (model/qwen35.h, docs/TRAINING.md): each GDN_FUSED_*
+// knob at 0 really runs its unfused composition (its ops show up in the profiled step 2), and the
+// step-1 and step-2 losses agree with the fused routes' to bf16 precision: the unfused routes
+// round an intermediate (the conv's pre-activation, the gradients of the normalised q and k,
+// silu(gate), 1 + w, the logits and dlogits) to bf16 where the fused kernels keep it in fp32, so
+// none of these knobs is scheduling-only.
+TEST(TrainCuda, FusedRouteKnobsAgreeToBf16Precision) {
+  struct Case {
+    const char* knob;
+    const char* range;  // a profile range only the unfused route has
+  };
+  const Case cases[] = {{"GDN_FUSED_CONV", "conv.silu.bwd"},
+                        {"GDN_FUSED_QK_L2NORM", "gdn.l2norm.bwd"},
+                        {"GDN_FUSED_SWIGLU", "swiglu.mul.fwd"},
+                        {"GDN_FUSED_ZC_NORM", "zc_norm.materialise"},
+                        {"GDN_FUSED_LM_HEAD", "lm_head.ce"}};
+  TrainOptions o;
+  o.quiet = true;
+  o.profile_step = 2;
+  env::reset_cache_for_testing();
+  TrainResult base = run_training(tiny("fused", "cuda", 2), o);
+  ASSERT_EQ(base.losses.size(), 2u);
+  for (const Case& c : cases) {
+    setenv(c.knob, "0", 1);
+    env::reset_cache_for_testing();
+    TrainResult u = run_training(tiny(std::string("unfused_") + c.knob, "cuda", 2), o);
+    unsetenv(c.knob);
+    env::reset_cache_for_testing();
+    ASSERT_EQ(u.losses.size(), 2u) << c.knob;
+    std::set<std::string> names;
+    for (const auto& row : u.profile) names.insert(row.name);
+    EXPECT_TRUE(names.count(c.range)) << c.knob << "=0: range " << c.range << " missing";
+    for (size_t i = 0; i < 2; ++i) {
+      std::printf("%s step %zu: fused %.9f unfused %.9f (%+.2e relative)\n", c.knob, i + 1,
+                  base.losses[i], u.losses[i], (u.losses[i] - base.losses[i]) / base.losses[i]);
+      EXPECT_NEAR(u.losses[i], base.losses[i], 1e-2 * base.losses[i])
+          << c.knob << " step " << i + 1;
+    }
+  }
+}
+
+// Every GDN_FUSED_* knob at 0, under the recompute policies: recompute re-runs the (unfused) layer
+// forward before each backward, which only changes scheduling, so the losses are bitwise those of
+// recompute none.
+TEST(TrainCuda, UnfusedRoutesUnderRecomputeAreBitwiseUnchanged) {
+  const char* knobs[] = {"GDN_FUSED_CONV", "GDN_FUSED_QK_L2NORM", "GDN_FUSED_SWIGLU",
+                         "GDN_FUSED_ZC_NORM", "GDN_FUSED_LM_HEAD"};
+  for (const char* k : knobs) setenv(k, "0", 1);
+  env::reset_cache_for_testing();
+  TrainOptions quiet;
+  quiet.quiet = true;
+  std::vector<double> base;
+  for (const char* policy : {"none", "selective", "full"}) {
+    auto cfg = tiny(std::string("unfused_rc_") + policy, "cuda", 2);
+    cfg.set(fmt::format("train.recompute=\"{}\"", policy));
+    TrainResult r = run_training(cfg, quiet);
+    ASSERT_EQ(r.losses.size(), 2u);
+    if (base.empty()) {
+      base = r.losses;
+      continue;
+    }
+    for (size_t i = 0; i < 2; ++i)
+      EXPECT_EQ(r.losses[i], base[i]) << policy << ": step " << i + 1 << " loss differs";
+  }
+  for (const char* k : knobs) unsetenv(k);
+  env::reset_cache_for_testing();
 }
 
 // Recompute policies only change what is kept and when it is computed: the step-1 and step-2

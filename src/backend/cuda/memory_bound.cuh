@@ -9,6 +9,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "backend/cuda/vec.cuh"
@@ -115,5 +116,50 @@ __global__ void __launch_bounds__(32 * kSlices)
 // fp32 sigmoid, safe at both tails: expf(-x) overflows to +inf for x < -88.7, giving exactly 0,
 // and underflows to 0 for large x, giving exactly 1; never NaN for finite x.
 __device__ __forceinline__ float sigmoidf_safe(float x) { return 1.f / (1.f + expf(-x)); }
+
+// y[i] = f(a[i], b[i]) over n bf16 elements, fp32 arithmetic, one rounding of y: the plain
+// two-input maps of the unfused A/B routes (silu, mul). Grid-stride over packs of V (8: 16-byte
+// accesses, when every pointer is aligned; else 1); the n % V tail element by element by block 0.
+// y may alias a or b (each element is read before the one thread that owns it writes it), hence
+// coherent loads and no __restrict__.
+template <int V, class F>
+__global__ void __launch_bounds__(256)
+    map2_kernel(const bf16_t* a, const bf16_t* b, bf16_t* y, int64_t n, F f) {
+  const int64_t npacks = n / V;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < npacks;
+       i += stride) {
+    float x[V], z[V], o[V];
+    unpack(load_pack_coherent<V>(a, i * V), x);
+    unpack(load_pack_coherent<V>(b, i * V), z);
+#pragma unroll
+    for (int v = 0; v < V; ++v) o[v] = f(x[v], z[v]);
+    store_pack<V>(y, i * V, pack(o));
+  }
+  if (V > 1 && blockIdx.x == 0) {
+    const int64_t j = npacks * V + threadIdx.x;
+    if (threadIdx.x < V && j < n) {
+      float x[1], z[1], o[1];
+      unpack(load_pack_coherent<1>(a, j), x);
+      unpack(load_pack_coherent<1>(b, j), z);
+      o[0] = f(x[0], z[0]);
+      store_pack<1>(y, j, pack(o));
+    }
+  }
+}
+
+// Launches map2_kernel on `s` (at most 8 blocks per SM's worth of a 132-SM device: the loop
+// covers the rest).
+template <class F>
+void launch_map2(const bf16_t* a, const bf16_t* b, bf16_t* y, int64_t n, F f, cudaStream_t s) {
+  if (n == 0) return;
+  const bool vec = aligned16(a) && aligned16(b) && aligned16(y);
+  const int64_t packs = vec ? n / 8 : n;
+  const int64_t blocks = std::min<int64_t>(std::max<int64_t>(1, (packs + 255) / 256), 132 * 8);
+  if (vec)
+    map2_kernel<8><<<static_cast<unsigned>(blocks), 256, 0, s>>>(a, b, y, n, f);
+  else
+    map2_kernel<1><<<static_cast<unsigned>(blocks), 256, 0, s>>>(a, b, y, n, f);
+}
 
 }  // namespace gdn::cuda
