@@ -193,16 +193,12 @@ TEST_F(AdamWCuda, GlobalNormIsBitwiseReproducible) {
   EXPECT_EQ(grad_global_norm(none), 0.0);
 }
 
-TEST_F(AdamWCuda, GlobalNormOverManyUnitsAndLists) {
-  // One tensor of 2^23 + 5 elements (many more work units than blocks resident at once), 700
-  // small ones (several grad_sumsq lists of <= 128 tensors), one of them unaligned (the
-  // per-element path between vector units). Against the fp64 sum on the host, and bitwise
-  // reproducible.
-  std::vector<OwnedTensor> keep;
-  std::vector<Tensor> g;
-  double want = 0.0;
-  auto add = [&](int64_t n, uint64_t seed, int offset) {
-    const Vec x = values(n, seed, 1.0);
+// Gradient tensors on the device (some starting past a 16-byte boundary) with the fp64 sum of
+// their squares on the host; check(): grad_global_norm against it, and bitwise reproducible.
+struct GradList {
+  explicit GradList(double sd) : sd(sd) {}
+  void add(int64_t n, uint64_t seed, int offset) {
+    const Vec x = values(n, seed, sd);
     for (double v : x) want += v * v;
     OwnedTensor t = from_f64(x, DType::F32, {n}, Device::CUDA);
     if (offset == 0) {
@@ -211,13 +207,27 @@ TEST_F(AdamWCuda, GlobalNormOverManyUnitsAndLists) {
     } else {
       g.push_back(unaligned_copy(t, offset, keep));
     }
-  };
-  add((int64_t{1} << 23) + 5, 1, 0);
+  }
+  void check() const {
+    const double got = grad_global_norm(g);
+    EXPECT_NEAR(got, std::sqrt(want), 1e-12 * std::sqrt(want));
+    for (int rep = 0; rep < 3; ++rep) EXPECT_EQ(grad_global_norm(g), got) << "rep " << rep;
+  }
+  double sd, want = 0.0;
+  std::vector<OwnedTensor> keep;
+  std::vector<Tensor> g;
+};
+
+TEST_F(AdamWCuda, GlobalNormOverManyUnitsAndLists) {
+  // One tensor of 2^23 + 5 elements (many more work units than blocks resident at once), 700
+  // small ones (several grad_sumsq lists of <= 128 tensors), one of them unaligned (the
+  // per-element path between vector units). Against the fp64 sum on the host, and bitwise
+  // reproducible.
+  GradList l(1.0);
+  l.add((int64_t{1} << 23) + 5, 1, 0);
   for (int k = 0; k < 700; ++k)
-    add((k * 7919) % 5000 + 1, 100 + static_cast<uint64_t>(k), k == 350 ? 4 : 0);
-  const double got = grad_global_norm(g);
-  EXPECT_NEAR(got, std::sqrt(want), 1e-12 * std::sqrt(want));
-  for (int rep = 0; rep < 3; ++rep) EXPECT_EQ(grad_global_norm(g), got) << "rep " << rep;
+    l.add((k * 7919) % 5000 + 1, 100 + static_cast<uint64_t>(k), k == 350 ? 4 : 0);
+  l.check();
 }
 
 TEST_F(AdamWCuda, ClipDecidedOnTheDeviceMatchesTheHostScaleWithoutDraining) {
@@ -229,30 +239,15 @@ TEST_F(AdamWCuda, GlobalNormAroundTheUnitAndLoadStepEdges) {
   // 4): sizes just under, at and past both, with 1-3 trailing elements past the last whole group,
   // and tensors starting 4, 8 or 12 bytes past a 16-byte boundary (the per-element path) over
   // several units. Against the fp64 sum on the host, and bitwise reproducible.
-  std::vector<OwnedTensor> keep;
-  std::vector<Tensor> g;
-  double want = 0.0;
-  auto add = [&](int64_t n, uint64_t seed, int offset) {
-    const Vec x = values(n, seed, 0.5);
-    for (double v : x) want += v * v;
-    OwnedTensor t = from_f64(x, DType::F32, {n}, Device::CUDA);
-    if (offset == 0) {
-      g.push_back(t.view());
-      keep.push_back(std::move(t));
-    } else {
-      g.push_back(unaligned_copy(t, offset, keep));
-    }
-  };
+  GradList l(0.5);
   const int64_t sizes[] = {1,     3,     4,     5,     8191,  8192,  8193,  8195,
                            32767, 32768, 32769, 32771, 32772, 65541, 98303, 3 * 32768 + 7};
   uint64_t seed = 500;
-  for (int64_t n : sizes) add(n, seed++, 0);
-  add(2 * 32768 + 5, seed++, 4);
-  add(32768 + 8192 + 2, seed++, 8);
-  add(7, seed++, 12);
-  const double got = grad_global_norm(g);
-  EXPECT_NEAR(got, std::sqrt(want), 1e-12 * std::sqrt(want));
-  for (int rep = 0; rep < 3; ++rep) EXPECT_EQ(grad_global_norm(g), got) << "rep " << rep;
+  for (int64_t n : sizes) l.add(n, seed++, 0);
+  l.add(2 * 32768 + 5, seed++, 4);
+  l.add(32768 + 8192 + 2, seed++, 8);
+  l.add(7, seed++, 12);
+  l.check();
 }
 
 TEST_F(AdamWCuda, RefreshBf16RoundsToNearestEven) {

@@ -25,93 +25,16 @@
 #include "gdn/core/env.h"
 #include "ops/gated_delta_rule/cuda.h"
 #include "ops/gated_delta_rule/op.h"
+#include "ops/gdr_cuda_test_util.h"
 #include "support/op_test_util.h"
 
 namespace gdn::ops {
 namespace {
 
-using testing::randn;
-using testing::randu;
-using testing::rounded;
+using namespace gdr_test;  // NOLINT: the shared GDR test helpers
+using GdrSavedCuda = GdrCudaTest;
 
 constexpr ProbeError kTol = bf16_tolerance("gated_delta_rule");
-
-class GdrSavedCuda : public ::testing::Test {
- protected:
-  void SetUp() override {
-    ASSERT_TRUE(cuda_available())
-        << "no CUDA device: the CUDA runtime did not install its device hooks (is a GPU visible? "
-           "check nvidia-smi and CUDA_VISIBLE_DEVICES)";
-  }
-};
-
-struct Spec {
-  std::string name;
-  std::vector<int32_t> lens;
-  int64_t Hk = 1, r = 1, dk = 16, dv = 24;
-  double g_lo = -1.0, g_hi = 0.0;
-  bool init = true;  // h0 given
-  bool dhT = true;   // dhT given
-  uint64_t seed = 1;
-};
-
-// F64 host tensors holding exactly what the cuda path sees (bf16 activations, fp32 states).
-struct Inputs {
-  int64_t T = 0, N = 0, Hk = 0, Hv = 0, dk = 0, dv = 0;
-  std::vector<int32_t> cu;
-  OwnedTensor q, k, v, g, beta, h0, dout, dhT;
-};
-
-Inputs make_inputs(const Spec& s, bool l2) {
-  Inputs in;
-  in.cu = {0};
-  for (int32_t l : s.lens) in.cu.push_back(in.cu.back() + l);
-  in.T = in.cu.back();
-  in.N = static_cast<int64_t>(s.lens.size());
-  in.Hk = s.Hk;
-  in.Hv = s.Hk * s.r;
-  in.dk = s.dk;
-  in.dv = s.dv;
-  const uint64_t sd = s.seed * 100 + 7;
-  const double qk_std = l2 ? 1.0 : 0.7 / std::sqrt(static_cast<double>(s.dk));
-  in.q = rounded(randn({in.T, in.Hk, in.dk}, sd + 1, qk_std), DType::BF16);
-  in.k = rounded(randn({in.T, in.Hk, in.dk}, sd + 2, qk_std), DType::BF16);
-  in.v = rounded(randn({in.T, in.Hv, in.dv}, sd + 3), DType::BF16);
-  in.g = rounded(randu({in.T, in.Hv}, sd + 4, s.g_lo, s.g_hi), DType::F32);
-  in.beta = rounded(randu({in.T, in.Hv}, sd + 5, 0.0, 1.0), DType::F32);
-  if (s.init) in.h0 = rounded(randn({in.N, in.Hv, in.dk, in.dv}, sd + 6, 0.5), DType::F32);
-  in.dout = rounded(randn({in.T, in.Hv, in.dv}, sd + 7), DType::BF16);
-  if (s.dhT) in.dhT = rounded(randn({in.N, in.Hv, in.dk, in.dv}, sd + 8, 0.5), DType::F32);
-  return in;
-}
-
-Tensor view_or_empty(const OwnedTensor& t) { return t.defined() ? t.view() : Tensor(); }
-
-struct Dev {
-  OwnedTensor q, k, v, g, beta, cu, h0, dout, dhT;
-};
-Dev to_device(const Inputs& in) {
-  auto opt = [](const OwnedTensor& t, DType dt) {
-    return t.defined() ? convert(t, dt, Device::CUDA) : OwnedTensor();
-  };
-  return {convert(in.q, DType::BF16, Device::CUDA),
-          convert(in.k, DType::BF16, Device::CUDA),
-          convert(in.v, DType::BF16, Device::CUDA),
-          convert(in.g, DType::F32, Device::CUDA),
-          convert(in.beta, DType::F32, Device::CUDA),
-          convert(testing::i32_tensor(in.cu), DType::I32, Device::CUDA),
-          opt(in.h0, DType::F32),
-          convert(in.dout, DType::BF16, Device::CUDA),
-          opt(in.dhT, DType::F32)};
-}
-
-// A device tensor whose every element is NaN (an element nobody writes stays visible).
-OwnedTensor poisoned(DType dt, std::initializer_list<int64_t> shape) {
-  Tensor probe(nullptr, dt, shape);
-  std::vector<double> v(static_cast<size_t>(probe.numel()),
-                        std::numeric_limits<double>::quiet_NaN());
-  return from_f64(v, dt, std::span<const int64_t>(shape.begin(), shape.size()), Device::CUDA);
-}
 
 int64_t saved_numel(const Inputs& in) { return gdr_saved_numel(in.T, in.N, in.Hv, in.dk, in.dv); }
 
@@ -227,98 +150,6 @@ Grads ref_grads(const Inputs& in, bool l2) {
                              view_or_empty(in.dhT), r.dq, r.dk, r.dv, r.dg, r.dbeta, r.dh0, 0.0,
                              l2});
   return r;
-}
-
-// Sets GDN_GDR_GENERIC for the life of the object (a read-once knob: the cache is reset).
-struct Route {
-  explicit Route(bool generic) {
-    setenv("GDN_GDR_GENERIC", generic ? "1" : "0", 1);
-    env::reset_cache_for_testing();
-  }
-  ~Route() {
-    unsetenv("GDN_GDR_GENERIC");
-    env::reset_cache_for_testing();
-  }
-  Route(const Route&) = delete;
-  Route& operator=(const Route&) = delete;
-};
-
-// Forces the dk split of the fast route's state passes for the life of the object.
-struct StateSplit {
-  explicit StateSplit(int ks) { gdr_set_state_split(ks); }
-  ~StateSplit() { gdr_set_state_split(0); }
-  StateSplit(const StateSplit&) = delete;
-  StateSplit& operator=(const StateSplit&) = delete;
-};
-
-std::vector<int32_t> random_lens(int n, int lo, int hi, uint64_t seed) {
-  std::vector<int32_t> l;
-  for (int i = 0; i < n; ++i)
-    l.push_back(lo + static_cast<int32_t>(rng::bits(seed, 5, static_cast<uint64_t>(i)) %
-                                          static_cast<uint32_t>(hi - lo + 1)));
-  return l;
-}
-
-std::vector<Spec> sweep_specs() {
-  std::vector<Spec> s;
-  s.push_back({.name = "T37_lt_chunk", .lens = {37}, .Hk = 2, .r = 1});
-  s.push_back({.name = "T64_one_chunk", .lens = {64}, .Hk = 1, .r = 2, .seed = 2});
-  s.push_back({.name = "T150_partial_r3", .lens = {150}, .Hk = 1, .r = 3, .seed = 3});
-  s.push_back({.name = "one_token_docs", .lens = {1, 1, 5, 1, 1}, .Hk = 2, .r = 2, .seed = 4});
-  s.push_back(
-      {.name = "fifty_docs", .lens = random_lens(50, 1, 90, 9), .Hk = 1, .r = 2, .seed = 5});
-  s.push_back({.name = "zero_length_docs", .lens = {0, 5, 0, 70, 0}, .r = 2, .seed = 6});
-  s.push_back({.name = "no_initial_state",
-               .lens = {70, 3},
-               .r = 2,
-               .init = false,
-               .dhT = false,
-               .seed = 7});
-  s.push_back({.name = "d128_docs",
-               .lens = {200, 1, 63},
-               .Hk = 2,
-               .r = 2,
-               .dk = 128,
-               .dv = 128,
-               .g_lo = -2,
-               .seed = 8});
-  s.push_back({.name = "d128_long",
-               .lens = {700},
-               .Hk = 1,
-               .r = 2,
-               .dk = 128,
-               .dv = 128,
-               .g_lo = -0.3,
-               .seed = 9});
-  s.push_back({.name = "d64_thirty_docs",
-               .lens = random_lens(30, 1, 140, 20),
-               .Hk = 2,
-               .r = 2,
-               .dk = 64,
-               .dv = 64,
-               .seed = 10});
-  s.push_back({.name = "dk96_dv120_r3",
-               .lens = {90, 40},
-               .Hk = 1,
-               .r = 3,
-               .dk = 96,
-               .dv = 120,
-               .seed = 11});
-  s.push_back({.name = "dk128_dv40_no_state",
-               .lens = {150},
-               .Hk = 1,
-               .r = 2,
-               .dk = 128,
-               .dv = 40,
-               .init = false,
-               .dhT = false,
-               .seed = 12});
-  // Dims only the generic route takes: not multiples of 8 (scalar staging), and up to 256.
-  s.push_back(
-      {.name = "dk20_dv12_scalar", .lens = {70, 9}, .r = 2, .dk = 20, .dv = 12, .seed = 13});
-  s.push_back({.name = "d256_max", .lens = {70}, .r = 1, .dk = 256, .dv = 256, .seed = 14});
-  s.push_back({.name = "dk256_dv100", .lens = {33, 64}, .r = 2, .dk = 256, .dv = 100, .seed = 15});
-  return s;
 }
 
 // Forward with and without `saved`, then backward with `saved` (first, so that no scratch left by

@@ -39,6 +39,26 @@ double window_mean(const std::vector<double>& v, size_t begin, size_t end) {
   return s / static_cast<double>(end - begin);
 }
 
+// Two steps of the tiny model on cuda under recompute none, selective and full: the losses of the
+// three runs are bitwise equal.
+void expect_recompute_policies_bitwise_equal(const std::string& tag) {
+  TrainOptions quiet;
+  quiet.quiet = true;
+  std::vector<double> base;
+  for (const char* policy : {"none", "selective", "full"}) {
+    auto cfg = tiny(tag + policy, "cuda", 2);
+    cfg.set(fmt::format("train.recompute=\"{}\"", policy));
+    TrainResult r = run_training(cfg, quiet);
+    ASSERT_EQ(r.losses.size(), 2u);
+    if (base.empty()) {
+      base = r.losses;
+      continue;
+    }
+    for (size_t i = 0; i < 2; ++i)
+      EXPECT_EQ(r.losses[i], base[i]) << policy << ": step " << i + 1 << " loss differs";
+  }
+}
+
 TEST(TrainCuda, TracksTheCpuRunFromTheSameInitialisation) {
   TrainOptions quiet;
   quiet.quiet = true;
@@ -138,44 +158,15 @@ TEST(TrainCuda, UnfusedRoutesUnderRecomputeAreBitwiseUnchanged) {
                          "GDN_FUSED_ZC_NORM", "GDN_FUSED_LM_HEAD"};
   for (const char* k : knobs) setenv(k, "0", 1);
   env::reset_cache_for_testing();
-  TrainOptions quiet;
-  quiet.quiet = true;
-  std::vector<double> base;
-  for (const char* policy : {"none", "selective", "full"}) {
-    auto cfg = tiny(std::string("unfused_rc_") + policy, "cuda", 2);
-    cfg.set(fmt::format("train.recompute=\"{}\"", policy));
-    TrainResult r = run_training(cfg, quiet);
-    ASSERT_EQ(r.losses.size(), 2u);
-    if (base.empty()) {
-      base = r.losses;
-      continue;
-    }
-    for (size_t i = 0; i < 2; ++i)
-      EXPECT_EQ(r.losses[i], base[i]) << policy << ": step " << i + 1 << " loss differs";
-  }
+  expect_recompute_policies_bitwise_equal("unfused_rc_");
   for (const char* k : knobs) unsetenv(k);
   env::reset_cache_for_testing();
 }
 
 // Recompute policies only change what is kept and when it is computed: the step-1 and step-2
-// losses are bitwise those of recompute none (issue 8's rule for scheduling knobs), and the
-// planned activation memory shrinks.
+// losses are bitwise those of recompute none (issue 8's rule for scheduling knobs).
 TEST(TrainCuda, RecomputePoliciesLeaveTheLossesBitwiseUnchanged) {
-  TrainOptions quiet;
-  quiet.quiet = true;
-  std::vector<double> base;
-  for (const char* policy : {"none", "selective", "full"}) {
-    auto cfg = tiny(std::string("rc_") + policy, "cuda", 2);
-    cfg.set(fmt::format("train.recompute=\"{}\"", policy));
-    TrainResult r = run_training(cfg, quiet);
-    ASSERT_EQ(r.losses.size(), 2u);
-    if (base.empty()) {
-      base = r.losses;
-      continue;
-    }
-    for (size_t i = 0; i < 2; ++i)
-      EXPECT_EQ(r.losses[i], base[i]) << policy << ": step " << i + 1 << " loss differs";
-  }
+  expect_recompute_policies_bitwise_equal("rc_");
 }
 
 // Recompute none keeps each GDN layer's gated delta rule states for its backward (the op's
