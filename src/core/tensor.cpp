@@ -261,6 +261,10 @@ void StreamFence::record() {
 void StreamFence::wait() {
   if (event_ != nullptr) g_cuda_hooks.event_synchronize(event_);
 }
+double StreamFence::ms_since(const StreamFence& start) const {
+  if (event_ == nullptr || start.event_ == nullptr) return -1.0;
+  return static_cast<double>(g_cuda_hooks.event_elapsed_ms(start.event_, event_));
+}
 
 uint64_t device_drains() {
   return g_cuda_installed && g_cuda_hooks.drains != nullptr ? g_cuda_hooks.drains() : 0;

@@ -636,6 +636,21 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
     }
   }
   const ops::AdamWClip device_clip{ctl_sumsq, ctl_loss, clip};
+  // The steps that print a progress line (and end a tokens/s window).
+  auto logs_at = [&](int64_t step) {
+    const bool do_eval = eval_every > 0 && ((step + 1) % eval_every == 0 || step + 1 == steps);
+    return (step + 1) % log_every == 0 || step + 1 == steps || do_eval;
+  };
+  // Deferred: a tokens/s window is timed on the device, from the event that ended the previous
+  // window to the one recorded behind its last step (the host only learns of a step's end some
+  // time later, so its clock would stretch one window and shrink the next). A ring of four: a
+  // window's two events are read at most one step after the later one is recorded.
+  std::array<StreamFence, 4> win_ev;
+  int64_t win_recorded = 0;  // windows whose end event has been recorded
+  if (deferred) {
+    for (StreamFence& e : win_ev) e = StreamFence(Device::CUDA);
+    win_ev[0].record();
+  }
   // A step whose optimizer has been issued and whose host side (skip accounting, metrics, logs,
   // evaluation, checkpoint) is still to be done.
   struct Pending {
@@ -643,6 +658,7 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
     double lr = 0, flops = 0;
     int64_t tokens = 0;
     size_t slot = 0;
+    int64_t win = 0;  // deferred logging step: its window's end event (win_ev[win % 4])
     // Known at once on the CPU; read from the staging slot on the device.
     double loss = 0, zl = 0, gnorm = 0;
     std::string nonfinite;
@@ -725,8 +741,11 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
       res.eval_loss = e.loss;
       res.eval_accuracy = e.accuracy;
     }
-    if ((step + 1) % log_every == 0 || step + 1 == steps || do_eval) {
-      const double window = std::chrono::duration<double>(now - window_t0).count();
+    if (logs_at(step)) {
+      const double window = deferred ? win_ev[static_cast<size_t>(q.win % 4)].ms_since(
+                                           win_ev[static_cast<size_t>((q.win - 1) % 4)]) /
+                                           1e3
+                                     : std::chrono::duration<double>(now - window_t0).count();
       const double tps = window > 0 ? window_tokens / window : 0;
       rec["tokens_per_s"] = tps;
       if (on_device) rec["mfu"] = window > 0 ? window_flops / window / kPeakFlops : 0.0;
@@ -846,6 +865,10 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
         for (size_t i : f32_compute)
           copy_bytes_async(m.param(i).data(), Device::CUDA, dev.master[i].data(), Device::CUDA,
                            static_cast<size_t>(dev.master[i].nbytes()));
+      }
+      if (logs_at(step)) {
+        cur.win = ++win_recorded;
+        win_ev[static_cast<size_t>(cur.win % 4)].record();  // before the staging fence below
       }
       Staged& st = staged[cur.slot];
       char* h = static_cast<char*>(st.host.data());

@@ -112,6 +112,7 @@ struct DeviceHooks {
   void (*event_destroy)(void* e) = nullptr;
   void (*event_record)(void* e) = nullptr;
   void (*event_synchronize)(void* e) = nullptr;
+  float (*event_elapsed_ms)(void* start, void* end) = nullptr;  // both recorded and complete
   // How many times the host has waited for all the device work issued so far (device or stream
   // synchronisation, synchronous copies; not event waits, which wait for an earlier mark).
   uint64_t (*drains)() = nullptr;
@@ -160,6 +161,9 @@ class StreamFence {
   StreamFence& operator=(StreamFence&& o) noexcept;
   void record();
   void wait();
+  // Device time from `start`'s mark to this one's, in ms (both recorded; this one waited on);
+  // -1 for the CPU, where the caller times with the host clock.
+  double ms_since(const StreamFence& start) const;
 
  private:
   Device device_ = Device::CPU;

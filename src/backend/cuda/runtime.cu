@@ -177,6 +177,7 @@ bool install_hooks() {
   h.event_destroy = hook_event_destroy;
   h.event_record = hook_event_record;
   h.event_synchronize = hook_event_synchronize;
+  h.event_elapsed_ms = hook_elapsed_ms;
   h.drains = hook_drains;
   set_cuda_hooks(h);
   ProfileHooks ph;
