@@ -9,7 +9,7 @@
 // scalar) and both store paths; forward and every gradient. Then: no read across documents (NaN in
 // one document leaves the others finite), dweight / dbias accumulation and run-to-run determinism
 // over a persistent grid whose blocks walk several tiles, unaligned tensors, saturating SiLU, empty
-// batches, the resolver's choice (cuda.v2) and probe, leaking implementations rejected by the
+// batches, the resolver's choice (cuda.v2cs) and probe, leaking implementations rejected by the
 // probe, `ops run` on the cuda backend, and bad input. Tolerances come from the one table,
 // src/backend/tolerances.h.
 #include <unistd.h>
@@ -459,7 +459,7 @@ TEST_F(CausalConv1dCuda, ResolverChoosesCudaAndItPassesItsProbe) {
   const Resolution& r =
       Registry::global().resolve("causal_conv1d", OpQuery{Backend::Cuda, "", {{"W", 4}}});
   ASSERT_NE(r.impl, nullptr);
-  EXPECT_EQ(r.impl->name, "cuda.v2");
+  EXPECT_EQ(r.impl->name, "cuda.v2cs");
   EXPECT_EQ(r.impl->backend, Backend::Cuda);
   EXPECT_LE(r.error.fwd, kTol.fwd);
   EXPECT_LE(r.error.bwd, kTol.bwd);
@@ -469,12 +469,12 @@ TEST_F(CausalConv1dCuda, ResolverChoosesCudaAndItPassesItsProbe) {
   EXPECT_TRUE(r.rejected.empty()) << r.rejected.front();
 }
 
-// Deliberately wrong CUDA implementations built from the real one (cuda.v2, the resolver's
+// Deliberately wrong CUDA implementations built from the real one (cuda.v2cs, the resolver's
 // choice): one that ignores the document boundaries (reads across documents), one that drops the
 // dweight accumulation.
 const CausalConv1dTable* real_cuda_table() {
   for (const ImplDesc* i : Registry::global().impls("causal_conv1d", Backend::Cuda))
-    if (i->name == "cuda.v2") return static_cast<const CausalConv1dTable*>(i->table);
+    if (i->name == "cuda.v2cs") return static_cast<const CausalConv1dTable*>(i->table);
   return nullptr;
 }
 void leaky_forward(const CausalConv1dFwd& a) {
@@ -498,7 +498,7 @@ const CausalConv1dTable kLeaky{leaky_forward, real_backward};
 const CausalConv1dTable kNoDw{real_forward, no_dw_backward};
 
 TEST_F(CausalConv1dCuda, ProbeRejectsWrongCudaKernels) {
-  ASSERT_NE(real_cuda_table(), nullptr) << "cuda.v2 is not registered";
+  ASSERT_NE(real_cuda_table(), nullptr) << "cuda.v2cs is not registered";
   Registry reg;  // private: the global registry is untouched
   reg.add_op(Registry::global().op("causal_conv1d"));
   reg.add_impl(Registry::global().ref("causal_conv1d"));
@@ -508,7 +508,7 @@ TEST_F(CausalConv1dCuda, ProbeRejectsWrongCudaKernels) {
   reg.add_impl({"causal_conv1d", "cuda.no_dw", Backend::Cuda, 40, nullptr, &kNoDw});
   const Resolution& r = reg.resolve("causal_conv1d", OpQuery{Backend::Cuda, "", {{"W", 4}}});
   ASSERT_NE(r.impl, nullptr);
-  EXPECT_EQ(r.impl->name, "cuda.v2");
+  EXPECT_EQ(r.impl->name, "cuda.v2cs");
   ASSERT_EQ(r.rejected.size(), 2u);
   EXPECT_NE(r.rejected[0].find("rejecting cuda.no_dw: probe error"), std::string::npos)
       << r.rejected[0];
@@ -537,7 +537,7 @@ TEST_F(CausalConv1dCuda, OpsRunOnCudaBackend) {
                           {"dy", dy.view(), {}, {}, nullptr, 0},
                           {"dfinal_state", dsN.view(), {}, {}, nullptr, 0}});
   OpRunResult res = run_op_file("causal_conv1d", Backend::Cuda, inp, outp, true, {{"silu", 1}});
-  EXPECT_EQ(res.impl, "cuda.v2");
+  EXPECT_EQ(res.impl, "cuda.v2cs");
   SafeTensorsFile f(outp);
   testing::expect_close(f.load("y", DType::F64), ref.y, kTol.fwd, "y (ops run)");
   testing::expect_close(f.load("final_state", DType::F64), ref.fin, 0.0, "final_state (ops run)");

@@ -652,16 +652,19 @@ void backward_impl(const CausalConv1dBwd& a) {
 }
 
 const CausalConv1dTable kTable{forward_runs<8, false>, backward_impl<false>};
-// Not yet measured (the session's device time ran out): evict-first (st.global.cs) stores of y and
-// dx. At 16 tokens a thread they took the forward from 90.4 to 84.6 us; at 8 tokens it is 84.0 with
-// plain stores. For A/B with GDN_OP_CAUSAL_CONV1D=cuda.v2cs; below cuda.v2 until measured.
+// cuda.v2cs, the default: the same kernels with evict-first (st.global.cs) stores of y and dx (an
+// output nobody rereads soon need not displace x and dy from L2). Measured on an H200
+// (docs/PERF.md run 14, same call, [8192, 8192] W 4, 1 / 4 / 16 documents): forward 82.3 / 82.8 /
+// 84.0 us against cuda.v2's 84.2 / 84.5 / 85.1, backward 122.3 / 121.6 / 121.4 against 127.3 /
+// 126.6 / 126.8. cuda.v2 (plain stores) stays for A/B.
 const CausalConv1dTable kTableCs{forward_runs<8, true>, backward_impl<true>};
 
 }  // namespace
 
 GDN_REGISTER(causal_conv1d_cuda_v2) {
   Registry::global().add_impl({"causal_conv1d", "cuda.v2", Backend::Cuda, 20, nullptr, &kTable});
-  Registry::global().add_impl({"causal_conv1d", "cuda.v2cs", Backend::Cuda, 3, nullptr, &kTableCs});
+  Registry::global().add_impl(
+      {"causal_conv1d", "cuda.v2cs", Backend::Cuda, 25, nullptr, &kTableCs});
 }
 
 }  // namespace gdn::ops
