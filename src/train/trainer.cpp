@@ -742,10 +742,11 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
       res.eval_accuracy = e.accuracy;
     }
     if (logs_at(step)) {
-      const double window = deferred ? win_ev[static_cast<size_t>(q.win % 4)].ms_since(
-                                           win_ev[static_cast<size_t>((q.win - 1) % 4)]) /
-                                           1e3
-                                     : std::chrono::duration<double>(now - window_t0).count();
+      const double device_ms = deferred ? win_ev[static_cast<size_t>(q.win % 4)].ms_since(
+                                              win_ev[static_cast<size_t>((q.win - 1) % 4)])
+                                        : -1.0;
+      const double window =
+          device_ms > 0 ? device_ms / 1e3 : std::chrono::duration<double>(now - window_t0).count();
       const double tps = window > 0 ? window_tokens / window : 0;
       rec["tokens_per_s"] = tps;
       if (on_device) rec["mfu"] = window > 0 ? window_flops / window / kPeakFlops : 0.0;

@@ -162,7 +162,7 @@ class StreamFence {
   void record();
   void wait();
   // Device time from `start`'s mark to this one's, in ms (both recorded; this one waited on);
-  // -1 for the CPU, where the caller times with the host clock.
+  // -1 for the CPU or when the device cannot tell (the caller then times with the host clock).
   double ms_since(const StreamFence& start) const;
 
  private:
