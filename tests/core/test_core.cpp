@@ -1,7 +1,9 @@
 // Core runtime: dtypes (bf16/f16 bit patterns), tensor views, arenas, the counter RNG, env knobs,
 // log-once and error formatting.
 #include <gtest/gtest.h>
+
 #include <stdlib.h>
+#include <cstring>
 
 #include <atomic>
 #include <cmath>
@@ -114,6 +116,34 @@ TEST(Tensor, ConvertRoundsAndChecksIntegerRange) {
   big.ptr<int64_t>()[0] = int64_t{1} << 40;
   EXPECT_THROW(convert(big, DType::I32), Error);
   EXPECT_THROW(convert(b, DType::I32), Error);  // float -> int is not a conversion we do silently
+}
+
+// The CPU side of the transfers a training step uses on the GPU: staging is zeroed host memory,
+// an asynchronous host-to-host copy is a copy, fences are no-ops that cannot time, and the host
+// never drains a device it does not have.
+TEST(Transfers, HostSideOfStagingFencesAndDrains) {
+  HostStaging st(64, Device::CPU);
+  ASSERT_NE(st.data(), nullptr);
+  EXPECT_EQ(st.size(), 64u);
+  const auto* z = static_cast<const unsigned char*>(st.data());
+  for (size_t i = 0; i < st.size(); ++i) ASSERT_EQ(z[i], 0) << i;
+  const double src[3] = {1.5, -2.0, 3.25};
+  copy_bytes_async(st.data(), Device::CPU, src, Device::CPU, sizeof(src));
+  double back[3] = {0, 0, 0};
+  std::memcpy(back, st.data(), sizeof(back));
+  EXPECT_EQ(back[0], 1.5);
+  EXPECT_EQ(back[1], -2.0);
+  EXPECT_EQ(back[2], 3.25);
+  StreamFence a, b;
+  a.record();
+  b.record();
+  b.wait();
+  EXPECT_EQ(b.ms_since(a), -1.0);  // the caller times the CPU with the host clock
+  StreamFence moved(std::move(b));
+  moved.wait();
+  if (!cuda_available()) {
+    EXPECT_EQ(device_drains(), 0u);
+  }
 }
 
 TEST(Arena, SubAllocatesAlignedAndReportsPeak) {
