@@ -8,7 +8,7 @@
 #
 # Needs a configured cuda preset (cmake --preset cuda) and cuobjdump (CUOBJDUMP, default: on PATH
 # or in the CUDA toolkit's bin). Exit status 0 when the instructions are identical, 1 when they
-# differ (the diff is printed), 2 on a usage or build error.
+# differ or a kernel exists on one side only (each is listed), 2 on a usage or build error.
 set -u -o pipefail
 OLD=${1:?old revision}
 FILE=${2:?translation unit, relative to the repository root}
@@ -47,10 +47,26 @@ sass() {  # sass SOURCE_ROOT OUT_TXT
 sass "$WORK/old" "$WORK/old.txt" || exit 2
 sass "$NEWROOT" "$WORK/new.txt" || exit 2
 echo "$FILE: $OLD $(grep -c 'Function' "$WORK/old.txt") kernels, ${NEW:-working tree} $(grep -c 'Function' "$WORK/new.txt") kernels"
-if diff <(grep -v Function "$WORK/old.txt") <(grep -v Function "$WORK/new.txt") >"$WORK/diff.txt"; then
-  echo "SASS instructions identical"
-  exit 0
-fi
-echo "SASS differs ($(grep -c '^[<>]' "$WORK/diff.txt") lines):"
-diff "$WORK/old.txt" "$WORK/new.txt" | head -40
-exit 1
+# Kernel by kernel, matched by name: the anonymous namespace's per-compilation hash is dropped from
+# the names, and kernels only one side has (added or removed code) are listed, not diffed.
+python3 - "$WORK/old.txt" "$WORK/new.txt" <<'PY'
+import re, sys
+def kernels(path):
+    out, name = {}, None
+    for line in open(path):
+        if "Function :" in line:
+            name = re.sub(r"_GLOBAL__N__[0-9a-f]+_\d+_\w+?_[0-9a-f]+_\d+", "_GLOBAL__N_", line.split("Function :")[1].strip())
+            out[name] = []
+        elif name is not None:
+            out[name].append(line)
+    return out
+old, new = kernels(sys.argv[1]), kernels(sys.argv[2])
+only_old = sorted(set(old) - set(new)); only_new = sorted(set(new) - set(old))
+differ = sorted(k for k in set(old) & set(new) if old[k] != new[k])
+same = len(set(old) & set(new)) - len(differ)
+for k in only_old: print("only in old:", k)
+for k in only_new: print("only in new:", k)
+for k in differ: print("differs:", k, f"({len(old[k])} -> {len(new[k])} instructions)")
+print(f"{same} kernels with identical SASS instructions, {len(differ)} differ")
+sys.exit(1 if differ or only_old or only_new else 0)
+PY
