@@ -103,9 +103,6 @@ struct Ranked {
   uint4* win_info;
   uint32_t* counters;  // [nwin * chunks] combine counters, zeroed by step 1
   int ncounters;
-  // [T] or null (cuda.v3): per token, .x the first sorted position of its id's segment, .y
-  // (segment length << 1) | (1 when the token is the id's first occurrence)
-  uint2* tokinfo = nullptr;
 };
 
 __device__ __forceinline__ void zero_counters(const Ranked& r) {
@@ -221,7 +218,6 @@ __global__ void __launch_bounds__(kRankThreads)
       if (off == 0) r.win_info[w].x = seg;
       if (off == static_cast<uint32_t>(win) - 1 || rank == static_cast<uint32_t>(T) - 1)
         r.win_info[w].y = seg + eq;
-      if (r.tokinfo != nullptr) r.tokinfo[t] = make_uint2(seg, (eq << 1) | (before == 0 ? 1u : 0u));
     }
   }
 }
@@ -540,184 +536,6 @@ __global__ void __launch_bounds__(kDwThreads, 8) emb2_dw_kernel(const DwArgs a) 
   }
 }
 
-// --- cuda.v3: token-order dW, its first loads overlapping the ranks -----------------------------
-//
-// Measured on the H200 (ncu --clock-control none, caches flushed, T 8192 uniform ids, cuda.v2):
-// the rank kernel takes 11.2 us and the dW kernel 88-90 us, and the dW kernel can do nothing before
-// the ranks land. Here the dW items are windows of kTW3 consecutive TOKENS (x 1024-column chunks),
-// so a block knows the rows of its first item from the ids alone: it warms L2 with the first kPre3
-// tokens' dy and dW rows, then waits for the ranks (griddepcontrol.wait). The ranks then only say,
-// per token, whether its id occurs once (the common case: dW[id] += dy[t], the row's only writer)
-// or, for a repeated id, whether the token is the id's first occurrence: that token sums dy of
-// every occurrence in ascending t (the tokens of its sorted segment, stable) and adds the sum to
-// dW[id]; the other occurrences do nothing. Each dW row thus has one writer and its terms are added
-// in an order fixed by the ids: bitwise reproducible, no atomics, no partials, no combine step.
-constexpr int kTW3 = 16;  // tokens per item
-constexpr int kB3 = 2;    // tokens whose row loads are issued together
-// Tokens of a block's first item whose dy and dW rows are prefetched into L2 before the wait:
-// 1056 blocks x 6 x 6 KB = 38 MB, inside the 60 MB L2 (16 would be 104 MB and thrash it).
-constexpr int kPre3 = 6;
-// <= 64 registers, as cuda.v2's dW kernel; the gather's loop (repeated ids only) spills ~160 bytes
-// (without it the kernel needs 61 registers and no spill).
-constexpr int kMinBlocks3 = 8;
-
-template <class Id>
-struct Dw3Args {
-  const Id* ids;         // [T]
-  const uint32_t* toks;  // [T] token at each sorted position (step 1)
-  const uint2* tokinfo;  // [T] (step 1)
-  const bf16_t* dy;      // [T, D]
-  float* dw;             // [Vocab, D]
-  int T, D, nwin, chunks;
-  int64_t vocab;
-};
-
-// acc[g] = sum over the sorted segment [seg, seg + eq) of dy[toks[q], c[g] .. c[g] + 3], in q order
-// (ascending t), for both column groups: 8 occurrences' rows in flight, the next 8 tokens' indices
-// loaded meanwhile (a long segment is a chain of rounds: keep each round one memory latency).
-__device__ __forceinline__ void gather_dy(const uint32_t* __restrict__ toks,
-                                          const bf16_t* __restrict__ dy, int64_t D, uint32_t seg,
-                                          uint32_t eq, const int64_t (&c)[kGroups],
-                                          const bool (&has)[kGroups], float (&acc)[kGroups][4]) {
-  constexpr int kG = 8;
-  uint32_t tk[kG];
-#pragma unroll
-  for (int u = 0; u < kG; ++u) tk[u] = u < eq ? __ldcg(toks + seg + u) : 0u;
-  for (uint32_t q0 = 0; q0 < eq; q0 += kG) {
-    DyBits<4> d[kG][kGroups] = {};
-#pragma unroll
-    for (int u = 0; u < kG; ++u)
-#pragma unroll
-      for (int g = 0; g < kGroups; ++g)
-        if (q0 + u < eq && has[g])
-          d[u][g] = load_dy<4>(dy + static_cast<int64_t>(tk[u]) * D + c[g]);
-#pragma unroll
-    for (int u = 0; u < kG; ++u) tk[u] = q0 + kG + u < eq ? __ldcg(toks + seg + q0 + kG + u) : 0u;
-#pragma unroll
-    for (int u = 0; u < kG; ++u)
-#pragma unroll
-      for (int g = 0; g < kGroups; ++g)
-        if (q0 + u < eq) add_dy<4>(acc[g], d[u][g]);
-  }
-}
-
-template <class Id>
-__global__ void __launch_bounds__(kDwThreads, kMinBlocks3) emb3_dw_kernel(const Dw3Args<Id> a) {
-  __shared__ int s_id[kTW3];      // the window's ids (-1: out of range, or past T)
-  __shared__ uint2 s_info[kTW3];  // their rank info
-  const int nitems = a.nwin * a.chunks;
-  const int tid = static_cast<int>(threadIdx.x);
-  const int64_t D = a.D;
-  bool waited = false;
-  for (int item = static_cast<int>(blockIdx.x); item < nitems;
-       item += static_cast<int>(gridDim.x)) {
-    const int w = item / a.chunks, chunk = item - w * a.chunks;
-    const int t0 = w * kTW3, n = min(kTW3, a.T - t0);
-    int64_t c[kGroups];
-    bool has[kGroups];
-#pragma unroll
-    for (int g = 0; g < kGroups; ++g) {
-      c[g] = static_cast<int64_t>(chunk) * kGroups * kDwThreads * 4 + g * kDwThreads * 4 + tid * 4;
-      has[g] = c[g] < D;  // D % 4 == 0
-    }
-    if (tid < kTW3) {
-      int v = -1;
-      if (tid < n) {
-        const int64_t id = static_cast<int64_t>(a.ids[t0 + tid]);
-        if (id >= 0 && id < a.vocab) v = static_cast<int>(id);
-      }
-      s_id[tid] = v;
-    }
-    __syncthreads();
-    if (!waited) {  // the first item: its first rows towards L2 while step 1 runs, then wait
-#pragma unroll
-      for (int i = 0; i < kPre3; ++i) {
-        const int id = s_id[i];
-        if (id < 0) continue;
-#pragma unroll
-        for (int g = 0; g < kGroups; ++g) {
-          if (!has[g]) continue;
-          prefetch_l2(a.dy + static_cast<int64_t>(t0 + i) * D + c[g]);
-          prefetch_l2(a.dw + static_cast<int64_t>(id) * D + c[g]);
-        }
-      }
-      pdl_wait();
-      waited = true;
-    }
-    if (tid < n) s_info[tid] = __ldcg(a.tokinfo + t0 + tid);
-    __syncthreads();
-    // Token i's role: 1 its id occurs once, 2 first occurrence of a repeated id, 0 nothing to do.
-    auto role = [&](int i) {
-      if (i >= n || s_id[i] < 0) return 0;
-      const uint32_t y = s_info[i].y;
-      return (y >> 1) == 1u ? 1 : (y & 1u) ? 2 : 0;
-    };
-    // Ids that occur once, kB3 tokens at a time (the rows of the next kB3 towards L2 meanwhile).
-    for (int i0 = 0; i0 < n; i0 += kB3) {
-      DyBits<4> d[kB3][kGroups] = {};
-      float cur[kB3][kGroups][4];
-#pragma unroll
-      for (int j = 0; j < kB3; ++j) {
-        const int i = i0 + j;
-        if (role(i) != 1) continue;
-        const int64_t id = s_id[i];
-#pragma unroll
-        for (int g = 0; g < kGroups; ++g) {
-          if (!has[g]) continue;
-          d[j][g] = load_dy<4>(a.dy + static_cast<int64_t>(t0 + i) * D + c[g]);
-          load_f<4>(a.dw + id * D + c[g], cur[j][g]);
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kB3; ++j) {
-        const int i = i0 + kB3 + j;
-        if (role(i) != 1) continue;
-        const int64_t id = s_id[i];
-#pragma unroll
-        for (int g = 0; g < kGroups; ++g) {
-          if (!has[g]) continue;
-          prefetch_l2(a.dy + static_cast<int64_t>(t0 + i) * D + c[g]);
-          prefetch_l2(a.dw + id * D + c[g]);
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kB3; ++j) {
-        const int i = i0 + j;
-        if (role(i) != 1) continue;
-        const int64_t id = s_id[i];
-#pragma unroll
-        for (int g = 0; g < kGroups; ++g) {
-          if (!has[g]) continue;
-          float acc[4] = {0.f, 0.f, 0.f, 0.f};
-          add_dy<4>(acc, d[j][g]);
-#pragma unroll
-          for (int v = 0; v < 4; ++v) cur[j][g][v] += acc[v];
-          store_f<4>(a.dw + id * D + c[g], cur[j][g]);
-        }
-      }
-    }
-    // First occurrences of repeated ids: the sum over all occurrences, in ascending t.
-    for (int i = 0; i < n; ++i) {
-      if (role(i) != 2) continue;
-      const int64_t id = s_id[i];
-      float cur[kGroups][4], acc[kGroups][4] = {};
-#pragma unroll
-      for (int g = 0; g < kGroups; ++g)
-        if (has[g]) load_f<4>(a.dw + id * D + c[g], cur[g]);
-      gather_dy(a.toks, a.dy, D, s_info[i].x, s_info[i].y >> 1, c, has, acc);
-#pragma unroll
-      for (int g = 0; g < kGroups; ++g) {
-        if (!has[g]) continue;
-#pragma unroll
-        for (int v = 0; v < 4; ++v) cur[g][v] += acc[g][v];
-        store_f<4>(a.dw + id * D + c[g], cur[g]);
-      }
-    }
-    __syncthreads();  // s_id / s_info are rewritten by the next item
-  }
-  if (!waited) pdl_wait();  // a block without items: nothing to wait for, but keep the protocol
-}
-
 // --- host ------------------------------------------------------------------------------------
 
 size_t align256(size_t n) { return (n + 255) & ~size_t{255}; }
@@ -876,80 +694,7 @@ void backward(const EmbeddingBwd& a) {
   }
 }
 
-// cuda.v3's backward: the rank kernel (with per-token info) and the token-order dW kernel, for
-// the calls the rank kernel covers with 4-column groups (T <= kRankMaxT, D % 4 == 0, dy 8-byte and
-// dW 16-byte aligned); cuda.v2's backward otherwise.
-void backward3(const EmbeddingBwd& a) {
-  const int64_t T = a.ids.size(0), vocab = a.dw.size(0), D = a.dy.size(1);
-  if (T == 0 || D == 0) return;  // dW += 0
-  GDN_CHECK(T < INT_MAX / 2 && vocab < (int64_t{1} << 31) && D <= INT_MAX / 2,
-            "embedding (cuda): T = {}, V = {}, D = {} is too large", T, vocab, D);
-  const bf16_t* dy = reinterpret_cast<const bf16_t*>(a.dy.ptr<bf16>());  // [T, D]
-  float* dw = a.dw.ptr<float>();                                         // [Vocab, D]
-  const int n = static_cast<int>(T), d = static_cast<int>(D);
-  const int bits = std::bit_width(static_cast<uint64_t>(vocab));
-  cuda::Context& ctx = cuda::Context::get();
-  const int shift = std::max(0, bits - kRankBinBits);
-  const int nbins = static_cast<int>(vocab >> shift) + 1;
-  const size_t rank_smem = (2 * static_cast<size_t>(n) + 2 * static_cast<size_t>(nbins) + 1) * 4;
-  const size_t smem_limit = std::min(kRankSmemMax, ctx.props().sharedMemPerBlockOptin);
-  const bool vec = D % 4 == 0 && reinterpret_cast<uintptr_t>(dy) % 8 == 0 && cuda::aligned16(dw);
-  if (n > kRankMaxT || rank_smem > smem_limit || !vec) {
-    backward<16>(a);
-    return;
-  }
-  constexpr int kWin = 16;  // the rank kernel's window bookkeeping (unused here)
-  const int nwin = (n + kWin - 1) / kWin;
-  const int nwin3 = (n + kTW3 - 1) / kTW3;
-  const int64_t chunks64 = (D + kGroups * kDwThreads * 4 - 1) / (kGroups * kDwThreads * 4);
-  GDN_CHECK(static_cast<int64_t>(nwin3) * chunks64 < INT_MAX,
-            "embedding (cuda): T = {}, D = {} is too large", T, D);
-  const size_t tok_bytes = align256(static_cast<size_t>(n) * 4);
-  const size_t win_bytes = align256(static_cast<size_t>(nwin) * 16);
-  const size_t info_bytes = align256(static_cast<size_t>(n) * 8);
-  char* base = static_cast<char*>(ctx.scratch(2 * tok_bytes + win_bytes + info_bytes));
-  Ranked r;
-  r.keys = reinterpret_cast<uint32_t*>(base);                   // [T]
-  r.toks = reinterpret_cast<uint32_t*>(base + tok_bytes);       // [T]
-  r.win_info = reinterpret_cast<uint4*>(base + 2 * tok_bytes);  // [nwin]
-  r.counters = nullptr;
-  r.ncounters = 0;
-  r.tokinfo = reinterpret_cast<uint2*>(base + 2 * tok_bytes + win_bytes);  // [T]
-  cudaStream_t s = ctx.stream();
-  const auto grid = static_cast<unsigned>((n + kRankTokens - 1) / kRankTokens);
-  auto run = [&](const auto* ids) {
-    using Id = std::remove_const_t<std::remove_pointer_t<decltype(ids)>>;
-    rank_opt_in<Id>(smem_limit);
-    emb2_rank_kernel<Id>
-        <<<grid, kRankThreads, rank_smem, s>>>(ids, r, n, vocab, shift, nbins, kWin);
-    GDN_CUDA_LAUNCH_CHECK("emb2_rank_kernel");
-    Dw3Args<Id> args{ids,  r.toks, r.tokinfo, dy, dw, n, d, nwin3, static_cast<int>(chunks64),
-                     vocab};
-    int per_sm = 0;
-    GDN_CUDA_CHECK(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, emb3_dw_kernel<Id>, kDwThreads, 0));
-    const int64_t items = static_cast<int64_t>(nwin3) * chunks64;
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(static_cast<unsigned>(
-        std::min<int64_t>(items, static_cast<int64_t>(ctx.sm_count()) * std::max(per_sm, 1))));
-    cfg.blockDim = dim3(kDwThreads);
-    cfg.stream = s;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    GDN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, emb3_dw_kernel<Id>, args));
-    GDN_CUDA_LAUNCH_CHECK("emb3_dw_kernel");
-  };
-  if (a.ids.dtype() == DType::I32)
-    run(a.ids.ptr<int32_t>());
-  else
-    run(a.ids.ptr<int64_t>());
-}
-
 const EmbeddingTable kTable16{forward, backward<16>};
-const EmbeddingTable kTableV3{forward, backward3};
 
 }  // namespace
 
@@ -957,9 +702,6 @@ const EmbeddingTable kTableV3{forward, backward3};
 // GDN_OP_EMBEDDING=cuda.sorted_windows).
 GDN_REGISTER(embedding_cuda_v2) {
   Registry::global().add_impl({"embedding", "cuda.v2", Backend::Cuda, 20, nullptr, &kTable16});
-  // Not yet measured or run on a GPU (the session's device time ran out): below cuda.v2 until an
-  // A/B run (GDN_OP_EMBEDDING=cuda.v3) and the GPU tests have seen it.
-  Registry::global().add_impl({"embedding", "cuda.v3", Backend::Cuda, 5, nullptr, &kTableV3});
 }
 
 }  // namespace gdn::ops

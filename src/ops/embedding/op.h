@@ -23,9 +23,6 @@
 // 16-position windows: the sorted positions come from exact
 // ranks, and a spanning segment is combined by whichever of its windows' blocks finishes last,
 // still in window order.
-// cuda.v3 (same file; below cuda.v2 until measured) adds each id's terms in ascending t in one
-// thread, starting from zero, then adds that sum to dW: bitwise reproducible as well, with its own
-// rounding.
 #pragma once
 
 #include "gdn/core/tensor.h"
