@@ -488,23 +488,62 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dkdv_pipe_kernel(const B
 #pragma unroll
   for (int i = 0; i < HD / 2; ++i) acc[i] = 0.f;
 
+  // Sᵀ = K Qᵀ (warpgroup 0) or dPᵀ = V dAᵀ (warpgroup 1), 64 keys x 64 queries, of the item in slot
+  // sb, as one wgmma group. Descriptors advance by adding to their address field (bytes / 16): no
+  // carry can leave it, shared addresses are below 2^18.
+  float st[BM / 2];
+  auto issue_first = [&](int sb) {
+#pragma unroll
+    for (int i = 0; i < BM / 2; ++i) st[i] = 0.f;
+    reg_fence(st);
+    wgmma_fence();
+    const uint64_t da = LN::desc_k(wg == 0 ? Kt : Vt);
+    const uint64_t db =
+        LN::desc_k(wg == 0 ? reinterpret_cast<const unsigned char*>(sQ + sb * BM * HD)
+                           : reinterpret_cast<const unsigned char*>(sA + sb * BM * HD));
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk)
+      wgmma_ss<BM, 0>(st, da + LN::k_step(kk), db + LN::k_step(kk), 1);
+    wgmma_commit();
+  };
+  // From st: Pᵀ (warpgroup 0, handed to warpgroup 1 through sP) or dSᵀ = Pᵀ ⊙ (dPᵀ − D) (warpgroup
+  // 1), as bf16 A fragments pa; then dV += Pᵀ dA or dK += dSᵀ Q of the item in slot sb, issued as
+  // one wgmma group (not waited for).
+  auto issue_second = [&](int sb, int it, uint32_t(&pa)[BM / 16][4]) {
+    const unsigned char* Q = reinterpret_cast<const unsigned char*>(sQ + sb * BM * HD);
+    const unsigned char* A = reinterpret_cast<const unsigned char*>(sA + sb * BM * HD);
+    const float* L = sL + sb * BM;
+    const float* Dv = sD + sb * BM;
+    const int qs = d.b + (m_first + it % n_m) * BM;
+    const bool diag = k0 + BN - 1 > qs;  // some key of the tile lies after some query
+    if (wg == 0) {
+#pragma unroll
+      for (int i = 0; i < BM / 2; ++i) {
+        const int q = (i >> 2) * 8 + 2 * c + (i & 1);  // query column in the item
+        float x = st[i] * p.scale_log2 - L[q];
+        if (diag && ((i & 2) ? u1 : u0) > qs + q) x = -INFINITY;
+        st[i] = ex2(x);
+        sP[i * 128 + wtid] = st[i];
+      }
+      named_bar_arrive(kBarP, kThreads);
+    } else {
+      named_bar_sync(kBarP, kThreads);
+#pragma unroll
+      for (int i = 0; i < BM / 2; ++i) {
+        const int q = (i >> 2) * 8 + 2 * c + (i & 1);
+        st[i] = sP[i * 128 + wtid] * (st[i] - Dv[q]);
+      }
+    }
+    acc_to_a<BM>(st, pa);
+    const uint64_t db2 = LN::desc_mn(wg == 0 ? A : Q);
+    reg_fence_u(pa);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < BM / 16; ++ks) wgmma_rs<HD, 1>(acc, pa[ks], db2 + LN::mn_step(ks), 1);
+    wgmma_commit();
+  };
+
   if constexpr (XI) {
-    // Sᵀ (warpgroup 0) or dPᵀ (warpgroup 1) of the item in slot sb, as one wgmma group.
-    float st[BM / 2];
-    auto issue_first = [&](int sb) {
-#pragma unroll
-      for (int i = 0; i < BM / 2; ++i) st[i] = 0.f;
-      reg_fence(st);
-      wgmma_fence();
-      const uint64_t da = LN::desc_k(wg == 0 ? Kt : Vt);
-      const uint64_t db =
-          LN::desc_k(wg == 0 ? reinterpret_cast<const unsigned char*>(sQ + sb * BM * HD)
-                             : reinterpret_cast<const unsigned char*>(sA + sb * BM * HD));
-#pragma unroll
-      for (int kk = 0; kk < HD / 16; ++kk)
-        wgmma_ss<BM, 0>(st, da + LN::k_step(kk), db + LN::k_step(kk), 1);
-      wgmma_commit();
-    };
     cp_async_wait<0>();
     fence_proxy_async();
     __syncthreads();  // item 0 visible
@@ -522,39 +561,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dkdv_pipe_kernel(const B
     reg_fence(st);
     for (int it = 0; it < n_items; ++it) {
       const int buf = it & 1;
-      const unsigned char* Q = reinterpret_cast<const unsigned char*>(sQ + buf * BM * HD);
-      const unsigned char* A = reinterpret_cast<const unsigned char*>(sA + buf * BM * HD);
-      const float* L = sL + buf * BM;
-      const float* Dv = sD + buf * BM;
-      const int qs = d.b + (m_first + it % n_m) * BM;
-      const bool diag = k0 + BN - 1 > qs;
-
       uint32_t pa[BM / 16][4];
-      if (wg == 0) {
-#pragma unroll
-        for (int i = 0; i < BM / 2; ++i) {
-          const int q = (i >> 2) * 8 + 2 * c + (i & 1);
-          float x = st[i] * p.scale_log2 - L[q];
-          if (diag && ((i & 2) ? u1 : u0) > qs + q) x = -INFINITY;
-          st[i] = ex2(x);
-          sP[i * 128 + wtid] = st[i];
-        }
-        named_bar_arrive(kBarP, kThreads);
-      } else {
-        named_bar_sync(kBarP, kThreads);
-#pragma unroll
-        for (int i = 0; i < BM / 2; ++i) {
-          const int q = (i >> 2) * 8 + 2 * c + (i & 1);
-          st[i] = sP[i * 128 + wtid] * (st[i] - Dv[q]);
-        }
-      }
-      acc_to_a<BM>(st, pa);
-      const uint64_t db2 = LN::desc_mn(wg == 0 ? A : Q);
-      reg_fence_u(pa);
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < BM / 16; ++ks) wgmma_rs<HD, 1>(acc, pa[ks], db2 + LN::mn_step(ks), 1);
-      wgmma_commit();
+      issue_second(buf, it, pa);
       if (it + 1 < n_items) {
         cp_async_wait<0>();
         fence_proxy_async();
@@ -594,58 +602,12 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dkdv_pipe_kernel(const B
           if (it + 2 < n_items) fetch_ld(it + 2);  // stored at the top of item it + 1
         }
       }
-      const unsigned char* Q = reinterpret_cast<const unsigned char*>(sQ + buf * BM * HD);
-      const unsigned char* A = reinterpret_cast<const unsigned char*>(sA + buf * BM * HD);
-      const float* L = sL + buf * BM;
-      const float* Dv = sD + buf * BM;
-      const int qs = d.b + (m_first + it % n_m) * BM;
-      const bool diag = k0 + BN - 1 > qs;  // some key of the tile lies after some query
-
-      // Sᵀ = K Qᵀ (warpgroup 0) or dPᵀ = V dAᵀ (warpgroup 1): 64 keys x 64 queries.
-      float st[BM / 2];
-#pragma unroll
-      for (int i = 0; i < BM / 2; ++i) st[i] = 0.f;
-      reg_fence(st);
       reg_fence(acc);
-      wgmma_fence();
-      // Descriptors advance by adding to their address field (bytes / 16): no carry can leave it,
-      // shared addresses are below 2^18.
-      const uint64_t da = LN::desc_k(wg == 0 ? Kt : Vt);
-      const uint64_t db = LN::desc_k(wg == 0 ? Q : A);
-#pragma unroll
-      for (int kk = 0; kk < HD / 16; ++kk)
-        wgmma_ss<BM, 0>(st, da + LN::k_step(kk), db + LN::k_step(kk), 1);
-      wgmma_commit();
+      issue_first(buf);
       wgmma_wait<0>();
       reg_fence(st);
-
       uint32_t pa[BM / 16][4];
-      if (wg == 0) {
-#pragma unroll
-        for (int i = 0; i < BM / 2; ++i) {
-          const int q = (i >> 2) * 8 + 2 * c + (i & 1);  // query column in the item
-          float x = st[i] * p.scale_log2 - L[q];
-          if (diag && ((i & 2) ? u1 : u0) > qs + q) x = -INFINITY;
-          st[i] = ex2(x);
-          sP[i * 128 + wtid] = st[i];
-        }
-        named_bar_arrive(kBarP, kThreads);
-      } else {
-        named_bar_sync(kBarP, kThreads);
-#pragma unroll
-        for (int i = 0; i < BM / 2; ++i) {
-          const int q = (i >> 2) * 8 + 2 * c + (i & 1);
-          st[i] = sP[i * 128 + wtid] * (st[i] - Dv[q]);
-        }
-      }
-      acc_to_a<BM>(st, pa);
-      // dV += Pᵀ dA (warpgroup 0) or dK += dSᵀ Q (warpgroup 1).
-      const uint64_t db2 = LN::desc_mn(wg == 0 ? A : Q);
-      reg_fence_u(pa);
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < BM / 16; ++ks) wgmma_rs<HD, 1>(acc, pa[ks], db2 + LN::mn_step(ks), 1);
-      wgmma_commit();
+      issue_second(buf, it, pa);
       wgmma_wait<0>();
       reg_fence(acc);
       reg_fence_u(pa);
