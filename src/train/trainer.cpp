@@ -636,10 +636,21 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
     }
   }
   const ops::AdamWClip device_clip{ctl_sumsq, ctl_loss, clip};
-  // The steps that print a progress line (and end a tokens/s window).
+  // What happens after a step (0-based `step`): an evaluation, a progress line (which ends a
+  // tokens/s window), a stop (--stop-after), a checkpoint.
+  auto evals_at = [&](int64_t step) {
+    return eval_every > 0 && ((step + 1) % eval_every == 0 || step + 1 == steps);
+  };
   auto logs_at = [&](int64_t step) {
-    const bool do_eval = eval_every > 0 && ((step + 1) % eval_every == 0 || step + 1 == steps);
-    return (step + 1) % log_every == 0 || step + 1 == steps || do_eval;
+    return (step + 1) % log_every == 0 || step + 1 == steps || evals_at(step);
+  };
+  auto stops_at = [&](int64_t step) {
+    return topt.stop_after > 0 && step + 1 - start_step >= topt.stop_after;
+  };
+  const bool ckpt_at_end = cfg.get_bool("checkpoint.at_end");
+  auto checkpoints_at = [&](int64_t step) {
+    return (ckpt_every > 0 && (step + 1) % ckpt_every == 0) || (step + 1 == steps && ckpt_at_end) ||
+           stops_at(step);
   };
   // Deferred: a tokens/s window is timed on the device, from the event that ended the previous
   // window to the one recorded behind its last step (the host only learns of a step's end some
@@ -733,7 +744,7 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
                           {"tokens_seen", tokens_total},
                           {"skipped", !finite},
                           {"elapsed_s", elapsed}};
-    const bool do_eval = eval_every > 0 && ((step + 1) % eval_every == 0 || step + 1 == steps);
+    const bool do_eval = evals_at(step);
     if (do_eval) {
       Evaluation e = evaluate(m, *data, eval_batches);
       rec["eval_loss"] = e.loss;
@@ -773,16 +784,14 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
       window_t0 = now;
     }
     metrics.write(rec);
-    const bool stopping = topt.stop_after > 0 && step + 1 - start_step >= topt.stop_after;
-    const bool at_end = step + 1 == steps && cfg.get_bool("checkpoint.at_end");
-    if ((ckpt_every > 0 && (step + 1) % ckpt_every == 0) || at_end || stopping) {
+    if (checkpoints_at(step)) {
       if (on_device) {
         ensure_host_stores();
         dev.download(master, opt);
       }
       save_checkpoint(cd, step + 1, mcfg, master, opt, trainer_state(step + 1));
     }
-    return stopping;
+    return stops_at(step);
   };
   uint64_t drains0 = 0;
   for (int64_t step = start_step; step < steps && !stop; ++step) {
@@ -915,9 +924,7 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
     }
     // Finalised at once: the CPU, and device steps whose host side needs this step's state.
     const bool now_steps = !deferred || step + 1 == steps || step + 1 == topt.profile_step ||
-                           (eval_every > 0 && (step + 1) % eval_every == 0) ||
-                           (ckpt_every > 0 && (step + 1) % ckpt_every == 0) ||
-                           (topt.stop_after > 0 && step + 1 - start_step >= topt.stop_after);
+                           evals_at(step) || checkpoints_at(step);
     if (now_steps) {
       stop = finalise(cur);
     } else {
