@@ -1,5 +1,5 @@
-// Helpers shared by the dense-op tests (gemm, swiglu, embedding, adamw): error-message assertions
-// and a round trip through `gdntrain ops run`'s file runner.
+// Helpers shared by the dense-op tests (gemm, swiglu, embedding, adamw): expect_error (from
+// support/op_test_util.h) and a round trip through `gdntrain ops run`'s file runner.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -13,20 +13,9 @@
 #include "gdn/core/error.h"
 #include "gdn/core/safetensors.h"
 #include "gdn/core/tensor.h"
+#include "support/op_test_util.h"
 
 namespace gdn::testing {
-
-// Runs `f` and requires a gdn::Error whose text contains `needle`.
-template <class F>
-void expect_error(F&& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected a gdn::Error containing \"" << needle << "\"";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
-        << "message \"" << e.what() << "\" does not contain \"" << needle << "\"";
-  }
-}
 
 // Writes `inputs` to a temporary safetensors file, runs `op` through run_op_file on `backend` and
 // returns the output file's tensors as host F64 (integers stay as they are).

@@ -306,15 +306,7 @@ TEST(CausalConv1d, CpuIsDeterministicAcrossThreadCounts) {
   EXPECT_EQ(to_f64_vector(one.y), to_f64_vector(three.y));
 }
 
-template <class F>
-void expect_error(F&& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an error containing: " << needle;
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using testing::expect_error;
 
 TEST(CausalConv1d, BadInputIsAClearError) {
   const int64_t T = 6, C = 4, W = 4;

@@ -549,15 +549,7 @@ TEST_F(CausalConv1dCuda, OpsRunOnCudaBackend) {
   fs::remove_all(dir);
 }
 
-template <class F>
-void expect_error(F&& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an error containing: " << needle;
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using testing::expect_error;
 
 TEST_F(CausalConv1dCuda, BadInputIsAClearError) {
   const int64_t T = 6, C = 8, W = 4;

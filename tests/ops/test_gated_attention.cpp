@@ -340,14 +340,7 @@ TEST(GatedAttention, RopePositionsRestartPerDocument) {
 
 // --- bad input -------------------------------------------------------------------------------
 
-void expect_error(const std::function<void()>& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an error containing: " << needle;
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using testing::expect_error;
 
 TEST(GatedAttention, BadInputIsAClearError) {
   const int64_t T = 6, Hq = 4, Hkv = 2, hd = 8;

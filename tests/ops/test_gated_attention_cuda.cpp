@@ -494,14 +494,7 @@ TEST_F(GatedAttentionCuda, OpsRunOnCudaBackend) {
   fs::remove_all(dir);
 }
 
-void expect_error(const std::function<void()>& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an error containing: " << needle;
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using testing::expect_error;
 
 TEST_F(GatedAttentionCuda, BadInputIsAClearError) {
   // Resolve for a supported head dim first, so the calls below reach the cuda implementation.

@@ -517,16 +517,7 @@ struct Bad {
   }
 };
 
-template <class F>
-void expect_error(F&& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an error containing \"" << needle << "\"";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
-        << "message: " << e.what() << "\nexpected to contain: " << needle;
-  }
-}
+using testing::expect_error;
 
 TEST(GatedDeltaRule, BadInputIsAClearError) {
   Bad b;

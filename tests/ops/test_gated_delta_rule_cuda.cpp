@@ -445,16 +445,7 @@ TEST_F(GdrCuda, OpsRunOnCudaBackend) {
   fs::remove_all(dir);
 }
 
-template <class F>
-void expect_error(F&& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an error containing \"" << needle << "\"";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
-        << "message: " << e.what() << "\nexpected to contain: " << needle;
-  }
-}
+using testing::expect_error;
 
 TEST_F(GdrCuda, BadInputIsAClearError) {
   Spec s{.name = "bad", .lens = {4, 6}, .Hk = 2, .r = 2, .dk = 8, .dv = 8, .seed = 91};

@@ -318,16 +318,7 @@ TEST_F(GdrSavedCuda, ChunkIndexScopeWithSaved) {
   }
 }
 
-template <class F>
-void expect_error(F&& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an error containing \"" << needle << "\"";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
-        << "message: " << e.what() << "\nexpected to contain: " << needle;
-  }
-}
+using testing::expect_error;
 
 TEST_F(GdrSavedCuda, BadSavedIsAClearError) {
   const Spec s{.name = "bad", .lens = {70, 6}, .Hk = 1, .r = 2, .dk = 32, .dv = 32, .seed = 34};

@@ -191,15 +191,7 @@ TEST(GdnGates, CpuBackwardIsDeterministicAcrossThreadCounts) {
   EXPECT_EQ(to_f64_vector(one.ddt_bias), to_f64_vector(three.ddt_bias));
 }
 
-template <class F>
-void expect_error(F&& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an error containing: " << needle;
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using testing::expect_error;
 
 TEST(GdnGates, BadInputIsAClearError) {
   const int64_t T = 4, H = 3;

@@ -509,14 +509,7 @@ TEST(LinearCrossEntropy, OpsRunFromAFile) {
 
 // --- bad input ----------------------------------------------------------------------------------
 
-void expect_error(const std::function<void()>& f, const std::string& text) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an error containing: " << text;
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
-  }
-}
+using testing::expect_error;
 
 TEST(LinearCrossEntropy, BadInputIsAClearError) {
   const int64_t N = 6, D = 8, V = 20;

@@ -9,10 +9,23 @@
 #include <vector>
 
 #include "gdn/backend/registry.h"
+#include "gdn/core/error.h"
 #include "gdn/core/rng.h"
 #include "gdn/core/tensor.h"
 
 namespace gdn::testing {
+
+// Runs `f` and requires a gdn::Error whose text contains `needle`.
+template <class F>
+void expect_error(F&& f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "expected a gdn::Error containing \"" << needle << "\"";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
+        << "message \"" << e.what() << "\" does not contain \"" << needle << "\"";
+  }
+}
 
 // Random F64 host tensors (convert() them to F32 for the cpu path).
 inline OwnedTensor randn(std::initializer_list<int64_t> shape, uint64_t seed, double std = 1.0,
