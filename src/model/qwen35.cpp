@@ -247,15 +247,21 @@ void copy_tensor(const Tensor& dst, const Tensor& src) {
   copy_bytes(dst.data(), dst.device(), src.data(), src.device(), static_cast<size_t>(src.nbytes()));
 }
 
-// dst [T, w] <- src[:, col : col + w] of src [T, C] (or the reverse with `to_src`).
-void copy_cols(const Tensor& part, const Tensor& whole, int64_t col, bool into_whole) {
-  const int64_t T = whole.size(0), C = whole.size(1), w = part.numel() / std::max<int64_t>(T, 1);
-  const size_t es = static_cast<size_t>(dtype_size(whole.dtype()));
-  char* wp = static_cast<char*>(whole.data()) + col * static_cast<int64_t>(es);
-  if (into_whole)
-    copy_2d(wp, C * es, part.data(), w * es, w * es, static_cast<size_t>(T), whole.device());
-  else
-    copy_2d(part.data(), w * es, wp, C * es, w * es, static_cast<size_t>(T), whole.device());
+// The GDN in-projection's output and its gradient are kept planar: [q block | k block | v block],
+// each block [T, w] contiguous (w = KD, KD, VD), rather than token-major [T, C]. The q/k/v GEMMs
+// write their blocks through the matching row slices of in_proj_qkv, the conv runs once per block
+// (it is depthwise: channels are independent) and writes q, k and v straight into the tensors the
+// gated delta rule reads, so no column split is copied in either direction (it cost 2 x 2.3 ms a
+// step at 0.8B: PERF.md run 15).
+struct QkvBlock {
+  int64_t col, width;  // the block's channels [col, col + width) of the C = 2 KD + VD
+};
+
+Tensor block_of(const Tensor& planar, const QkvBlock& b) {  // planar [T, C] -> [T, width]
+  const int64_t T = planar.size(0);
+  return planar.reshape({planar.numel()})
+      .slice0(T * b.col, T * (b.col + b.width))
+      .reshape({T, b.width});
 }
 
 }  // namespace
@@ -300,6 +306,7 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
   const int64_t Hk = c.linear_num_key_heads, Hv = c.linear_num_value_heads,
                 dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, C = c.conv_dim(),
                 W = c.linear_conv_kernel_dim, KD = c.key_dim(), VD = c.value_dim();
+  const QkvBlock blocks[3] = {{0, KD}, {KD, KD}, {2 * KD, VD}};  // q, k, v channels of the conv
   const int64_t Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim;
   const double eps = c.rms_norm_eps;
   const int64_t L = c.num_hidden_layers;
@@ -377,10 +384,9 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
 
   // Where each layer activation lives. Kept ones stay in `arena` for the backward; dropped ones go
   // to `tmp`, the per-layer scratch (reset at every layer), and the backward recomputes them from
-  // the kept ones just before the layer's backward. Recompute::None keeps everything (only the
-  // conv output, which is split into q/k/v at once, lives in the scratch); Full keeps only the
-  // residual stream H[l]; Selective keeps the GEMM, GDR and attention outputs and recomputes the
-  // memory-bound ops' outputs (norms, conv + split, gated norm, SwiGLU).
+  // the kept ones just before the layer's backward. Recompute::None keeps everything; Full keeps
+  // only the residual stream H[l]; Selective keeps the GEMM, GDR and attention outputs and
+  // recomputes the memory-bound ops' outputs (norms, conv, gated norm, SwiGLU).
   const bool full = recompute_ == Recompute::Full;
   const bool cheap = full || recompute_ == Recompute::Selective;
   // The gated delta rule's optional `saved` (op.h: the forward's chunk-start states and V', which
@@ -422,12 +428,10 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
     }
     Tensor y_out_w;  // the out projection weight of the mixer
     if (w.type == LayerType::Linear) {
-      place(s.qkv, p.act, full, again, {T, C});
+      place(s.qkv, p.act, full, again, {T, C});  // planar (block_of)
       place(s.z, p.act, full, again, {T, VD});
       place(s.b, p.act, full, again, {T, Hv});
       place(s.a, p.act, full, again, {T, Hv});
-      Tensor conv;
-      place(conv, p.act, true, again, {T, C});
       // GDN_FUSED_QK_L2NORM=0: the backward reads the normalised q, k (and their rstd) instead,
       // so q and k themselves live in the scratch.
       const bool qk_fused = fused_.qk_l2norm;
@@ -448,23 +452,27 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
       if (use_gdr_saved) place(s.gdr_saved, p.act, false, again, {gdr_saved_size});
       if (run_op(full)) {
         ProfileRange pr("gdn.in_proj.fwd");
-        linear_forward({s.xn, P(w.in_proj_qkv), s.qkv});
+        for (const QkvBlock& b : blocks)
+          linear_forward(
+              {s.xn, P(w.in_proj_qkv).slice0(b.col, b.col + b.width), block_of(s.qkv, b)});
         linear_forward({s.xn, P(w.in_proj_z), s.z});
         linear_forward({s.xn, P(w.in_proj_b), s.b});
         linear_forward({s.xn, P(w.in_proj_a), s.a});
       }
       if (run_op(cheap)) {
         ProfileRange pr("conv.fwd");
-        causal_conv1d_forward({s.qkv, P(w.conv1d).reshape({C, W}), Tensor(), cu, Tensor(), conv,
-                               Tensor(), fused_.conv});
-        if (!fused_.conv) {  // GDN_FUSED_CONV=0: the SiLU as its own pass, in place
-          pr.next("conv.silu.fwd");
-          silu_forward({conv, conv});
+        const Tensor outs[3] = {s.q, s.k, s.v}, conv_w = P(w.conv1d).reshape({C, W});
+        for (int i = 0; i < 3; ++i) {
+          const QkvBlock& b = blocks[i];
+          const Tensor out = outs[i].reshape({T, b.width});
+          causal_conv1d_forward({block_of(s.qkv, b), conv_w.slice0(b.col, b.col + b.width),
+                                 Tensor(), cu, Tensor(), out, Tensor(), fused_.conv});
+          if (!fused_.conv) {  // GDN_FUSED_CONV=0: the SiLU as its own pass, in place
+            pr.next("conv.silu.fwd");
+            silu_forward({out, out});
+            pr.next("conv.fwd");
+          }
         }
-        pr.next("gdn.split_qkv.fwd");
-        copy_cols(s.q, conv, 0, false);
-        copy_cols(s.k, conv, KD, false);
-        copy_cols(s.v, conv, 2 * KD, false);
         if (!qk_fused) {  // the l2norm op, then the gated delta rule without its own
           pr.next("gdn.l2norm.fwd");
           l2norm_forward(
@@ -720,7 +728,7 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
                dvv = p.alloc_act({T, Hv, dv});
         Tensor dg = p.alloc(p.stat, {T, Hv}), dbeta = p.alloc(p.stat, {T, Hv});
         Tensor da = p.alloc_act({T, Hv}), db = p.alloc_act({T, Hv});
-        Tensor dconv = p.alloc_act({T, C}), dqkv = p.alloc_act({T, C});
+        Tensor dqkv = p.alloc_act({T, C});  // planar (block_of)
         const bool qk_fused = fused_.qk_l2norm;
         // GDN_FUSED_QK_L2NORM=0: the gated delta rule's gradients of the normalised q, k.
         Tensor dqn = qk_fused ? Tensor() : p.alloc_act({T, Hk, dk});
@@ -750,25 +758,32 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
           pr_n.next("gdn_gates.bwd");
           gdn_gates_backward(
               {s.a, s.b, P(w.a_log), P(w.dt_bias), dg, dbeta, da, db, G(w.a_log), G(w.dt_bias)});
-          pr_n.next("gdn.split_qkv.bwd");
-          copy_cols(dq, dconv, 0, true);
-          copy_cols(dkk, dconv, KD, true);
-          copy_cols(dvv, dconv, 2 * KD, true);
-          if (!fused_.conv) {
-            // GDN_FUSED_CONV=0: recompute the conv's pre-activation with a conv pass (the fused
-            // backward does it in registers) into dqkv, which the conv backward writes only
-            // after the silu backward has read it; then dconv = dconv * silu'(pre) in place.
-            pr_n.next("conv.silu.bwd");
-            causal_conv1d_forward({s.qkv, P(w.conv1d).reshape({C, W}), Tensor(), cu, Tensor(), dqkv,
-                                   Tensor(), false});
-            silu_backward({dqkv, dconv, dconv});
+          const Tensor dout[3] = {dq, dkk, dvv}, conv_w = P(w.conv1d).reshape({C, W});
+          for (int i = 0; i < 3; ++i) {
+            const QkvBlock& b = blocks[i];
+            const Tensor x_b = block_of(s.qkv, b), dx_b = block_of(dqkv, b);
+            const Tensor dy_b = dout[i].reshape({T, b.width});
+            const Tensor w_b = conv_w.slice0(b.col, b.col + b.width);
+            if (!fused_.conv) {
+              // GDN_FUSED_CONV=0: recompute the conv's pre-activation with a conv pass (the fused
+              // backward does it in registers) into dx_b, which the conv backward writes only
+              // after the silu backward has read it; then dy_b = dy_b * silu'(pre) in place.
+              pr_n.next("conv.silu.bwd");
+              causal_conv1d_forward({x_b, w_b, Tensor(), cu, Tensor(), dx_b, Tensor(), false});
+              silu_backward({dx_b, dy_b, dy_b});
+            }
+            pr_n.next("conv.bwd");
+            causal_conv1d_backward({x_b, w_b, Tensor(), cu, Tensor(), dy_b, Tensor(), dx_b,
+                                    G(w.conv1d).reshape({C, W}).slice0(b.col, b.col + b.width),
+                                    Tensor(), Tensor(), fused_.conv});
           }
-          pr_n.next("conv.bwd");
-          causal_conv1d_backward({s.qkv, P(w.conv1d).reshape({C, W}), Tensor(), cu, Tensor(), dconv,
-                                  Tensor(), dqkv, G(w.conv1d).reshape({C, W}), Tensor(), Tensor(),
-                                  fused_.conv});
           pr_n.next("gdn.in_proj.bwd");
-          linear_backward({s.xn, P(w.in_proj_qkv), dqkv, dxn, G(w.in_proj_qkv), false});
+          for (int i = 0; i < 3; ++i) {
+            const QkvBlock& b = blocks[i];
+            linear_backward({s.xn, P(w.in_proj_qkv).slice0(b.col, b.col + b.width),
+                             block_of(dqkv, b), dxn,
+                             G(w.in_proj_qkv).slice0(b.col, b.col + b.width), i > 0});
+          }
           linear_backward({s.xn, P(w.in_proj_z), dz, dxn, G(w.in_proj_z), true});
           linear_backward({s.xn, P(w.in_proj_b), db, dxn, G(w.in_proj_b), true});
           linear_backward({s.xn, P(w.in_proj_a), da, dxn, G(w.in_proj_a), true});

@@ -23,13 +23,15 @@ TEST_P(Golden, CpuMatchesHuggingFace) {
   Errors e = compare(GetParam(), Backend::Cpu);
   std::printf("%s cpu: logits %.2e loss %.2e grad %.2e (%s)\n", GetParam().c_str(), e.logits,
               e.loss, e.grad, e.worst_grad.c_str());
-  // fp32 against fp64. Reached (2026-11-29): logits <= 4.3e-6, losses <= 5.2e-7, gradients
-  // <= 1.3e-4 (r2_untied: its initializer_range 0.2 makes the random net ill-conditioned; every
+  // fp32 against fp64. Reached (2026-11-29): logits <= 5.6e-6, losses <= 5.2e-7, gradients
+  // <= 2.1e-4 (r2_untied: its initializer_range 0.2 makes the random net ill-conditioned; every
   // layer-0 gradient sits near 1e-4 while the fp64 ref path agrees to 1e-7, so this is fp32
-  // rounding amplified through the layers, not a formula difference).
+  // rounding amplified through the layers, not a formula difference: splitting the q/k/v
+  // in-projection into three GEMMs, a different fp32 summation order and nothing else, moved
+  // its worst gradient from 1.26e-4 to 2.07e-4 and its logits from 4.0e-6 to 5.5e-6).
   EXPECT_LE(e.logits, 2e-5);
   EXPECT_LE(e.loss, 1e-5);
-  EXPECT_LE(e.grad, 2e-4) << e.worst_grad;
+  EXPECT_LE(e.grad, 3e-4) << e.worst_grad;
 }
 
 TEST_P(Golden, RefMatchesHuggingFace) {
