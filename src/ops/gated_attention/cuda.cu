@@ -63,7 +63,11 @@
 //     or a cluster of two key tiles sharing Q / dA by multicast are the next steps;
 //   - the forward (440 TFLOP/s; SDPA 625) and dq (606 TFLOP/s of three products): same loads,
 //     one block barrier per step;
-//   - the row kernels: epilogue 0.33 ms, prologue 0.11 ms;
+//   - the row kernels (branch attn7, H200 with cuda_bench_attn_kernels --iters 10): epilogue
+//     0.130 ms (was 0.33; 0.61 of copy), prologue 0.065 (was 0.11; 0.61), preprocess 0.084 (now
+//     also the gate gradient; 0.94). Fusing the query rows' epilogue into the dq kernel (dq_hat
+//     staged through shared memory, RoPE from a table) was tried: epilogue -0.094 ms but dq
+//     +0.150 ms (the epilogue runs at one block per SM with nothing to overlap it), so dropped;
 //   - documents are ordered by their tile index, not by work, so with several documents the
 //     longest tiles do not all start first.
 #include <algorithm>
@@ -259,57 +263,34 @@ void backward_with(const GatedAttentionBwd& a, const attn::AttnKernels& kernels,
   const size_t rows_q = static_cast<size_t>(d.T) * d.Hq, rows_k = static_cast<size_t>(d.T) * d.Hkv;
   const unsigned epi_blocks =
       static_cast<unsigned>((d.T + attn::kRowTokens - 1) / attn::kRowTokens);
-  const unsigned dq_blocks = grid_for(d.T, d.N, attn::kBigTile, d.Hq);
-  // The dq kernel takes the query rows' epilogue itself when it can: a rotary half that is a
-  // multiple of 8 keeps each RoPE partner in the same slot of another lane (rope_row).
-  const int half = static_cast<int>(a.rotary_dim / 2);
-  const bool fuse = kernels.dq_fused_epilogue && half % 8 == 0;
-  const size_t n_rope = fuse ? static_cast<size_t>(d.T) * half : 0;
-  struct Scratch {
-    int32_t *ts_big, *ts_small;
-    float *D, *dq_hat, *dk_hat, *partial, *partial_q, *rope_c, *rope_s;
-    bf16_t* dA;
-  } w{};
-  auto carve_all = [&](Carve& c) {
-    w.ts_big = c.take<int32_t>(nts);                                                // [N+1]
-    w.ts_small = c.take<int32_t>(nts);                                              // [N+1]
-    w.D = c.take<float>(rows_q);                                                    // [T, Hq]
-    w.dA = c.take<bf16_t>(rows_q * static_cast<size_t>(d.hd));                      // [T, Hq, hd]
-    w.dq_hat = fuse ? nullptr : c.take<float>(rows_q * static_cast<size_t>(d.hd));  // [T, Hq, hd]
-    w.dk_hat = c.take<float>(rows_k * static_cast<size_t>(d.hd));                   // [T, Hkv, hd]
-    w.partial = c.take<float>(static_cast<size_t>(epi_blocks) * 2 * d.hd);  // [blocks, 2*hd]
-    w.partial_q =
-        fuse ? c.take<float>(static_cast<size_t>(dq_blocks) * d.hd) : nullptr;  // [dq blocks, hd]
-    w.rope_c = fuse ? c.take<float>(n_rope) : nullptr;                          // [T, half]
-    w.rope_s = fuse ? c.take<float>(n_rope) : nullptr;                          // [T, half]
+  auto carve_all = [&](Carve& c, int32_t** ts_big, int32_t** ts_small, float** D, bf16_t** dA,
+                       float** dq_hat, float** dk_hat, float** partial) {
+    *ts_big = c.take<int32_t>(nts);                                        // [N+1]
+    *ts_small = c.take<int32_t>(nts);                                      // [N+1]
+    *D = c.take<float>(rows_q);                                            // [T, Hq]
+    *dA = c.take<bf16_t>(rows_q * static_cast<size_t>(d.hd));              // [T, Hq, hd]
+    *dq_hat = c.take<float>(rows_q * static_cast<size_t>(d.hd));           // [T, Hq, hd]
+    *dk_hat = c.take<float>(rows_k * static_cast<size_t>(d.hd));           // [T, Hkv, hd]
+    *partial = c.take<float>(static_cast<size_t>(epi_blocks) * 2 * d.hd);  // [blocks, 2*hd]
   };
+  int32_t *ts_big = nullptr, *ts_small = nullptr;
+  float *D = nullptr, *dq_hat = nullptr, *dk_hat = nullptr, *partial = nullptr;
+  bf16_t* dA = nullptr;
   Carve size{nullptr};
-  carve_all(size);
+  carve_all(size, &ts_big, &ts_small, &D, &dA, &dq_hat, &dk_hat, &partial);
   Carve c{static_cast<char*>(ctx.scratch(size.off))};
-  carve_all(c);
+  carve_all(c, &ts_big, &ts_small, &D, &dA, &dq_hat, &dk_hat, &partial);
   const int32_t* cu = dev<const int32_t>(a.cu_seqlens);  // [N+1]
   Marks mark{marks, s};
 
   mark();
-  launch_tile_index(d, cu, w.ts_big, w.ts_small, s);
+  launch_tile_index(d, cu, ts_big, ts_small, s);
   mark();
 
-  attn::PreprocessParams pre{};
-  pre.qg = dev<const bf16_t>(a.qg);
-  pre.d_o = dev<const bf16_t>(a.d_o);
-  pre.attn = dev<const bf16_t>(a.attn);
-  pre.dA = w.dA;
-  pre.dqg = dev<bf16_t>(a.dqg);
-  pre.D = w.D;
-  pre.rows = static_cast<int64_t>(rows_q);
-  pre.hd = d.hd;
-  pre.cu = cu;
-  pre.rope_c = w.rope_c;
-  pre.rope_s = w.rope_s;
-  pre.T = d.T;
-  pre.N = d.N;
-  pre.rot = static_cast<int>(a.rotary_dim);
-  pre.theta = a.rope_theta;
+  attn::PreprocessParams pre{dev<const bf16_t>(a.qg),      dev<const bf16_t>(a.d_o),
+                             dev<const bf16_t>(a.attn),    dA,
+                             dev<bf16_t>(a.dqg),           D,
+                             static_cast<int64_t>(rows_q), d.hd};
   attn::attn_bwd_preprocess_kernel<<<
       static_cast<unsigned>((rows_q + attn::kWarps - 1) / attn::kWarps), attn::kThreads, 0, s>>>(
       pre);
@@ -317,84 +298,70 @@ void backward_with(const GatedAttentionBwd& a, const attn::AttnKernels& kernels,
   mark();
 
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d.hd)));
-  attn::BwdParams bp{};
-  bp.q_hat = dev<const bf16_t>(a.q_hat);
-  bp.k_hat = dev<const bf16_t>(a.k_hat);
-  bp.v = dev<const bf16_t>(a.v);
-  bp.dA = w.dA;
-  bp.lse = dev<const float>(a.lse);
-  bp.D = w.D;
-  bp.cu = cu;
-  bp.ts = w.ts_small;
-  bp.dq_hat = w.dq_hat;
-  bp.dk_hat = w.dk_hat;
-  bp.dv = dev<bf16_t>(a.dv);
-  bp.T = d.T;
-  bp.Hq = d.Hq;
-  bp.Hkv = d.Hkv;
-  bp.hd = d.hd;
-  bp.N = d.N;
-  bp.group = d.group;
-  bp.a_stride = d.hd;
-  bp.scale = scale;
-  bp.scale_log2 = scale * attn::kLog2e;
+  attn::BwdParams bp{dev<const bf16_t>(a.q_hat),
+                     dev<const bf16_t>(a.k_hat),
+                     dev<const bf16_t>(a.v),
+                     dA,
+                     dev<const float>(a.lse),
+                     D,
+                     cu,
+                     ts_small,
+                     dq_hat,
+                     dk_hat,
+                     dev<bf16_t>(a.dv),
+                     d.T,
+                     d.Hq,
+                     d.Hkv,
+                     d.hd,
+                     d.N,
+                     d.group,
+                     d.hd,
+                     scale,
+                     scale * attn::kLog2e};
   kernels.dkdv(bp, d.hd_class, grid_for(d.T, d.N, attn::kSmallTile, d.Hkv), s);
   mark();
-  bp.ts = w.ts_big;
-  if (fuse) {
-    bp.qg = dev<const bf16_t>(a.qg);
-    bp.wq = dev<const bf16_t>(a.q_norm_w);
-    bp.q_rstd = dev<const float>(a.q_rstd);
-    bp.rope_c = w.rope_c;
-    bp.rope_s = w.rope_s;
-    bp.dqg = dev<bf16_t>(a.dqg);
-    bp.partial_q = w.partial_q;
-    bp.rot = static_cast<int>(a.rotary_dim);
-  }
-  kernels.dq(bp, d.hd_class, dq_blocks, s);
+  bp.ts = ts_big;
+  kernels.dq(bp, d.hd_class, grid_for(d.T, d.N, attn::kBigTile, d.Hq), s);
   mark();
 
-  attn::EpilogueParams ep{};
-  ep.qg = dev<const bf16_t>(a.qg);
-  ep.k = dev<const bf16_t>(a.k);
-  ep.wq = dev<const bf16_t>(a.q_norm_w);
-  ep.wk = dev<const bf16_t>(a.k_norm_w);
-  ep.cu = cu;
-  ep.q_rstd = dev<const float>(a.q_rstd);
-  ep.k_rstd = dev<const float>(a.k_rstd);
-  ep.dq_hat = w.dq_hat;
-  ep.dk_hat = w.dk_hat;
-  ep.dqg = dev<bf16_t>(a.dqg);
-  ep.dk = dev<bf16_t>(a.dk);
-  ep.partial = w.partial;
-  ep.nq = fuse ? 0 : d.Hq;
-  ep.T = d.T;
-  ep.Hq = d.Hq;
-  ep.Hkv = d.Hkv;
-  ep.hd = d.hd;
-  ep.rot = static_cast<int>(a.rotary_dim);
-  ep.N = d.N;
-  ep.theta = a.rope_theta;
+  attn::EpilogueParams ep{dev<const bf16_t>(a.qg),
+                          dev<const bf16_t>(a.k),
+                          dev<const bf16_t>(a.q_norm_w),
+                          dev<const bf16_t>(a.k_norm_w),
+                          cu,
+                          dev<const float>(a.q_rstd),
+                          dev<const float>(a.k_rstd),
+                          dq_hat,
+                          dk_hat,
+                          dev<bf16_t>(a.dqg),
+                          dev<bf16_t>(a.dk),
+                          partial,
+                          d.T,
+                          d.Hq,
+                          d.Hkv,
+                          d.hd,
+                          static_cast<int>(a.rotary_dim),
+                          d.N,
+                          a.rope_theta};
   attn::attn_bwd_epilogue_kernel<<<epi_blocks, attn::kThreads, 0, s>>>(ep);
   GDN_CUDA_LAUNCH_CHECK("attn_bwd_epilogue_kernel");
   mark();
   attn::
       attn_dw_reduce_kernel<<<static_cast<unsigned>((2 * d.hd + attn::kDwCols - 1) / attn::kDwCols),
                               attn::kDwCols * attn::kDwSlices, 0, s>>>(
-          w.partial, w.partial_q, dev<float>(a.dq_norm_w), dev<float>(a.dk_norm_w),
-          static_cast<int>(epi_blocks), fuse ? static_cast<int>(dq_blocks) : 0, d.hd);
+          partial, dev<float>(a.dq_norm_w), dev<float>(a.dk_norm_w), static_cast<int>(epi_blocks),
+          d.hd);
   GDN_CUDA_LAUNCH_CHECK("attn_dw_reduce_kernel");
   mark();
 }
 
-constexpr attn::AttnKernels kMmaSync{attn::launch_fwd, attn::launch_bwd_dq, attn::launch_bwd_dkdv,
-                                     false};
+constexpr attn::AttnKernels kMmaSync{attn::launch_fwd, attn::launch_bwd_dq, attn::launch_bwd_dkdv};
 constexpr attn::AttnKernels kPipe{attn::launch_fwd_pipe, attn::launch_bwd_dq_pipe,
-                                  attn::launch_bwd_dkdv_pipe, true};
+                                  attn::launch_bwd_dkdv_pipe};
 void forward_mma(const GatedAttentionFwd& a) { forward_with(a, kMmaSync); }
 void backward_mma(const GatedAttentionBwd& a) { backward_with(a, kMmaSync); }
 constexpr attn::AttnKernels kPipeXi{attn::launch_fwd_pipe, attn::launch_bwd_dq_pipe,
-                                    attn::launch_bwd_dkdv_xi, true};
+                                    attn::launch_bwd_dkdv_xi};
 void forward_pipe(const GatedAttentionFwd& a) { forward_with(a, kPipe); }
 void backward_pipe(const GatedAttentionBwd& a) { backward_with(a, kPipe); }
 void forward_pipe_xi(const GatedAttentionFwd& a) { forward_with(a, kPipeXi); }

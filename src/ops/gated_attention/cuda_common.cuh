@@ -102,12 +102,6 @@ struct PreprocessParams {
   float* D;            // [T, Hq]
   int64_t rows;        // T · Hq
   int hd;
-  // The rotary table of the fused dq epilogue (null: none): cos, sin [T, rot/2] fp32.
-  const int32_t* cu;  // [N+1]
-  float* rope_c;      // [T, rot/2]
-  float* rope_s;      // [T, rot/2]
-  int T, N, rot;
-  double theta;
 };
 
 struct BwdParams {
@@ -122,17 +116,6 @@ struct BwdParams {
   float* dq_hat;        // [T, Hq, hd] (dq kernel)
   float* dk_hat;        // [T, Hkv, hd] (dk/dv kernel)
   bf16_t* dv;           // [T, Hkv, hd] (dk/dv kernel)
-  // The fused dq epilogue (Hopper dq kernel; dqg null: dq_hat is written instead): dq_hat back
-  // through RoPE (table from the preprocess) and q_norm into dqg's query half, per-block q_norm
-  // weight-grad partials.
-  const bf16_t* qg;     // [T, Hq, 2*hd]
-  const bf16_t* wq;     // [hd]
-  const float* q_rstd;  // [T, Hq]
-  const float* rope_c;  // [T, rot/2]
-  const float* rope_s;  // [T, rot/2]
-  bf16_t* dqg;          // [T, Hq, 2*hd]
-  float* partial_q;     // [gridDim.x, hd]
-  int rot;
   int T, Hq, Hkv, hd, N, group;
   int a_stride;      // elements from one head's dA row to the next: hd (scratch) or 2hd (in dqg)
   float scale;       // hd^-1/2
@@ -152,7 +135,6 @@ struct EpilogueParams {
   bf16_t* dqg;          // [T, Hq, 2*hd] (the query half is written)
   bf16_t* dk;           // [T, Hkv, hd]
   float* partial;       // [gridDim.x, 2*hd] per-block (dq_norm_w | dk_norm_w) sums
-  int nq;               // query rows per token done here: Hq, or 0 (the dq kernel did them)
   int T, Hq, Hkv, hd, rot, N;
   double theta;
 };

@@ -28,8 +28,6 @@ struct AttnKernels {
   void (*fwd)(const FwdParams&, int, unsigned, cudaStream_t);
   void (*dq)(const BwdParams&, int, unsigned, cudaStream_t);
   void (*dkdv)(const BwdParams&, int, unsigned, cudaStream_t);
-  // dq takes BwdParams::dqg (the query rows' epilogue inside the dq kernel, sm90_pipe.cuh).
-  bool dq_fused_epilogue;
 };
 
 // For kernel benchmarks (bench/cuda_bench_attn_kernels.cu): the forward / backward of CUDA

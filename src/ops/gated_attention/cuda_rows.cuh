@@ -8,7 +8,6 @@
 #include <climits>
 
 #include "ops/gated_attention/cuda_common.cuh"
-#include "ops/gated_attention/cuda_row_prims.cuh"
 
 namespace gdn::ops::attn {
 
@@ -76,9 +75,82 @@ __device__ __forceinline__ void rope_angles_block(const int32_t* cu, int N, int 
   __syncthreads();
 }
 
-// Rows of a row-kernel block: its kRowTokens tokens' nq query rows (Hq, or 0 where the dq kernel
-// did them) and Hkv key rows, numbered idx = tk · (nq + Hkv) + r (r < nq: query head r, else key
-// head r − nq), dealt to the warps
+// Loads this lane's 8 bf16 (elements 8·lane ..) of a row as fp32; zeros for inactive lanes.
+__device__ __forceinline__ void load8(const bf16_t* row, int lane, bool act, float (&f)[8]) {
+  uint4 u = make_uint4(0, 0, 0, 0);
+  if (act) u = *reinterpret_cast<const uint4*>(row + lane * 8);
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    f[2 * k] = bf16x2_lo(w[k]);
+    f[2 * k + 1] = bf16x2_hi(w[k]);
+  }
+}
+__device__ __forceinline__ void store8(bf16_t* row, int lane, const float (&f)[8]) {
+  *reinterpret_cast<uint4*>(row + lane * 8) =
+      make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]),
+                 pack_bf16x2(f[6], f[7]));
+}
+// The same for 8 fp32 (two 16-byte loads).
+__device__ __forceinline__ void load8f(const float* row, int lane, bool act, float (&f)[8]) {
+  float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;
+  if (act) {
+    a = *reinterpret_cast<const float4*>(row + lane * 8);
+    b = *reinterpret_cast<const float4*>(row + lane * 8 + 4);
+  }
+  f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w;
+  f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+}
+
+// RoPE over a row held 8 elements per lane: forward (sign = +1) y[i] = u[i] c_i − u[i+h] s_i,
+// y[i+h] = u[i+h] c_i + u[i] s_i for i < h = rot/2; backward (sign = −1) rotates by −θ. Elements
+// >= rot pass through. cs, sn [h] are the token's. When h is a multiple of 8 (Qwen3.5: 32) the
+// partner of element i sits in lane ± h/8 at the same slot and comes by shuffle; otherwise through
+// the warp's buffer buf [hd]. The arithmetic is the same on both paths. Every lane of the warp
+// must call it (shuffles, __syncwarp()).
+__device__ __forceinline__ void rope_row(float (&u)[8], int lane, bool act, int half, float sign,
+                                         const float* cs, const float* sn, float* buf) {
+  if ((half & 7) == 0) {
+    const int h8 = half >> 3;
+    const bool lo = lane < h8, rotated = lane < 2 * h8;
+    const int src = lo ? lane + h8 : rotated ? lane - h8 : lane;
+    float pv[8];
+#pragma unroll
+    for (int v = 0; v < 8; ++v) pv[v] = __shfl_sync(0xffffffffu, u[v], src);
+    if (rotated) {
+      const int ci = (lo ? lane : lane - h8) * 8;  // angle index of slot 0
+#pragma unroll
+      for (int v = 0; v < 8; ++v) {
+        const float c = cs[ci + v], s = sn[ci + v];
+        u[v] = lo ? u[v] * c - sign * pv[v] * s : u[v] * c + sign * pv[v] * s;
+      }
+    }
+    return;
+  }
+  if (act) {
+#pragma unroll
+    for (int v = 0; v < 8; ++v) buf[lane * 8 + v] = u[v];
+  }
+  __syncwarp();
+  float y[8];
+#pragma unroll
+  for (int v = 0; v < 8; ++v) {
+    const int i = lane * 8 + v;
+    if (i < half) {
+      y[v] = u[v] * cs[i] - sign * buf[i + half] * sn[i];
+    } else if (i < 2 * half) {
+      y[v] = u[v] * cs[i - half] + sign * buf[i - half] * sn[i - half];
+    } else {
+      y[v] = u[v];
+    }
+  }
+  __syncwarp();  // buf is rewritten by the next row
+#pragma unroll
+  for (int v = 0; v < 8; ++v) u[v] = y[v];
+}
+
+// Rows of a row-kernel block: its kRowTokens tokens' Hq query and Hkv key rows, numbered
+// idx = tk · (Hq + Hkv) + r (r < Hq: query head r, else key head r − Hq), dealt to the warps
 // round-robin (warp w: idx = w, w + 8, ...) and taken kRowPair at a time so that a warp has the
 // loads of two rows in flight.
 constexpr int kRowPair = 2;
@@ -87,11 +159,11 @@ struct RowAt {
   bool is_q;   // query row (else key row)
   size_t row;  // t · Hq + h or t · Hkv + j
 };
-__device__ __forceinline__ RowAt row_at(int idx, int t0, int nq, int Hq, int Hkv) {
-  const int H = nq + Hkv, tk = idx / H, r = idx - tk * H, t = t0 + tk;
-  const bool is_q = r < nq;
+__device__ __forceinline__ RowAt row_at(int idx, int t0, int Hq, int Hkv) {
+  const int H = Hq + Hkv, tk = idx / H, r = idx - tk * H, t = t0 + tk;
+  const bool is_q = r < Hq;
   return {tk, is_q,
-          is_q ? static_cast<size_t>(t) * Hq + r : static_cast<size_t>(t) * Hkv + (r - nq)};
+          is_q ? static_cast<size_t>(t) * Hq + r : static_cast<size_t>(t) * Hkv + (r - Hq)};
 }
 
 // Forward prologue: q_hat, k_hat, q_rstd, k_rstd for kRowTokens tokens per block.
@@ -111,7 +183,7 @@ __global__ void __launch_bounds__(kThreads, 4) attn_prologue_kernel(const Prolog
 #pragma unroll
     for (int k = 0; k < kRowPair; ++k) {  // both rows' loads first
       const int idx = i0 + k * kWarps;
-      at[k] = row_at(idx < n_rows ? idx : i0, t0, p.Hq, p.Hq, p.Hkv);
+      at[k] = row_at(idx < n_rows ? idx : i0, t0, p.Hq, p.Hkv);
       const bf16_t* x = at[k].is_q ? p.qg + at[k].row * 2 * p.hd : p.k + at[k].row * p.hd;  // [hd]
       load8(x, lane, act && idx < n_rows, u[k]);
     }
@@ -138,25 +210,8 @@ __global__ void __launch_bounds__(kThreads, 4) attn_prologue_kernel(const Prolog
 // Backward preprocess, one warp per (t, h) row: dA = do ⊙ σ(gate) rounded to bf16 into the dA
 // scratch, D = Σ dA ⊙ attn over the rounded dA (the same operand the dP = dA Vᵀ products see), and
 // the gate gradient do ⊙ attn ⊙ σ(gate) σ(−gate) into the gate half of dqg (done here, where do,
-// attn and gate are read anyway, instead of in the epilogue, which would read them again). When
-// rope_c is set, also the rotary table cos, sin [T, rot/2] of the fused dq epilogue, formed as
-// rope_angles_block forms them (the same bits).
+// attn and gate are read anyway, instead of in the epilogue, which would read them again).
 __global__ void __launch_bounds__(kThreads) attn_bwd_preprocess_kernel(const PreprocessParams p) {
-  if (p.rope_c != nullptr) {  // the rotary table, one (token, frequency) per thread of the grid
-    const int half = p.rot / 2;
-    const int64_t n = static_cast<int64_t>(p.T) * half;
-    for (int64_t idx = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; idx < n;
-         idx += static_cast<int64_t>(gridDim.x) * kThreads) {
-      const int t = static_cast<int>(idx / half), i = static_cast<int>(idx - int64_t{t} * half);
-      const int pos = position_of(p.cu, p.N, p.T, t);
-      const double inv_freq =
-          pow(p.theta, -2.0 * static_cast<double>(i) / static_cast<double>(p.rot));
-      double sv, cv;
-      sincos(static_cast<double>(pos) * inv_freq, &sv, &cv);
-      p.rope_c[idx] = static_cast<float>(cv);
-      p.rope_s[idx] = static_cast<float>(sv);
-    }
-  }
   const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
   if (row >= p.rows) return;  // uniform over the warp; no block barrier follows
@@ -183,8 +238,7 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_preprocess_kernel(const Pre
   if (lane == 0) p.D[r] = s;
 }
 
-// Backward epilogue, kRowTokens tokens per block, rows dealt as in the prologue. Query rows (when
-// p.nq = Hq; the Hopper dq kernel does them itself otherwise, sm90_pipe.cuh):
+// Backward epilogue, kRowTokens tokens per block, rows dealt as in the prologue. Query rows:
 // dq_hat rotated back by −θ, through the zero-centred RMSNorm (dx = r ((1+w) g − x̂ ·
 // mean((1+w) g x̂))) into the query half of dqg; key rows likewise from dk_hat into dk. The weight
 // gradients g ⊙ x̂ are summed per warp (a lane owns the same 8 columns in every row), then over
@@ -206,7 +260,7 @@ __global__ void __launch_bounds__(kThreads, 4) attn_bwd_epilogue_kernel(const Ep
   const int t0 = static_cast<int>(blockIdx.x) * kRowTokens;
   rope_angles_block(p.cu, p.N, p.T, t0, p.rot, p.theta, cs, sn);
   const int half = p.rot / 2;
-  const int n_rows = imax(imin(kRowTokens, p.T - t0), 0) * (p.nq + p.Hkv);
+  const int n_rows = imax(imin(kRowTokens, p.T - t0), 0) * (p.Hq + p.Hkv);
   for (int i0 = warp; i0 < n_rows; i0 += kRowPair * kWarps) {
     RowAt at[kRowPair];
     float g[kRowPair][8], x[kRowPair][8], rs[kRowPair];
@@ -214,7 +268,7 @@ __global__ void __launch_bounds__(kThreads, 4) attn_bwd_epilogue_kernel(const Ep
     for (int k = 0; k < kRowPair; ++k) {  // every load of both rows first
       const int idx = i0 + k * kWarps;
       const bool ok = idx < n_rows;
-      at[k] = row_at(ok ? idx : i0, t0, p.nq, p.Hq, p.Hkv);
+      at[k] = row_at(ok ? idx : i0, t0, p.Hq, p.Hkv);
       const size_t row = at[k].row;
       load8f((at[k].is_q ? p.dq_hat : p.dk_hat) + row * p.hd, lane, act && ok, g[k]);
       load8(at[k].is_q ? p.qg + row * 2 * p.hd : p.k + row * p.hd, lane, act && ok, x[k]);
@@ -230,8 +284,18 @@ __global__ void __launch_bounds__(kThreads, 4) attn_bwd_epilogue_kernel(const Ep
       load8(is_q ? p.wq : p.wk, lane, act, gw);
 #pragma unroll
       for (int v = 0; v < 8; ++v) gw[v] += 1.0f;
+      float dot = 0.f;
+#pragma unroll
+      for (int v = 0; v < 8; ++v) dot += g[k][v] * gw[v] * x[k][v];
+      const float m = warp_sum(dot) * rs[k] / static_cast<float>(p.hd);
       float dx[8];
-      rmsnorm_bwd_row(g[k], x[k], gw, rs[k], p.hd, act, acc + (is_q ? 0 : p.hd) + lane * 8, dx);
+      float* a = acc + (is_q ? 0 : p.hd) + lane * 8;
+#pragma unroll
+      for (int v = 0; v < 8; ++v) {
+        const float xh = x[k][v] * rs[k];
+        dx[v] = rs[k] * (g[k][v] * gw[v] - xh * m);
+        if (act) a[v] += g[k][v] * xh;
+      }
       if (act) store8(is_q ? p.dqg + row * 2 * p.hd : p.dk + row * p.hd, lane, dx);
     }
   }
@@ -244,27 +308,23 @@ __global__ void __launch_bounds__(kThreads, 4) attn_bwd_epilogue_kernel(const Ep
   }
 }
 
-// dwq[c] += Σ_b partial[b][c] (+ Σ_b partial_q[b][c] when the dq kernel wrote query partials),
-// dwk[c] += Σ_b partial[b][hd + c], each b range in a fixed order: kDwSlices slices of b per
-// column (each in increasing b), then the slice sums in slice order. Block: 8 columns x 32 slices
-// (a warp reads 4 rows x 32 bytes), so that 2hd / 8 blocks keep enough loads in flight.
+// dwq[c] += Σ_b partial[b][c], dwk[c] += Σ_b partial[b][hd + c], b in a fixed order: kDwSlices
+// slices of b per column (each in increasing b), then the slice sums in slice order. Block: 8
+// columns x 32 slices (a warp reads 4 rows x 32 bytes), so that the 2hd / 8 blocks keep enough
+// loads in flight (32 columns x 8 slices took 16 us at T = 8192, hd = 256; this 8).
 constexpr int kDwCols = 8, kDwSlices = 32;
 __global__ void __launch_bounds__(kDwCols* kDwSlices)
-    attn_dw_reduce_kernel(const float* partial,    // [P, 2*hd]
-                          const float* partial_q,  // [Pq, hd] or null
-                          float* dwq,              // [hd]
-                          float* dwk,              // [hd]
-                          int P, int Pq, int hd) {
+    attn_dw_reduce_kernel(const float* partial,  // [P, 2*hd]
+                          float* dwq,            // [hd]
+                          float* dwk,            // [hd]
+                          int P, int hd) {
   __shared__ float s[kDwSlices][kDwCols + 1];
-  const int tx = static_cast<int>(threadIdx.x) % kDwCols,
-            ty = static_cast<int>(threadIdx.x) / kDwCols;
+  const int tx = static_cast<int>(threadIdx.x) % kDwCols;
+  const int ty = static_cast<int>(threadIdx.x) / kDwCols;
   const int col = static_cast<int>(blockIdx.x) * kDwCols + tx;
   float acc = 0.f;
-  if (col < 2 * hd) {
+  if (col < 2 * hd)
     for (int b = ty; b < P; b += kDwSlices) acc += partial[static_cast<size_t>(b) * 2 * hd + col];
-    if (partial_q != nullptr && col < hd)
-      for (int b = ty; b < Pq; b += kDwSlices) acc += partial_q[static_cast<size_t>(b) * hd + col];
-  }
   s[ty][tx] = acc;
   __syncthreads();
   if (ty == 0 && col < 2 * hd) {

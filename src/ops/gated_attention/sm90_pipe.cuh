@@ -32,7 +32,6 @@
 #pragma once
 
 #include "ops/gated_attention/cuda_common.cuh"
-#include "ops/gated_attention/cuda_row_prims.cuh"
 #include "ops/gated_attention/sm90_wgmma.cuh"
 
 namespace gdn::ops::attn {
@@ -251,7 +250,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_fwd_pipe_kernel(const FwdPar
 // cp.async groups, in commit order: {Q, dA, K_0}, {V_0}, then per step {K_{j+1}} at its top and
 // {V_{j+1}} after its second barrier (empty groups where there is nothing left to copy), so that
 // "all but the newest group" is K_j at the top of step j and V_j after its first wgmma group.
-template <int HD, bool FUSE>
+template <int HD>
 __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_pipe_kernel(const BwdParams p) {
   constexpr int BM = kBigTile, BN = kPipeDqKeys;
   using LB = TileL<BM, HD>;                               // Q, dA
@@ -263,19 +262,13 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_pipe_kernel(const Bwd
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const int h = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.Hq));
   const int rev = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.Hq));
-  // A block without rows still writes its (zero) weight-grad partial row.
-  auto no_rows = [&] {
-    if constexpr (FUSE)
-      for (int i = tid; i < p.hd; i += kThreads)
-        p.partial_q[static_cast<size_t>(blockIdx.x) * p.hd + i] = 0.f;
-  };
   const int total = p.ts[p.N];
-  if (rev >= total) return no_rows();
+  if (rev >= total) return;
   const int tile = total - 1 - rev;  // longest tiles first
   const int n = find_doc(p.ts, p.N, tile);
   const Doc d = doc_bounds(p.cu, n, p.T);
   const int64_t q0l = d.b + static_cast<int64_t>(tile - p.ts[n]) * BM;
-  if (q0l >= d.e) return no_rows();
+  if (q0l >= d.e) return;
   const int q0 = static_cast<int>(q0l), q_end = imin(q0 + BM, d.e);
   const int j = h / p.group;
   const int nk = (q_end - d.b + BN - 1) / BN;
@@ -324,16 +317,6 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_pipe_kernel(const Bwd
                            imin(BN, q_end - k1), p.hd, tid);
     }
     cp_async_commit();  // {K_{jt+1}}
-    if constexpr (FUSE) {
-      if (jt + 1 == nk) {  // the fused epilogue's x rows into L2 while the last step runs
-        const int lpr = (p.hd + 63) / 64;  // 128-byte lines per row
-        for (int i = tid; i < (q_end - q0) * lpr; i += kThreads) {
-          const int lr = i / lpr;
-          prefetch_l2(p.qg + (static_cast<size_t>(q0 + lr) * p.Hq + h) * 2 * p.hd +
-                      (i - lr * lpr) * 64);
-        }
-      }
-    }
     const unsigned char* K = reinterpret_cast<const unsigned char*>(sKV + (jt & 1) * BN * HD);
     const int k0 = d.b + jt * BN;
 
@@ -392,82 +375,17 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_pipe_kernel(const Bwd
   }
   cp_async_wait<0>();  // no copy may outlive the block (the last groups are empty)
 
-  if constexpr (!FUSE) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int t = r == 0 ? t0 : t1;
-      if (t >= q_end) continue;
-      float* out = p.dq_hat + (static_cast<size_t>(t) * p.Hq + h) * p.hd;  // [hd]
+  for (int r = 0; r < 2; ++r) {
+    const int t = r == 0 ? t0 : t1;
+    if (t >= q_end) continue;
+    float* out = p.dq_hat + (static_cast<size_t>(t) * p.Hq + h) * p.hd;  // [hd]
 #pragma unroll
-      for (int nt = 0; nt < HD / 8; ++nt) {
-        const int col = nt * 8 + 2 * c;
-        if (col < p.hd)
-          *reinterpret_cast<float2*>(out + col) =
-              make_float2(acc[4 * nt + 2 * r] * p.scale, acc[4 * nt + 2 * r + 1] * p.scale);
-      }
-    }
-  } else {
-    // Fused epilogue: the block's dq_hat rows (exactly the values the unfused kernel writes) go
-    // through shared memory, sG [BM][HD + 8] fp32 over the dead Q / dA / K / V tiles, into the
-    // row layout of the row kernels (8 consecutive elements per lane); each warp then takes rows
-    // warp, warp + 8, ... through rope_row and rmsnorm_bwd_row as attn_bwd_epilogue_kernel does
-    // (the same dqg bits), reading the rotary angles from the preprocess's table.
-    constexpr int LG = HD + 8;  // row stride (floats): a warp's float2 stores hit each bank twice
-    static_assert(sizeof(float) * BM * LG <= dq_pipe_smem_bytes<HD>() - 1024,
-                  "the fused dq epilogue's staging tile must fit the kernel's shared memory");
-    float* sG = reinterpret_cast<float*>(sQ);  // [BM][LG]
-    __syncthreads();                           // every warp's last wgmma has read its tiles
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float* grow = sG + (warp * 16 + g + 8 * r) * LG;
-#pragma unroll
-      for (int nt = 0; nt < HD / 8; ++nt)
-        *reinterpret_cast<float2*>(grow + nt * 8 + 2 * c) =
+    for (int nt = 0; nt < HD / 8; ++nt) {
+      const int col = nt * 8 + 2 * c;
+      if (col < p.hd)
+        *reinterpret_cast<float2*>(out + col) =
             make_float2(acc[4 * nt + 2 * r] * p.scale, acc[4 * nt + 2 * r + 1] * p.scale);
-    }
-    __syncthreads();
-    const bool act = lane * 8 < p.hd;
-    const int half = p.rot / 2;
-    float gw[8];  // 1 + w in fp32
-    load8(p.wq, lane, act, gw);
-#pragma unroll
-    for (int v = 0; v < 8; ++v) gw[v] += 1.0f;
-    float aw[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // Σ g ⊙ x̂ over this warp's rows
-    constexpr int kPair = 2;
-    for (int l0 = warp; l0 < BM; l0 += kPair * kWarps) {
-      float gv[kPair][8], xv[kPair][8], rs[kPair];
-#pragma unroll
-      for (int k = 0; k < kPair; ++k) {  // every load of both rows first
-        const int lr = l0 + k * kWarps, t = imin(q0 + lr, q_end - 1);
-        const size_t row = static_cast<size_t>(t) * p.Hq + h;
-        load8(p.qg + row * 2 * p.hd, lane, act && q0 + lr < q_end, xv[k]);
-        rs[k] = p.q_rstd[row];
-#pragma unroll
-        for (int v = 0; v < 8; ++v) gv[k][v] = act ? sG[lr * LG + lane * 8 + v] : 0.f;
-      }
-#pragma unroll
-      for (int k = 0; k < kPair; ++k) {
-        const int lr = l0 + k * kWarps, t = q0 + lr;
-        if (t >= q_end) break;  // uniform over the warp; later rows are past it too
-        const size_t row = static_cast<size_t>(t) * p.Hq + h;
-        rope_row(gv[k], lane, act, half, -1.0f, p.rope_c + static_cast<size_t>(t) * half,
-                 p.rope_s + static_cast<size_t>(t) * half, nullptr);
-        float dx[8];
-        rmsnorm_bwd_row(gv[k], xv[k], gw, rs[k], p.hd, act, aw, dx);
-        if (act) store8(p.dqg + row * 2 * p.hd, lane, dx);
-      }
-    }
-    __syncthreads();  // sG is read by every warp above; red reuses it
-    float* red = sG;  // [kWarps][hd]
-    if (act) {
-#pragma unroll
-      for (int v = 0; v < 8; ++v) red[warp * p.hd + lane * 8 + v] = aw[v];
-    }
-    __syncthreads();
-    for (int i = tid; i < p.hd; i += kThreads) {
-      float sum = 0.f;
-      for (int w = 0; w < kWarps; ++w) sum += red[w * p.hd + i];  // fixed order: deterministic
-      p.partial_q[static_cast<size_t>(blockIdx.x) * p.hd + i] = sum;
     }
   }
 }

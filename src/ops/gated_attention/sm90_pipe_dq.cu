@@ -8,18 +8,10 @@
 namespace gdn::ops::attn {
 
 void launch_bwd_dq_pipe(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream) {
-  // dqg set: the kernel with the fused epilogue (needs rot / 2 % 8 == 0: cuda.cu checks it).
-  if (p.dqg != nullptr) {
-    launch_hd_class(
-        p, hd_class, blocks, stream, "attn_bwd_dq_pipe_kernel (fused epilogue)",
-        [](auto hd) { return &attn_bwd_dq_pipe_kernel<decltype(hd)::value, true>; },
-        [](auto hd) { return dq_pipe_smem_bytes<decltype(hd)::value>(); });
-  } else {
-    launch_hd_class(
-        p, hd_class, blocks, stream, "attn_bwd_dq_pipe_kernel",
-        [](auto hd) { return &attn_bwd_dq_pipe_kernel<decltype(hd)::value, false>; },
-        [](auto hd) { return dq_pipe_smem_bytes<decltype(hd)::value>(); });
-  }
+  launch_hd_class(
+      p, hd_class, blocks, stream, "attn_bwd_dq_pipe_kernel",
+      [](auto hd) { return &attn_bwd_dq_pipe_kernel<decltype(hd)::value>; },
+      [](auto hd) { return dq_pipe_smem_bytes<decltype(hd)::value>(); });
 }
 
 }  // namespace gdn::ops::attn
