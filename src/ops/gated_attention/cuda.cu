@@ -17,7 +17,7 @@
 //      counts into scratch, so that the attention kernels map a block index to (document, tile)
 //      by binary search without any host-side knowledge of cu_seqlens (which lives on the device).
 //   2. attn_prologue_kernel: q_hat, k_hat = RoPE(RMSNorm_(1+w)(x)), q_rstd, k_rstd; cos/sin formed
-//      in fp64 per token (as ref and cpu).
+//      in fp64 per (token, frequency) (as ref and cpu), all of a block's at once.
 //   3. the attention forward (attn_fwd_kernel<HD> and its wgmma versions): FlashAttention-2 forward
 //   (Dao, "FlashAttention-2", 2023, Algorithm 1)
 //      per (document, 128 query rows, query head), online softmax in base 2, causal masking only
@@ -25,13 +25,13 @@
 //      epilogue writes attn, o = attn ⊙ σ(gate) and lse.
 // Backward, six launches:
 //   1. tile index (as above);
-//   2. attn_bwd_preprocess_kernel: dA = do ⊙ σ(gate) (bf16, parked in the gate half of dqg) and
-//      D = rowsum(dA ⊙ attn) (fp32 scratch);
+//   2. attn_bwd_preprocess_kernel: dA = do ⊙ σ(gate) (bf16 scratch), D = rowsum(dA ⊙ attn) (fp32
+//      scratch) and the gate gradient into dqg's gate half (do, attn and gate are read once);
 //   3. the dk/dv kernel: per (document, 64 keys, kv head), every query tile of every query
 //      head of the group: dv (bf16, final) and dk_hat (fp32 scratch);
 //   4. the dq kernel: per (document, 128 query rows, query head): dq_hat (fp32 scratch);
 //   5. attn_bwd_epilogue_kernel: dq_hat and dk_hat back through RoPE and the norms into dqg's
-//      query half and dk, the gate gradient into dqg's gate half, per-block weight-grad partials;
+//      query half and dk, per-block weight-grad partials;
 //   6. attn_dw_reduce_kernel: dq_norm_w, dk_norm_w += the partials summed in a fixed order.
 // dq is computed by its own kernel instead of FlashAttention-2's atomic dQ accumulation inside
 // the dk/dv kernel: S and dP are recomputed (7 tile products per (query, key) tile pair instead of
@@ -47,8 +47,9 @@
 // no cu_seqlens value makes them access memory out of bounds (inconsistent values give unspecified
 // results, as op.h allows).
 //
-// Scratch (Context::scratch, grown once): forward 2(N+1) int32; backward also D [T, Hq], dq_hat
-// [T, Hq, hd] and dk_hat [T, Hkv, hd] fp32 and the weight-grad partials (ceil(T / 4) x 2hd fp32).
+// Scratch (Context::scratch, grown once): forward 2(N+1) int32; backward also D [T, Hq], dA
+// [T, Hq, hd] bf16, dq_hat [T, Hq, hd] and dk_hat [T, Hkv, hd] fp32 and the weight-grad partials
+// (ceil(T / kRowTokens) x 2hd fp32).
 //
 // Where the time goes (H200, T = 8192 as one document, 16 / 4 heads x 256, cuda.pipe_xi; measured
 // with bench/cuda_bench_attn_kernels --iters 10): forward 1.37 ms = prologue 0.11 + attention
@@ -62,7 +63,11 @@
 //     or a cluster of two key tiles sharing Q / dA by multicast are the next steps;
 //   - the forward (440 TFLOP/s; SDPA 625) and dq (606 TFLOP/s of three products): same loads,
 //     one block barrier per step;
-//   - the row kernels: epilogue 0.33 ms, prologue 0.11 ms;
+//   - the row kernels (branch attn7, H200 with cuda_bench_attn_kernels --iters 10): epilogue
+//     0.130 ms (was 0.33; 0.61 of copy), prologue 0.065 (was 0.11; 0.61), preprocess 0.084 (now
+//     also the gate gradient; 0.94). Fusing the query rows' epilogue into the dq kernel (dq_hat
+//     staged through shared memory, RoPE from a table) was tried: epilogue -0.094 ms but dq
+//     +0.150 ms (the epilogue runs at one block per SM with nothing to overlap it), so dropped;
 //   - documents are ordered by their tile index, not by work, so with several documents the
 //     longest tiles do not all start first.
 #include <algorithm>
@@ -258,21 +263,23 @@ void backward_with(const GatedAttentionBwd& a, const attn::AttnKernels& kernels,
   const size_t rows_q = static_cast<size_t>(d.T) * d.Hq, rows_k = static_cast<size_t>(d.T) * d.Hkv;
   const unsigned epi_blocks =
       static_cast<unsigned>((d.T + attn::kRowTokens - 1) / attn::kRowTokens);
-  auto carve_all = [&](Carve& c, int32_t** ts_big, int32_t** ts_small, float** D, float** dq_hat,
-                       float** dk_hat, float** partial) {
+  auto carve_all = [&](Carve& c, int32_t** ts_big, int32_t** ts_small, float** D, bf16_t** dA,
+                       float** dq_hat, float** dk_hat, float** partial) {
     *ts_big = c.take<int32_t>(nts);                                        // [N+1]
     *ts_small = c.take<int32_t>(nts);                                      // [N+1]
     *D = c.take<float>(rows_q);                                            // [T, Hq]
+    *dA = c.take<bf16_t>(rows_q * static_cast<size_t>(d.hd));              // [T, Hq, hd]
     *dq_hat = c.take<float>(rows_q * static_cast<size_t>(d.hd));           // [T, Hq, hd]
     *dk_hat = c.take<float>(rows_k * static_cast<size_t>(d.hd));           // [T, Hkv, hd]
     *partial = c.take<float>(static_cast<size_t>(epi_blocks) * 2 * d.hd);  // [blocks, 2*hd]
   };
   int32_t *ts_big = nullptr, *ts_small = nullptr;
   float *D = nullptr, *dq_hat = nullptr, *dk_hat = nullptr, *partial = nullptr;
+  bf16_t* dA = nullptr;
   Carve size{nullptr};
-  carve_all(size, &ts_big, &ts_small, &D, &dq_hat, &dk_hat, &partial);
+  carve_all(size, &ts_big, &ts_small, &D, &dA, &dq_hat, &dk_hat, &partial);
   Carve c{static_cast<char*>(ctx.scratch(size.off))};
-  carve_all(c, &ts_big, &ts_small, &D, &dq_hat, &dk_hat, &partial);
+  carve_all(c, &ts_big, &ts_small, &D, &dA, &dq_hat, &dk_hat, &partial);
   const int32_t* cu = dev<const int32_t>(a.cu_seqlens);  // [N+1]
   Marks mark{marks, s};
 
@@ -280,13 +287,10 @@ void backward_with(const GatedAttentionBwd& a, const attn::AttnKernels& kernels,
   launch_tile_index(d, cu, ts_big, ts_small, s);
   mark();
 
-  attn::PreprocessParams pre{dev<const bf16_t>(a.qg),
-                             dev<const bf16_t>(a.d_o),
-                             dev<const bf16_t>(a.attn),
-                             dev<bf16_t>(a.dqg),
-                             D,
-                             static_cast<int64_t>(rows_q),
-                             d.hd};
+  attn::PreprocessParams pre{dev<const bf16_t>(a.qg),      dev<const bf16_t>(a.d_o),
+                             dev<const bf16_t>(a.attn),    dA,
+                             dev<bf16_t>(a.dqg),           D,
+                             static_cast<int64_t>(rows_q), d.hd};
   attn::attn_bwd_preprocess_kernel<<<
       static_cast<unsigned>((rows_q + attn::kWarps - 1) / attn::kWarps), attn::kThreads, 0, s>>>(
       pre);
@@ -297,7 +301,7 @@ void backward_with(const GatedAttentionBwd& a, const attn::AttnKernels& kernels,
   attn::BwdParams bp{dev<const bf16_t>(a.q_hat),
                      dev<const bf16_t>(a.k_hat),
                      dev<const bf16_t>(a.v),
-                     dev<const bf16_t>(a.dqg) + d.hd,
+                     dA,
                      dev<const float>(a.lse),
                      D,
                      cu,
@@ -311,6 +315,7 @@ void backward_with(const GatedAttentionBwd& a, const attn::AttnKernels& kernels,
                      d.hd,
                      d.N,
                      d.group,
+                     d.hd,
                      scale,
                      scale * attn::kLog2e};
   kernels.dkdv(bp, d.hd_class, grid_for(d.T, d.N, attn::kSmallTile, d.Hkv), s);
@@ -328,8 +333,6 @@ void backward_with(const GatedAttentionBwd& a, const attn::AttnKernels& kernels,
                           dev<const float>(a.k_rstd),
                           dq_hat,
                           dk_hat,
-                          dev<const bf16_t>(a.d_o),
-                          dev<const bf16_t>(a.attn),
                           dev<bf16_t>(a.dqg),
                           dev<bf16_t>(a.dk),
                           partial,
@@ -343,9 +346,11 @@ void backward_with(const GatedAttentionBwd& a, const attn::AttnKernels& kernels,
   attn::attn_bwd_epilogue_kernel<<<epi_blocks, attn::kThreads, 0, s>>>(ep);
   GDN_CUDA_LAUNCH_CHECK("attn_bwd_epilogue_kernel");
   mark();
-  attn::attn_dw_reduce_kernel<<<static_cast<unsigned>((2 * d.hd + 31) / 32), 256, 0, s>>>(
-      partial, dev<float>(a.dq_norm_w), dev<float>(a.dk_norm_w), static_cast<int>(epi_blocks),
-      d.hd);
+  attn::
+      attn_dw_reduce_kernel<<<static_cast<unsigned>((2 * d.hd + attn::kDwCols - 1) / attn::kDwCols),
+                              attn::kDwCols * attn::kDwSlices, 0, s>>>(
+          partial, dev<float>(a.dq_norm_w), dev<float>(a.dk_norm_w), static_cast<int>(epi_blocks),
+          d.hd);
   GDN_CUDA_LAUNCH_CHECK("attn_dw_reduce_kernel");
   mark();
 }

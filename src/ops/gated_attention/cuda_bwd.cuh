@@ -39,9 +39,9 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_kernel(const BwdParam
   const int nk = (q_end - d.b + BN - 1) / BN;
 
   const size_t ldq = static_cast<size_t>(p.Hq) * p.hd, ldkv = static_cast<size_t>(p.Hkv) * p.hd;
-  const size_t lda = 2 * ldq;                                   // row stride of dA (in dqg)
-  const bf16_t* gQ = p.q_hat + static_cast<size_t>(h) * p.hd;   // row t at + t·ldq
-  const bf16_t* gA = p.dA + static_cast<size_t>(h) * 2 * p.hd;  // row t at + t·lda
+  const size_t lda = static_cast<size_t>(p.Hq) * p.a_stride;      // row stride of dA
+  const bf16_t* gQ = p.q_hat + static_cast<size_t>(h) * p.hd;     // row t at + t·ldq
+  const bf16_t* gA = p.dA + static_cast<size_t>(h) * p.a_stride;  // row t at + t·lda
   const bf16_t* gK = p.k_hat + static_cast<size_t>(j) * p.hd;
   const bf16_t* gV = p.v + static_cast<size_t>(j) * p.hd;
 
@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dkdv_kernel(const BwdPar
   const int n_items = p.group * n_m;
 
   const size_t ldq = static_cast<size_t>(p.Hq) * p.hd, ldkv = static_cast<size_t>(p.Hkv) * p.hd;
-  const size_t lda = 2 * ldq;
+  const size_t lda = static_cast<size_t>(p.Hq) * p.a_stride;
   const bf16_t* gK = p.k_hat + static_cast<size_t>(j) * p.hd;
   const bf16_t* gV = p.v + static_cast<size_t>(j) * p.hd;
 
@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dkdv_kernel(const BwdPar
     const int qs = d.b + (m_first + it % n_m) * BM, rows = imin(BM, d.e - qs);
     load_tile_async<BM, HD>(sQ + b * BM * LD, p.q_hat + static_cast<size_t>(h) * p.hd + qs * ldq,
                             ldq, rows, p.hd, tid);
-    load_tile_async<BM, HD>(sA + b * BM * LD, p.dA + static_cast<size_t>(h) * 2 * p.hd + qs * lda,
+    load_tile_async<BM, HD>(sA + b * BM * LD, p.dA + static_cast<size_t>(h) * p.a_stride + qs * lda,
                             lda, rows, p.hd, tid);
     if (tid < BM) {
       const bool ok = tid < rows;

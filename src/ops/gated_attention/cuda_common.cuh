@@ -54,7 +54,7 @@ static_assert(fwd_smem_bytes<256>() <= 227 * 1024 && dq_smem_bytes<256>() <= 227
 
 // Row kernels (norm + RoPE prologue, backward preprocess and epilogue): 8 warps, one row per warp
 // at a time, each lane owning 8 consecutive elements (one 16-byte access) of a row of hd <= 256.
-constexpr int kRowTokens = 4;  // tokens per block of the prologue and the epilogue
+constexpr int kRowTokens = 8;  // tokens per block of the prologue and the epilogue
 
 // --- parameter blocks ------------------------------------------------------------------------
 struct TileIndexParams {
@@ -97,7 +97,8 @@ struct PreprocessParams {
   const bf16_t* qg;    // [T, Hq, 2*hd] (gate half)
   const bf16_t* d_o;   // [T, Hq, hd]
   const bf16_t* attn;  // [T, Hq, hd]
-  bf16_t* dqg;         // [T, Hq, 2*hd]: dA = do ⊙ σ(gate) parked in the gate half
+  bf16_t* dA;          // [T, Hq, hd] dA = do ⊙ σ(gate) (scratch)
+  bf16_t* dqg;         // [T, Hq, 2*hd]: the gate half gets the gate gradient
   float* D;            // [T, Hq]
   int64_t rows;        // T · Hq
   int hd;
@@ -107,7 +108,7 @@ struct BwdParams {
   const bf16_t* q_hat;  // [T, Hq, hd]
   const bf16_t* k_hat;  // [T, Hkv, hd]
   const bf16_t* v;      // [T, Hkv, hd]
-  const bf16_t* dA;     // dqg + hd: [T, Hq, hd] rows strided by Hq · 2hd
+  const bf16_t* dA;     // [T, Hq, a_stride]: dA of (t, h) at dA + (t·Hq + h)·a_stride
   const float* lse;     // [T, Hq]
   const float* D;       // [T, Hq]
   const int32_t* cu;    // [N+1]
@@ -116,6 +117,7 @@ struct BwdParams {
   float* dk_hat;        // [T, Hkv, hd] (dk/dv kernel)
   bf16_t* dv;           // [T, Hkv, hd] (dk/dv kernel)
   int T, Hq, Hkv, hd, N, group;
+  int a_stride;      // elements from one head's dA row to the next: hd (scratch) or 2hd (in dqg)
   float scale;       // hd^-1/2
   float scale_log2;  // hd^-1/2 · log2(e)
 };
@@ -130,9 +132,7 @@ struct EpilogueParams {
   const float* k_rstd;  // [T, Hkv]
   const float* dq_hat;  // [T, Hq, hd]
   const float* dk_hat;  // [T, Hkv, hd]
-  const bf16_t* d_o;    // [T, Hq, hd]
-  const bf16_t* attn;   // [T, Hq, hd]
-  bf16_t* dqg;          // [T, Hq, 2*hd]
+  bf16_t* dqg;          // [T, Hq, 2*hd] (the query half is written)
   bf16_t* dk;           // [T, Hkv, hd]
   float* partial;       // [gridDim.x, 2*hd] per-block (dq_norm_w | dk_norm_w) sums
   int T, Hq, Hkv, hd, rot, N;

@@ -274,9 +274,9 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_pipe_kernel(const Bwd
   const int nk = (q_end - d.b + BN - 1) / BN;
 
   const size_t ldq = static_cast<size_t>(p.Hq) * p.hd, ldkv = static_cast<size_t>(p.Hkv) * p.hd;
-  const size_t lda = 2 * ldq;                                   // row stride of dA (in dqg)
-  const bf16_t* gQ = p.q_hat + static_cast<size_t>(h) * p.hd;   // row t at + t·ldq
-  const bf16_t* gA = p.dA + static_cast<size_t>(h) * 2 * p.hd;  // row t at + t·lda
+  const size_t lda = static_cast<size_t>(p.Hq) * p.a_stride;      // row stride of dA
+  const bf16_t* gQ = p.q_hat + static_cast<size_t>(h) * p.hd;     // row t at + t·ldq
+  const bf16_t* gA = p.dA + static_cast<size_t>(h) * p.a_stride;  // row t at + t·lda
   const bf16_t* gK = p.k_hat + static_cast<size_t>(j) * p.hd;
   const bf16_t* gV = p.v + static_cast<size_t>(j) * p.hd;
   bf16_t* const sVs = sKV + 2 * BN * HD;  // the V slot
@@ -437,7 +437,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dkdv_pipe_kernel(const B
   const int n_items = p.group * n_m;
 
   const size_t ldq = static_cast<size_t>(p.Hq) * p.hd, ldkv = static_cast<size_t>(p.Hkv) * p.hd;
-  const size_t lda = 2 * ldq;
+  const size_t lda = static_cast<size_t>(p.Hq) * p.a_stride;
   const bf16_t* gK = p.k_hat + static_cast<size_t>(j) * p.hd;
   const bf16_t* gV = p.v + static_cast<size_t>(j) * p.hd;
 
@@ -447,8 +447,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dkdv_pipe_kernel(const B
     const int qs = d.b + (m_first + it % n_m) * BM, rows = imin(BM, d.e - qs);
     load_tile_sw<BM, HD>(sQ + b * BM * HD, p.q_hat + static_cast<size_t>(h) * p.hd + qs * ldq, ldq,
                          rows, p.hd, tid);
-    load_tile_sw<BM, HD>(sA + b * BM * HD, p.dA + static_cast<size_t>(h) * 2 * p.hd + qs * lda, lda,
-                         rows, p.hd, tid);
+    load_tile_sw<BM, HD>(sA + b * BM * HD, p.dA + static_cast<size_t>(h) * p.a_stride + qs * lda,
+                         lda, rows, p.hd, tid);
   };
   // lse and D of an item's rows (threads tid < BM, one row each) travel through registers one
   // item ahead: fetched at the top of item it - 1, stored to sL / sD at the top of item it, so
