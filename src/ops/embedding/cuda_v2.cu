@@ -1,4 +1,5 @@
-// Embedding on CUDA, second version ("cuda.v2"): the forward of cuda.sorted_windows and a
+// Embedding on CUDA, second version ("cuda.v2", and "cuda.v2r", the default: the same with 64
+// tokens ranked per block; see the registration): the forward of cuda.sorted_windows and a
 // backward rebuilt around where that one spends its time (op.h has the contract; cuda.cu keeps the
 // first version for A/B timing).
 //
@@ -65,10 +66,11 @@ namespace {
 using cuda::bf16_t;
 
 constexpr int kRankThreads = 1024;
-constexpr int kRankTokens = 256;  // tokens ranked per block (8 per warp)
-constexpr int kRankIdBatch = 8;   // ids loaded per thread before their first use
-constexpr int kRankBinBits = 12;  // at most 4096 buckets
-constexpr int kRankMaxT = 16384;  // beyond: cub::DeviceRadixSort
+constexpr int kRankTokens = 256;     // tokens ranked per block (8 per warp), cuda.v2
+constexpr int kRankTokensFine = 64;  // cuda.v2r: 2 per warp, 4 x the blocks
+constexpr int kRankIdBatch = 8;      // ids loaded per thread before their first use
+constexpr int kRankBinBits = 12;     // at most 4096 buckets
+constexpr int kRankMaxT = 16384;     // beyond: cub::DeviceRadixSort
 constexpr int kRankMaxBins = 1 << kRankBinBits;
 constexpr size_t kRankSmemMax = (2 * size_t{kRankMaxT} + 2 * size_t{kRankMaxBins} + 1) * 4;
 
@@ -112,12 +114,16 @@ __device__ __forceinline__ void zero_counters(const Ranked& r) {
     r.counters[i] = 0;
 }
 
-// grid ceil(T / kRankTokens), kRankThreads threads, (2 T + 2 nbins + 1) * 4 bytes of dynamic
+// grid ceil(T / per_block), kRankThreads threads, (2 T + 2 nbins + 1) * 4 bytes of dynamic
 // shared memory. Buckets: key >> shift, nbins = (vocab >> shift) + 1 <= kRankMaxBins.
+// `per_block`: tokens ranked per block (grid ceil(T / per_block)). Every block repeats the O(T)
+// bucketing; the ranking is O(per_block). At T = 8192 the kernel took 11.4 us with 256 (ncu, mem6's
+// first device run: 32 blocks, each busy ~19k cycles), so cuda.v2r spreads the ranking over 4 x
+// the blocks (64 tokens, 2 per warp).
 template <class Id>
 __global__ void __launch_bounds__(kRankThreads)
     emb2_rank_kernel(const Id* __restrict__ ids,  // [T]
-                     Ranked r, int T, int64_t vocab, int shift, int nbins, int win) {
+                     Ranked r, int T, int64_t vocab, int shift, int nbins, int win, int per_block) {
   pdl_launch_dependents();  // the dW kernel may take its place now; it waits for our end
   extern __shared__ uint32_t smem[];
   uint32_t* skey = smem;              // [T] keys in token order
@@ -194,8 +200,8 @@ __global__ void __launch_bounds__(kRankThreads)
   }
   __syncthreads();
   // Rank this block's tokens, one warp per token.
-  const int first = static_cast<int>(blockIdx.x) * kRankTokens;
-  const int last = min(T, first + kRankTokens);
+  const int first = static_cast<int>(blockIdx.x) * per_block;
+  const int last = min(T, first + per_block);
   for (int t = first + warp; t < last; t += kRankThreads / 32) {
     const uint32_t k = skey[t];
     const uint32_t lo = start[k >> shift], hi = start[(k >> shift) + 1];
@@ -584,7 +590,7 @@ void launch_dw(const DwArgs& args, cudaStream_t s) {
   GDN_CUDA_LAUNCH_CHECK("emb2_dw_kernel");
 }
 
-template <int kWin>
+template <int kWin, int kPerBlock>
 void backward(const EmbeddingBwd& a) {
   // Staging: 16-byte pieces of the window (kWin % 4 == 0), at most 16 per array.
   static_assert(kWin >= 4 && kWin % 4 == 0 && kWin <= kMaxWin && kMaxWin <= 64);
@@ -641,15 +647,15 @@ void backward(const EmbeddingBwd& a) {
   cudaStream_t s = ctx.stream();
   const bool i32 = a.ids.dtype() == DType::I32;
   if (rank_path) {
-    const auto grid = static_cast<unsigned>((n + kRankTokens - 1) / kRankTokens);
+    const auto grid = static_cast<unsigned>((n + kPerBlock - 1) / kPerBlock);
     if (i32) {
       rank_opt_in<int32_t>(smem_limit);
-      emb2_rank_kernel<int32_t><<<grid, kRankThreads, rank_smem, s>>>(a.ids.ptr<int32_t>(), r, n,
-                                                                      vocab, shift, nbins, kWin);
+      emb2_rank_kernel<int32_t><<<grid, kRankThreads, rank_smem, s>>>(
+          a.ids.ptr<int32_t>(), r, n, vocab, shift, nbins, kWin, kPerBlock);
     } else {
       rank_opt_in<int64_t>(smem_limit);
-      emb2_rank_kernel<int64_t><<<grid, kRankThreads, rank_smem, s>>>(a.ids.ptr<int64_t>(), r, n,
-                                                                      vocab, shift, nbins, kWin);
+      emb2_rank_kernel<int64_t><<<grid, kRankThreads, rank_smem, s>>>(
+          a.ids.ptr<int64_t>(), r, n, vocab, shift, nbins, kWin, kPerBlock);
     }
     GDN_CUDA_LAUNCH_CHECK("emb2_rank_kernel");
   } else {
@@ -694,14 +700,19 @@ void backward(const EmbeddingBwd& a) {
   }
 }
 
-const EmbeddingTable kTable16{forward, backward<16>};
+const EmbeddingTable kTable16{forward, backward<16, kRankTokens>};
+const EmbeddingTable kTable16Fine{forward, backward<16, kRankTokensFine>};
 
 }  // namespace
 
-// cuda.v2 (window 16) is chosen before cuda.sorted_windows (priority 10, kept for A/B timing:
-// GDN_OP_EMBEDDING=cuda.sorted_windows).
+// cuda.v2r (window 16, 64 tokens ranked per block) is the default: on the H200 at T = 8192,
+// V = 248320, D = 4096 it took 105.9 / 104.1 us (uniform ids) and 97.9 / 96.9 us (skewed) against
+// cuda.v2's 108.7 / 107.6 and 104.0 / 104.3 in the same run (mem6's second device run; rank kernel
+// 8.6 us against 11.4). cuda.v2 (256 tokens a block) and cuda.sorted_windows (priority 10) stay
+// for A/B timing: GDN_OP_EMBEDDING=<name>.
 GDN_REGISTER(embedding_cuda_v2) {
   Registry::global().add_impl({"embedding", "cuda.v2", Backend::Cuda, 20, nullptr, &kTable16});
+  Registry::global().add_impl({"embedding", "cuda.v2r", Backend::Cuda, 21, nullptr, &kTable16Fine});
 }
 
 }  // namespace gdn::ops

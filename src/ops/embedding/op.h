@@ -19,7 +19,8 @@
 // cuda: a stable radix sort of (id, t) pairs, then fixed windows of the sorted positions summed in
 // t order, windows combined in window order (src/ops/embedding/cuda.cu): the order depends on the
 // ids alone, bitwise reproducible, no float atomics; it may differ from the ascending-t serial
-// order in rounding. cuda.v2 (src/ops/embedding/cuda_v2.cu) has the same order semantics with
+// order in rounding. cuda.v2 and cuda.v2r (src/ops/embedding/cuda_v2.cu; bitwise equal to each
+// other: the ranks are exact either way) have the same order semantics with
 // 16-position windows: the sorted positions come from exact
 // ranks, and a spanning segment is combined by whichever of its windows' blocks finishes last,
 // still in window order.
