@@ -30,6 +30,13 @@ constexpr Knob kKnobs[] = {
      "pre-activation with a conv pass). Not scheduling-only: the pre-activation is rounded to the "
      "activation dtype between the passes.",
      false, nullptr},
+    {"GDN_FUSED_FWD", KnobType::Bool, "0",
+     "gated_delta_rule forward on CUDA: 1 takes the fused route (one kernel per document, value "
+     "head and 32 value columns keeps the state on chip across chunks; its own probe, falls back "
+     "to the decomposed route with one log line where it cannot run); 0 the decomposed chain "
+     "(prep, state pass, output). Both save the same tensors for the one backward. Not "
+     "scheduling-only: the routes round differently.",
+     false, nullptr},
     {"GDN_FUSED_LM_HEAD", KnobType::Bool, "1",
      "LM head loss: 1 runs the fused linear_cross_entropy; 0 (A/B) materialises the logits per "
      "row chunk (gemm, chunk sized by GDN_FLCE_CHUNK_BYTES), then a separate cross_entropy + "
@@ -250,15 +257,6 @@ int check_environment() {
     const Knob* k = find_knob(name);
     if (k != nullptr) {
       validate(*k, name, value);
-      continue;
-    }
-    if (name == "GDN_FUSED_FWD") {  // a removed knob: say what replaced it
-      log::warn(
-          "environment variable GDN_FUSED_FWD is ignored: it was removed (commit e3a19b7) with the "
-          "gated delta rule's fused forward route, which the fast route replaced; "
-          "GDN_GDR_GENERIC=1 selects the other current route, GDN_FUSED_QK_L2NORM=0 unfuses its "
-          "q/k normalisation (docs/TRAINING.md)");
-      ++warnings;
       continue;
     }
     const Knob* best = nullptr;

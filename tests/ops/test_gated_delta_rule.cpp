@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "gdn/backend/op_run.h"
+#include "gdn/backend/registry.h"
+#include "gdn/core/env.h"
 #include "gdn/core/safetensors.h"
 #include "ops/gated_delta_rule/op.h"
 #include "ops/gdr_test_specs.h"
@@ -382,6 +384,35 @@ TEST(GatedDeltaRule, ProbeAcceptsCpuAndMeasuresSmallError) {
   EXPECT_LE(r.error.bwd, tol.bwd);
   EXPECT_GT(r.error.fwd, 0);  // fp32 vs fp64: exactly 0 would mean the probe compared nothing
   std::printf("[gdr] probe cpu.chunk64: fwd %.2e bwd %.2e\n", r.error.fwd, r.error.bwd);
+}
+
+// GDN_FUSED_FWD selects a forward route on cuda only: the fused route's registry key exists with
+// the oracle (its probe's reference) and only cuda implementations, and the knob leaves the cpu
+// op's resolution and results unchanged.
+TEST(GatedDeltaRule, FusedForwardKnobIsCudaOnly) {
+  Registry& reg = Registry::global();
+  ASSERT_TRUE(reg.has_op(kGdrFusedFwdOp));
+  EXPECT_NO_THROW(reg.ref(kGdrFusedFwdOp));
+  EXPECT_TRUE(reg.impls(kGdrFusedFwdOp, Backend::Cpu).empty());
+  const int64_t T = 70, Hk = 1, Hv = 2, dk = 16, dv = 8;
+  OwnedTensor q = convert(testing::randn({T, Hk, dk}, 61, 0.3), DType::F32);
+  OwnedTensor k = convert(testing::randn({T, Hk, dk}, 62, 0.3), DType::F32);
+  OwnedTensor v = convert(testing::randn({T, Hv, dv}, 63), DType::F32);
+  OwnedTensor g = convert(testing::randu({T, Hv}, 64, -1.0, 0.0), DType::F32);
+  OwnedTensor beta = convert(testing::randu({T, Hv}, 65, 0.0, 1.0), DType::F32);
+  OwnedTensor cu = testing::i32_tensor({0, 30, 70});
+  auto run = [&] {
+    OwnedTensor o = OwnedTensor::zeros(DType::F32, {T, Hv, dv});
+    gated_delta_rule_forward({q, k, v, g, beta, cu, Tensor(), o, Tensor(), 0.0, true});
+    return o;
+  };
+  OwnedTensor want = run();
+  setenv("GDN_FUSED_FWD", "1", 1);
+  env::reset_cache_for_testing();
+  OwnedTensor got = run();
+  unsetenv("GDN_FUSED_FWD");
+  env::reset_cache_for_testing();
+  EXPECT_EQ(testing::rel_err(got, want), 0.0);
 }
 
 // Deliberately wrong variants of the cpu implementation: the probe must reject each one.

@@ -37,12 +37,15 @@
 //
 // Nothing synchronises the host; every launch goes to the compute stream. Device-resident
 // cu_seqlens are never read on the host: the index sanitises them (cuda.h).
+#include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <string>
 
 #include "gdn/backend/cuda_check.h"
 #include "gdn/backend/registry.h"
 #include "gdn/core/env.h"
+#include "gdn/core/log.h"
 #include "ops/gated_delta_rule/cuda.h"
 #include "ops/gated_delta_rule/cuda_fast.h"
 #include "ops/gated_delta_rule/cuda_kernels.h"
@@ -344,10 +347,15 @@ void backward_generic(const GatedDeltaRuleBwd& a, const gdr::Dims& d) {
   gdr::launch_reduce_qk(d, bf(a.q), bf(a.k), dqh, dkh, bf_out(a.dq), bf_out(a.dk), s);
 }
 
-void forward(const GatedDeltaRuleFwd& a) {
+gdr::Dims fwd_dims(const GatedDeltaRuleFwd& a) {
   gdr::Dims d = make_dims(a.q, a.v, a.cu_seqlens, a.scale, a.use_qk_l2norm);
   d.vec = d.dk % 8 == 0 && d.dv % 8 == 0 && aligned16(a.q) && aligned16(a.k) && aligned16(a.v) &&
           aligned16(a.h0) && aligned16(a.o) && aligned16(a.hT);
+  return d;
+}
+
+void forward(const GatedDeltaRuleFwd& a) {
+  const gdr::Dims d = fwd_dims(a);
   if (gdr::fast_path(d) && !env::get_bool("GDN_GDR_GENERIC"))
     forward_fast(a, d);
   else
@@ -367,11 +375,86 @@ void backward(const GatedDeltaRuleBwd& a) {
 
 const GatedDeltaRuleTable kTable{forward, backward};
 
+// --- the fused forward route (GDN_FUSED_FWD=1)
+// ------------------------------------------------------------------------
+// Why this GPU cannot run the fused forward at these head dims ("" when it can): mma.sync on bf16
+// and cp.async need compute capability 8.0, and the kernel's shared memory (about 172 KiB at
+// dk = 128) must fit the device's per-block limit (an A100's 163 KiB does not at dk = 128).
+std::string fused_unsupported_on_device(int KP) {
+  const cudaDeviceProp& p = cuda::Context::get().props();
+  if (p.major < 8)
+    return fmt::format(
+        "the fused forward needs compute capability 8.0 (bf16 mma.sync, cp.async); this GPU is "
+        "{}.{}",
+        p.major, p.minor);
+  gdr::Dims d{};
+  d.KP = KP;
+  const size_t smem = gdr::fused_fwd_smem(d);
+  if (smem > p.sharedMemPerBlockOptin)
+    return fmt::format(
+        "the fused forward needs {} bytes of shared memory per block at dk = {}; this GPU allows "
+        "{}",
+        smem, KP, p.sharedMemPerBlockOptin);
+  return "";
+}
+
+// The resolver's capability check (the shapes the query names, dk = 128 when it names none).
+std::string supports_fused(const OpQuery& q) {
+  auto it = q.dims.find("dk");
+  const int dk = it != q.dims.end() ? static_cast<int>(it->second) : 128;
+  return fused_unsupported_on_device(gdr::pad16(std::min(dk, 128)));
+}
+
+// One call of the fused route: the fused kernel, or the decomposed forward (with one log line, an
+// error under GDN_STRICT_KERNELS) for a call it does not take: head dims above 128 or not multiples
+// of 8, tensors not 16-byte aligned, or a shared-memory need this GPU cannot meet.
+void forward_fused(const GatedDeltaRuleFwd& a) {
+  const gdr::Dims d = fwd_dims(a);
+  std::string why;
+  if (!gdr::fused_path(d))
+    why = fmt::format(
+        "the fused forward takes dk, dv <= 128 that are multiples of 8 with 16-byte aligned "
+        "tensors (got dk = {}, dv = {})",
+        d.dk, d.dv);
+  else
+    why = fused_unsupported_on_device(d.KP);
+  if (!why.empty()) {
+    GDN_CHECK_HINT(
+        !env::get_bool("GDN_STRICT_KERNELS"), "unset GDN_STRICT_KERNELS to allow fallbacks",
+        "GDN_STRICT_KERNELS: gated_delta_rule (GDN_FUSED_FWD=1) cannot take this call: {}", why);
+    log::warn_once(fmt::format("gdr_fused_fwd_fallback/{}/{}", d.dk, d.dv),
+                   "gated_delta_rule: GDN_FUSED_FWD=1, but {}; the decomposed forward runs it",
+                   why);
+    forward(a);
+    return;
+  }
+  cuda::Context& ctx = cuda::Context::get();
+  const Saved sv = saved_view(a.saved, d);
+  ScratchPlan sp;
+  const PrologueScratch ps = plan_prologue(sp, d);
+  char* base = static_cast<char*>(ctx.scratch(sp.total()));
+  cudaStream_t s = ctx.stream();
+  const Prologue p = run_prologue(d, ps, base, a.q, a.k, a.cu_seqlens, s);
+  gdr::fused_fwd(d, p.ix, p.qn, p.kn, bf(a.v), a.g.ptr<float>(), a.beta.ptr<float>(),
+                 f32_or_null(a.h0), bf_out(a.o), f32_out_or_null(a.hT), sv.Ht, sv.Vt, s);
+}
+
+// The same backward: both forwards save the same tensors (op.h), so it does not depend on the
+// route.
+const GatedDeltaRuleTable kFusedTable{forward_fused, backward};
+
 }  // namespace
 
+// gated_delta_rule resolves among the decomposed route alone; with GDN_FUSED_FWD=1 the op resolves
+// kGdrFusedFwdOp instead (op.cpp), whose candidates are the fused route (probed on its own against
+// ref) and, when this GPU cannot run it or it fails its probe, the decomposed one (one log line).
 GDN_REGISTER(gated_delta_rule_cuda) {
   Registry::global().add_impl(
       {"gated_delta_rule", "cuda.chunk64", Backend::Cuda, 10, nullptr, &kTable});
+  Registry::global().add_impl(
+      {kGdrFusedFwdOp, "cuda.fused_fwd", Backend::Cuda, 20, supports_fused, &kFusedTable});
+  Registry::global().add_impl(
+      {kGdrFusedFwdOp, "cuda.chunk64", Backend::Cuda, 10, nullptr, &kTable});
 }
 
 }  // namespace gdn::ops

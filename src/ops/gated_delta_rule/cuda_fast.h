@@ -93,6 +93,18 @@ void fast_state_fwd(const Dims& d, const IndexView& ix, const bf16_t* W, const b
 void fast_output(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
                  const bf16_t* Ht, const bf16_t* Vt, const float* gam, bf16_t* o, cudaStream_t s);
 
+// --- the fused forward (cuda_fused_fwd.cu, GDN_FUSED_FWD=1) ---
+// Whether the fused forward takes these dims: the fast path's (d.vec must be set first).
+inline bool fused_path(const Dims& d) { return fast_path(d); }
+// Dynamic shared memory of the fused forward's kernel for these dims (about 172 KiB at dk = 128).
+size_t fused_fwd_smem(const Dims& d);
+// One block per (document, value head, 32 value columns), sequential over the document's chunks
+// with the state in registers: o, hT (when not null) and, when Ht and Vt are not null, the
+// chunk-start snapshots and V' in the op's `saved` layout (the decomposed state pass's Ht, Vt).
+void fused_fwd(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
+               const bf16_t* v, const float* g, const float* beta, const float* h0, bf16_t* o,
+               float* hT, bf16_t* Ht, bf16_t* Vt, cudaStream_t s);
+
 // --- backward ---
 // dvlocT = (s P^T dO)^T per chunk (the intra-chunk part of dV').
 void fast_dvloc(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,

@@ -29,6 +29,7 @@
 #include "ops/gated_delta_rule/cuda.h"
 #include "ops/gated_delta_rule/cuda_fast.h"
 #include "ops/gated_delta_rule/cuda_mma.cuh"
+#include "ops/gated_delta_rule/cuda_tril_inverse.cuh"
 
 namespace gdn::ops::gdr {
 
@@ -45,12 +46,13 @@ using fast::load_b_kn;
 using fast::load_b_nk;
 using fast::mma;
 using fast::pack;
+using fast::unit_lower_inverse_blocked;
 
-constexpr int kThreads = 256;      // per-chunk kernels: 8 warps
-constexpr int kStateThreads = 64;  // state pass: 2 warps
-constexpr int kVB = 32;            // value columns per state block (16 per warp)
-constexpr int kLdF = 68;           // fp32 64 x 64 tiles: rows 272 B apart (16 B mod 128)
-constexpr int kLdP = kLd64;        // bf16 64 x 64 tiles: 72
+constexpr int kThreads = 256;       // per-chunk kernels: 8 warps
+constexpr int kStateThreads = 64;   // state pass: 2 warps
+constexpr int kVB = 32;             // value columns per state block (16 per warp)
+constexpr int kLdF = fast::kInvLd;  // fp32 64 x 64 tiles: rows 272 B apart (16 B mod 128)
+constexpr int kLdP = kLd64;         // bf16 64 x 64 tiles: 72
 constexpr size_t kF32Tile = buf_bytes(kC * kLdF * 4);
 constexpr size_t kF32Tile16 = buf_bytes(16 * kLdF * 4);
 
@@ -64,61 +66,6 @@ unsigned grid_x(int64_t n, const char* what) {
 __device__ __forceinline__ void stage_gamma(float* dst, const float* src) {
   const int tid = static_cast<int>(threadIdx.x);
   if (tid < kC / 4) cp_async16(dst + 4 * tid, src + 4 * tid);
-}
-
-// --- the blocked unit lower triangular inverse
-// ------------------------------------------------------- T = (I + M)^{-1} for the strictly lower M
-// (fp32 [64, 64], ld kLdF) into Tm (same layout; every entry written: zeros above the diagonal), in
-// fp32 by 16 x 16 blocks (fla solve_tril's blocking): the four diagonal blocks by forward
-// substitution, one per warp with its column in registers; then row block a = 1..3: X = M[a, 0:a]
-// T[0:a, 0:a], T[a, 0:a] = -T_aa X. X [16, 48] is scratch. 256 threads; barriers inside, every
-// thread must call it; M and Tm complete on return.
-__device__ void unit_lower_inverse_blocked(const float* M, float* Tm, float* X) {
-  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-  if (warp < 4) {
-    // Column j of the diagonal block a: t[i] = T[16a + i][16a + j], sequential in i.
-    const int a = warp, j = lane & 15;
-    float t[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const float* mrow = M + (16 * a + i) * kLdF + 16 * a;
-      float s = 0.f;
-#pragma unroll
-      for (int m = 0; m < i; ++m) s = fmaf(mrow[m], t[m], s);
-      t[i] = i == j ? 1.f : (i > j ? -s : 0.f);
-    }
-    if (lane < 16) {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) Tm[(16 * a + i) * kLdF + 16 * a + j] = t[i];
-    }
-  } else {
-    // The blocks above the diagonal are zero.
-    for (int p = tid - 128; p < kC * kC; p += 128) {
-      const int i = p >> 6, j = p & 63;
-      if ((j >> 4) > (i >> 4)) Tm[i * kLdF + j] = 0.f;
-    }
-  }
-  __syncthreads();
-#pragma unroll
-  for (int a = 1; a < 4; ++a) {
-    const int w = 16 * a;  // columns of the row block's off-diagonal part
-    for (int p = tid; p < 16 * w; p += kThreads) {
-      const int r = p / w, col = p % w;
-      const float* mrow = M + (w + r) * kLdF;
-      float s = 0.f;
-      for (int m = col & ~15; m < w; ++m) s = fmaf(mrow[m], Tm[m * kLdF + col], s);
-      X[r * kLdF + col] = s;
-    }
-    __syncthreads();
-    for (int p = tid; p < 16 * w; p += kThreads) {
-      const int r = p / w, col = p % w;
-      const float* trow = Tm + (w + r) * kLdF + w;  // row r of T_aa (lower, unit diagonal)
-      float s = 0.f;
-      for (int m = 0; m <= r; ++m) s = fmaf(trow[m], X[m * kLdF + col], s);
-      Tm[(w + r) * kLdF + col] = -s;
-    }
-    __syncthreads();
-  }
 }
 
 // --- prep

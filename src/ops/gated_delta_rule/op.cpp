@@ -7,6 +7,7 @@
 #include "backend/tolerances.h"
 #include "gdn/backend/probe.h"
 #include "gdn/backend/registry.h"
+#include "gdn/core/env.h"
 
 namespace gdn::ops {
 
@@ -146,6 +147,17 @@ OpQuery query_for(const Tensor& q, const Tensor& v) {
   return OpQuery{infer_backend(q), "", {{"dk", q.size(2)}, {"dv", v.size(2)}}};
 }
 
+// The registry key the op resolves on cuda: kGdrFusedFwdOp under GDN_FUSED_FWD=1 (op.h), so that
+// the fused forward route is its own implementation with its own probe and capability check, and
+// the decomposed route its fallback. ref and cpu have one forward.
+const char* resolve_key(const OpQuery& query) {
+  return query.backend == Backend::Cuda && env::get_bool("GDN_FUSED_FWD") ? kGdrFusedFwdOp : kOp;
+}
+const GatedDeltaRuleTable& table_for(const Tensor& q, const Tensor& v) {
+  const OpQuery query = query_for(q, v);
+  return Registry::global().table<GatedDeltaRuleTable>(resolve_key(query), query);
+}
+
 // Probe: documents of 1, 70 (a full chunk plus a partial one) and 13 tokens, r = 2 grouped heads,
 // dk != dv, an initial state and an upstream final-state gradient, l2norm on, decays from none to
 // strong, forward and every gradient.
@@ -278,12 +290,12 @@ int64_t gdr_saved_numel(int64_t T, int64_t N, int64_t Hv, int64_t dk, int64_t dv
 
 void gated_delta_rule_forward(const GatedDeltaRuleFwd& a) {
   validate_fwd(a);
-  Registry::global().table<GatedDeltaRuleTable>(kOp, query_for(a.q, a.v)).forward(a);
+  table_for(a.q, a.v).forward(a);
 }
 
 void gated_delta_rule_backward(const GatedDeltaRuleBwd& a) {
   validate_bwd(a);
-  Registry::global().table<GatedDeltaRuleTable>(kOp, query_for(a.q, a.v)).backward(a);
+  table_for(a.q, a.v).backward(a);
 }
 
 GDN_REGISTER(gated_delta_rule_op) {
@@ -301,7 +313,14 @@ GDN_REGISTER(gated_delta_rule_op) {
   d.probe = probe;
   d.tolerance = tolerance;
   d.run = run;
+  // GDN_FUSED_FWD=1's registry key (op.h): the same contract, probe, tolerance and runner.
+  OpDesc fused = d;
+  fused.name = kGdrFusedFwdOp;
+  fused.summary =
+      "gated_delta_rule under GDN_FUSED_FWD=1 on cuda: the fused forward route (cuda.fused_fwd), "
+      "probed on its own, with the decomposed route (cuda.chunk64) as its fallback; one backward";
   Registry::global().add_op(std::move(d));
+  Registry::global().add_op(std::move(fused));
 }
 
 }  // namespace gdn::ops

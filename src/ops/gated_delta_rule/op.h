@@ -99,6 +99,25 @@
 //     §3.7). dg is assembled as on the cpu. Device cu_seqlens are never read on the host: the
 //     kernels clamp them into [0, T] and make them non-decreasing (cuda.h, which also exposes the
 //     chunk index so that a micro-batch builds it once for all its layers).
+//   cuda.fused_fwd (GDN_FUSED_FWD=1, cuda_fused_fwd.cu): a second forward route, one kernel per
+//     (document, value head, 32 value columns) that walks the document's chunks in order with the
+//     running state in fp32 registers and computes per chunk gamma, K K^T, T, W and U, V', the
+//     output and the state update on mma.sync (dk, dv <= 128, multiples of 8, 16-byte aligned
+//     tensors, compute capability 8.0 and about 172 KiB of shared memory per block at dk = 128).
+//     It writes exactly what the decomposed forward writes (o, hT, and `saved` in the layout above)
+//     and its backward IS cuda.chunk64's, so the backward does not depend on the route. With the
+//     knob at 1 the op resolves the registry key kGdrFusedFwdOp, whose candidates are this route
+//     (its own capability check and probe against ref) and cuda.chunk64, which the resolver falls
+//     back to with one log line when this GPU cannot run the fused route or it fails its probe
+//     (GDN_STRICT_KERNELS=1: an error). A call the fused route does not take (head dims, alignment)
+//     runs the decomposed forward, with one log line (an error under GDN_STRICT_KERNELS). With the
+//     knob at 0 (the default) the op resolves gated_delta_rule, whose only cuda route is
+//     cuda.chunk64. Its `saved` may differ from the decomposed route's in the last bits (V' = U - W
+//     S is summed over dk in another order than the decomposed state pass's split), so the bitwise
+//     promise above for a backward given `saved` is the decomposed forward's; the fused one's
+//     agrees within the tolerance (at dk = dv = 128 the tests saw the two routes' o, hT and
+//     `saved` come out bitwise equal: a last-bit fp32 difference rarely survives the bf16
+//     rounding of V' and of the snapshots).
 // Determinism: cpu is bitwise deterministic and independent of the thread count (each (document,
 // head) pair is computed by one thread in a fixed order; the sums over the r value heads of a key
 // head run afterwards in head order; BLAS runs single-threaded inside the op). cuda is bitwise
@@ -113,6 +132,8 @@ namespace gdn::ops {
 constexpr int64_t kGdrChunk = 64;        // C: chunk length of the chunked algorithm
 constexpr int64_t kGdrMaxHeadDim = 256;  // dk, dv limit (FLA asserts K <= 256 in its state kernels)
 constexpr double kGdrL2NormEps = 1e-6;   // inside the sqrt of the SUM of squares, as FLA and HF
+// The registry key the op resolves on cuda under GDN_FUSED_FWD=1 (cuda.fused_fwd, above).
+constexpr const char* kGdrFusedFwdOp = "gated_delta_rule_fused_fwd";
 
 struct GatedDeltaRuleFwd {
   Tensor q;           // [T, Hk, dk]

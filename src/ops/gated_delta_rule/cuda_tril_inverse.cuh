@@ -1,0 +1,67 @@
+// The blocked unit lower triangular inverse of the gated delta rule's fast CUDA kernels (the
+// forward's prep in cuda_fast_fwd.cu and the fused forward in cuda_fused_fwd.cu share it, so that
+// both invert (I + M) with the same operations in the same order). Included from .cu files only.
+#pragma once
+
+#include "ops/gated_delta_rule/cuda_common.cuh"
+
+namespace gdn::ops::gdr::fast {
+
+constexpr int kInvLd = 68;        // fp32 64 x 64 tiles: rows 272 B apart (16 B mod 128)
+constexpr int kInvThreads = 256;  // the block size the inverse is written for: 8 warps
+
+// T = (I + M)^{-1} for the strictly lower M
+// (fp32 [64, 64], ld kInvLd) into Tm (same layout; every entry written: zeros above the diagonal),
+// in fp32 by 16 x 16 blocks (fla solve_tril's blocking): the four diagonal blocks by forward
+// substitution, one per warp with its column in registers; then row block a = 1..3: X = M[a, 0:a]
+// T[0:a, 0:a], T[a, 0:a] = -T_aa X. X [16, 48] is scratch. 256 threads; barriers inside, every
+// thread must call it; M and Tm complete on return.
+__device__ inline void unit_lower_inverse_blocked(const float* M, float* Tm, float* X) {
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  if (warp < 4) {
+    // Column j of the diagonal block a: t[i] = T[16a + i][16a + j], sequential in i.
+    const int a = warp, j = lane & 15;
+    float t[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const float* mrow = M + (16 * a + i) * kInvLd + 16 * a;
+      float s = 0.f;
+#pragma unroll
+      for (int m = 0; m < i; ++m) s = fmaf(mrow[m], t[m], s);
+      t[i] = i == j ? 1.f : (i > j ? -s : 0.f);
+    }
+    if (lane < 16) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) Tm[(16 * a + i) * kInvLd + 16 * a + j] = t[i];
+    }
+  } else {
+    // The blocks above the diagonal are zero.
+    for (int p = tid - 128; p < kC * kC; p += 128) {
+      const int i = p >> 6, j = p & 63;
+      if ((j >> 4) > (i >> 4)) Tm[i * kInvLd + j] = 0.f;
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int a = 1; a < 4; ++a) {
+    const int w = 16 * a;  // columns of the row block's off-diagonal part
+    for (int p = tid; p < 16 * w; p += kInvThreads) {
+      const int r = p / w, col = p % w;
+      const float* mrow = M + (w + r) * kInvLd;
+      float s = 0.f;
+      for (int m = col & ~15; m < w; ++m) s = fmaf(mrow[m], Tm[m * kInvLd + col], s);
+      X[r * kInvLd + col] = s;
+    }
+    __syncthreads();
+    for (int p = tid; p < 16 * w; p += kInvThreads) {
+      const int r = p / w, col = p % w;
+      const float* trow = Tm + (w + r) * kInvLd + w;  // row r of T_aa (lower, unit diagonal)
+      float s = 0.f;
+      for (int m = 0; m <= r; ++m) s = fmaf(trow[m], X[m * kInvLd + col], s);
+      Tm[(w + r) * kInvLd + col] = -s;
+    }
+    __syncthreads();
+  }
+}
+
+}  // namespace gdn::ops::gdr::fast
