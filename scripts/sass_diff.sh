@@ -5,6 +5,7 @@
 # machine without a GPU: what cannot be re-run on the device can still be shown to be the same code.
 #
 #   scripts/sass_diff.sh OLD_REV src/ops/<op>/<file>.cu [NEW_REV]   (NEW_REV: the working tree)
+# SASS_DIFF_SHOW=N also prints the first N lines of each differing kernel's unified diff.
 #
 # Needs a configured cuda preset (cmake --preset cuda) and cuobjdump (CUOBJDUMP, default: on PATH
 # or in the CUDA toolkit's bin). Exit status 0 when the instructions are identical, 1 when they
@@ -49,24 +50,30 @@ sass "$NEWROOT" "$WORK/new.txt" || exit 2
 echo "$FILE: $OLD $(grep -c 'Function' "$WORK/old.txt") kernels, ${NEW:-working tree} $(grep -c 'Function' "$WORK/new.txt") kernels"
 # Kernel by kernel, matched by name: the anonymous namespace's per-compilation hash is dropped from
 # the names, and kernels only one side has (added or removed code) are listed, not diffed.
-python3 - "$WORK/old.txt" "$WORK/new.txt" <<'PY'
+python3 - "$WORK/old.txt" "$WORK/new.txt" "${SASS_DIFF_SHOW:-}" <<'PY'
 import re, sys
 def kernels(path):
     out, name = {}, None
     for line in open(path):
         if "Function :" in line:
-            name = re.sub(r"_GLOBAL__N__[0-9a-f]+_\d+_\w+?_[0-9a-f]+_\d+", "_GLOBAL__N_", line.split("Function :")[1].strip())
+            name = re.sub(r"_GLOBAL__N__[0-9a-f]{8}_\d+_\w+?_[0-9a-f]{8}(?:_\d+(?=_))?", "_GLOBAL__N_", line.split("Function :")[1].strip())
             out[name] = []
         elif name is not None:
             out[name].append(line)
     return out
 old, new = kernels(sys.argv[1]), kernels(sys.argv[2])
+show = int(sys.argv[3]) if len(sys.argv) > 3 and sys.argv[3] else 0
 only_old = sorted(set(old) - set(new)); only_new = sorted(set(new) - set(old))
 differ = sorted(k for k in set(old) & set(new) if old[k] != new[k])
 same = len(set(old) & set(new)) - len(differ)
 for k in only_old: print("only in old:", k)
 for k in only_new: print("only in new:", k)
-for k in differ: print("differs:", k, f"({len(old[k])} -> {len(new[k])} instructions)")
+for k in differ:
+    print("differs:", k, f"({len(old[k])} -> {len(new[k])} instructions)")
+    if show:  # SASS_DIFF_SHOW=N: the first N lines of each differing kernel's unified diff
+        import difflib
+        d = list(difflib.unified_diff(old[k], new[k], "old", "new", n=1, lineterm=""))
+        print("".join(l if l.endswith("\n") else l + "\n" for l in d[:show]), end="")
 print(f"{same} kernels with identical SASS instructions, {len(differ)} differ")
 sys.exit(1 if differ or only_old or only_new else 0)
 PY

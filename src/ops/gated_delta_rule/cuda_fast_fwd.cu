@@ -44,6 +44,7 @@ using fast::load_a_km;
 using fast::load_a_mk;
 using fast::load_b_kn;
 using fast::load_b_nk;
+using fast::masked_qk_a;
 using fast::mma;
 using fast::pack;
 using fast::unit_lower_inverse_blocked;
@@ -456,31 +457,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (kb < nkb) load_a_mk(qa[kb], Qs, ldk, 16 * mt, 16 * kb);
   // P = Q K^T .* D on j <= i: column blocks past mt are masked out entirely.
   uint32_t pa[4][4];
-  {
-    float p[8][4] = {};
-#pragma unroll
-    for (int kb = 0; kb < 8; ++kb) {
-      if (kb >= nkb) break;
-#pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        if (np > mt) break;
-        uint32_t bb[4];
-        load_b_nk(bb, Ks, ldk, 16 * np, 16 * kb);
-        mma(p[2 * np], qa[kb], bb[0], bb[1]);
-        mma(p[2 * np + 1], qa[kb], bb[2], bb[3]);
-      }
-    }
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = 16 * mt + c_row(e), j = 8 * nt + c_col(e);
-        p[nt][e] = j <= i ? p[nt][e] * expf(gm[i] - gm[j]) : 0.f;
-      }
-    }
-#pragma unroll
-    for (int kb = 0; kb < 4; ++kb) c_to_a(pa[kb], p[2 * kb], p[2 * kb + 1]);
-  }
+  masked_qk_a(pa, qa, Ks, ldk, gm, mt, nkb);
   // O = diag(G) Q H_c + P V'.
   float acc[8][4] = {};
 #pragma unroll

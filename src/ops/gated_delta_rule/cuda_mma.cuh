@@ -210,4 +210,37 @@ __device__ __forceinline__ void row_dot_bf16(const float (&acc)[NT][4], const bf
   out[1] = quad_sum4(out[1]);
 }
 
+// The intra-chunk product P = (Q K^T) .* D in A-operand registers for this warp's 16 rows 16 mt..:
+// D[i][j] = exp(gamma_i - gamma_j) on j <= i, 0 above (gamma = gm, the chunk-local cumsum of g);
+// column blocks past mt are masked out entirely, so their products are skipped. qa holds this
+// warp's Q rows as A fragments over the nkb k-blocks; Ks is the chunk's K tile (row-major, ld ldk).
+// Shared by the decomposed route's output kernel and the fused forward.
+__device__ __forceinline__ void masked_qk_a(uint32_t (&pa)[4][4], const uint32_t (&qa)[8][4],
+                                            const bf16_t* Ks, int ldk, const float* gm, int mt,
+                                            int nkb) {
+  float p[8][4] = {};
+#pragma unroll
+  for (int kb = 0; kb < 8; ++kb) {
+    if (kb >= nkb) break;
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      if (np > mt) break;
+      uint32_t bb[4];
+      load_b_nk(bb, Ks, ldk, 16 * np, 16 * kb);
+      mma(p[2 * np], qa[kb], bb[0], bb[1]);
+      mma(p[2 * np + 1], qa[kb], bb[2], bb[3]);
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = 16 * mt + c_row(e), j = 8 * nt + c_col(e);
+      p[nt][e] = j <= i ? p[nt][e] * expf(gm[i] - gm[j]) : 0.f;
+    }
+  }
+#pragma unroll
+  for (int kb = 0; kb < 4; ++kb) c_to_a(pa[kb], p[2 * kb], p[2 * kb + 1]);
+}
+
 }  // namespace gdn::ops::gdr::fast
