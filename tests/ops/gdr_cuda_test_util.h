@@ -192,4 +192,56 @@ inline std::vector<Spec> sweep_specs() {
   return s;
 }
 
+// One forward / backward call of the op on the device tensors (outputs poisoned first, so an
+// unwritten element shows), with an optional `saved` (op.h); shared by the saved-state and the
+// fused-forward tests.
+inline int64_t saved_numel(const Inputs& in) {
+  return gdr_saved_numel(in.T, in.N, in.Hv, in.dk, in.dv);
+}
+
+struct Fwd {
+  OwnedTensor o, hT;
+};
+struct Grads {
+  OwnedTensor dq, dk, dv, dg, dbeta, dh0;
+};
+
+inline Fwd forward(const Inputs& in, const Dev& d, bool l2, const Tensor& saved) {
+  Fwd f{poisoned(DType::BF16, {in.T, in.Hv, in.dv}),
+        poisoned(DType::F32, {in.N, in.Hv, in.dk, in.dv})};
+  GatedDeltaRuleFwd a{d.q, d.k, d.v, d.g, d.beta, d.cu, view_or_empty(d.h0), f.o, f.hT, 0.0, l2};
+  a.saved = saved;
+  gated_delta_rule_forward(a);
+  return f;
+}
+
+inline Grads backward(const Inputs& in, const Dev& d, bool l2, const Tensor& saved) {
+  Grads r{poisoned(DType::BF16, {in.T, in.Hk, in.dk}),
+          poisoned(DType::BF16, {in.T, in.Hk, in.dk}),
+          poisoned(DType::BF16, {in.T, in.Hv, in.dv}),
+          poisoned(DType::F32, {in.T, in.Hv}),
+          poisoned(DType::F32, {in.T, in.Hv}),
+          poisoned(DType::F32, {in.N, in.Hv, in.dk, in.dv})};
+  GatedDeltaRuleBwd a{d.q,
+                      d.k,
+                      d.v,
+                      d.g,
+                      d.beta,
+                      d.cu,
+                      view_or_empty(d.h0),
+                      d.dout,
+                      view_or_empty(d.dhT),
+                      r.dq,
+                      r.dk,
+                      r.dv,
+                      r.dg,
+                      r.dbeta,
+                      r.dh0,
+                      0.0,
+                      l2};
+  a.saved = saved;
+  gated_delta_rule_backward(a);
+  return r;
+}
+
 }  // namespace gdn::ops::gdr_test

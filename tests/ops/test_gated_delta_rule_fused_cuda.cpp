@@ -74,53 +74,6 @@ bool fused_takes(const Spec& s) {
   return s.dk <= 128 && s.dv <= 128 && s.dk % 8 == 0 && s.dv % 8 == 0;
 }
 
-int64_t saved_numel(const Inputs& in) { return gdr_saved_numel(in.T, in.N, in.Hv, in.dk, in.dv); }
-
-struct Fwd {
-  OwnedTensor o, hT;
-};
-struct Grads {
-  OwnedTensor dq, dk, dv, dg, dbeta, dh0;
-};
-
-Fwd forward(const Inputs& in, const Dev& d, bool l2, const Tensor& saved) {
-  Fwd f{poisoned(DType::BF16, {in.T, in.Hv, in.dv}),
-        poisoned(DType::F32, {in.N, in.Hv, in.dk, in.dv})};
-  GatedDeltaRuleFwd a{d.q, d.k, d.v, d.g, d.beta, d.cu, view_or_empty(d.h0), f.o, f.hT, 0.0, l2};
-  a.saved = saved;
-  gated_delta_rule_forward(a);
-  return f;
-}
-
-Grads backward(const Inputs& in, const Dev& d, bool l2, const Tensor& saved) {
-  Grads g{poisoned(DType::BF16, {in.T, in.Hk, in.dk}),
-          poisoned(DType::BF16, {in.T, in.Hk, in.dk}),
-          poisoned(DType::BF16, {in.T, in.Hv, in.dv}),
-          poisoned(DType::F32, {in.T, in.Hv}),
-          poisoned(DType::F32, {in.T, in.Hv}),
-          poisoned(DType::F32, {in.N, in.Hv, in.dk, in.dv})};
-  GatedDeltaRuleBwd a{d.q,
-                      d.k,
-                      d.v,
-                      d.g,
-                      d.beta,
-                      d.cu,
-                      view_or_empty(d.h0),
-                      d.dout,
-                      view_or_empty(d.dhT),
-                      g.dq,
-                      g.dk,
-                      g.dv,
-                      g.dg,
-                      g.dbeta,
-                      g.dh0,
-                      0.0,
-                      l2};
-  a.saved = saved;
-  gated_delta_rule_backward(a);
-  return g;
-}
-
 std::pair<Fwd, Grads> run_ref(const Inputs& in, bool l2) {
   OwnedTensor cu = testing::i32_tensor(in.cu);
   Fwd f{OwnedTensor::zeros(DType::F64, {in.T, in.Hv, in.dv}),

@@ -36,53 +36,6 @@ using GdrSavedCuda = GdrCudaTest;
 
 constexpr ProbeError kTol = bf16_tolerance("gated_delta_rule");
 
-int64_t saved_numel(const Inputs& in) { return gdr_saved_numel(in.T, in.N, in.Hv, in.dk, in.dv); }
-
-struct Fwd {
-  OwnedTensor o, hT;
-};
-struct Grads {
-  OwnedTensor dq, dk, dv, dg, dbeta, dh0;
-};
-
-Fwd forward(const Inputs& in, const Dev& d, bool l2, const Tensor& saved) {
-  Fwd f{poisoned(DType::BF16, {in.T, in.Hv, in.dv}),
-        poisoned(DType::F32, {in.N, in.Hv, in.dk, in.dv})};
-  GatedDeltaRuleFwd a{d.q, d.k, d.v, d.g, d.beta, d.cu, view_or_empty(d.h0), f.o, f.hT, 0.0, l2};
-  a.saved = saved;
-  gated_delta_rule_forward(a);
-  return f;
-}
-
-Grads backward(const Inputs& in, const Dev& d, bool l2, const Tensor& saved) {
-  Grads r{poisoned(DType::BF16, {in.T, in.Hk, in.dk}),
-          poisoned(DType::BF16, {in.T, in.Hk, in.dk}),
-          poisoned(DType::BF16, {in.T, in.Hv, in.dv}),
-          poisoned(DType::F32, {in.T, in.Hv}),
-          poisoned(DType::F32, {in.T, in.Hv}),
-          poisoned(DType::F32, {in.N, in.Hv, in.dk, in.dv})};
-  GatedDeltaRuleBwd a{d.q,
-                      d.k,
-                      d.v,
-                      d.g,
-                      d.beta,
-                      d.cu,
-                      view_or_empty(d.h0),
-                      d.dout,
-                      view_or_empty(d.dhT),
-                      r.dq,
-                      r.dk,
-                      r.dv,
-                      r.dg,
-                      r.dbeta,
-                      r.dh0,
-                      0.0,
-                      l2};
-  a.saved = saved;
-  gated_delta_rule_backward(a);
-  return r;
-}
-
 // The number of elements whose bytes differ (0 = bitwise equal), with the first one reported.
 int64_t bitwise_mismatches(const Tensor& a, const Tensor& b, const std::string& what) {
   EXPECT_EQ(a.numel(), b.numel()) << what;
