@@ -8,8 +8,10 @@
 #include <stdlib.h>
 
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gdn/core/env.h"
@@ -242,6 +244,24 @@ inline Grads backward(const Inputs& in, const Dev& d, bool l2, const Tensor& sav
   a.saved = saved;
   gated_delta_rule_backward(a);
   return r;
+}
+
+// Relative errors of every gradient against another set, checked against `tol` and printed on one
+// line after `tag`.
+inline void expect_grads_close(const Grads& got, const Grads& want, double tol,
+                               const std::string& what, const char* tag) {
+  const std::pair<const char*, std::pair<const OwnedTensor*, const OwnedTensor*>> all[] = {
+      {"dq", {&got.dq, &want.dq}},          {"dk", {&got.dk, &want.dk}},
+      {"dv", {&got.dv, &want.dv}},          {"dg", {&got.dg, &want.dg}},
+      {"dbeta", {&got.dbeta, &want.dbeta}}, {"dh0", {&got.dh0, &want.dh0}}};
+  std::string line;
+  for (const auto& [name, p] : all) {
+    testing::expect_close(*p.first, *p.second, tol, what + " " + name);
+    char buf[48];
+    std::snprintf(buf, sizeof(buf), " %s %.1e", name, testing::rel_err(*p.first, *p.second));
+    line += buf;
+  }
+  std::printf("%s %-36s%s\n", tag, what.c_str(), line.c_str());
 }
 
 }  // namespace gdn::ops::gdr_test

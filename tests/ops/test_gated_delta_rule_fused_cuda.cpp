@@ -99,20 +99,6 @@ void expect_fwd_close(const Fwd& got, const Fwd& want, double tol, const std::st
   std::printf("[gdr fused] %-36s o %.1e hT %.1e\n", what.c_str(), testing::rel_err(got.o, want.o),
               testing::rel_err(got.hT, want.hT));
 }
-void expect_grads_close(const Grads& got, const Grads& want, double tol, const std::string& what) {
-  const std::pair<const char*, std::pair<const OwnedTensor*, const OwnedTensor*>> items[] = {
-      {"dq", {&got.dq, &want.dq}},          {"dk", {&got.dk, &want.dk}},
-      {"dv", {&got.dv, &want.dv}},          {"dg", {&got.dg, &want.dg}},
-      {"dbeta", {&got.dbeta, &want.dbeta}}, {"dh0", {&got.dh0, &want.dh0}}};
-  std::string line;
-  for (const auto& [name, p] : items) {
-    testing::expect_close(*p.first, *p.second, tol, what + " " + name);
-    char buf[40];
-    std::snprintf(buf, sizeof(buf), " %s %.1e", name, testing::rel_err(*p.first, *p.second));
-    line += buf;
-  }
-  std::printf("[gdr fused] %-36s%s\n", what.c_str(), line.c_str());
-}
 
 class GdrFusedSweep : public GdrFused,
                       public ::testing::WithParamInterface<std::tuple<int, bool>> {};
@@ -134,7 +120,7 @@ TEST_P(GdrFusedSweep, MatchesRefThroughTheSharedBackward) {
   testing::expect_bitwise_equal(f2.o, f.o, tag + " o without saved");
   testing::expect_bitwise_equal(f2.hT, f.hT, tag + " hT without saved");
   const Grads g = backward(in, d, l2, saved);
-  expect_grads_close(g, ref_g, kTol.bwd, tag + " bwd given fused saved");
+  expect_grads_close(g, ref_g, kTol.bwd, tag + " bwd given fused saved", "[gdr fused]");
   if (fused_takes(s)) {
     EXPECT_EQ(log.count(kFallback), 0) << tag << ": " << log.lines.front();
   }
@@ -204,9 +190,12 @@ TEST_F(GdrFused, FusedAndDecomposedRoutesAgree) {
     }
     const auto [ref_f, ref_g] = run_ref(in, l2);
     expect_fwd_close(fused, ref_f, kTol.fwd, "fused vs ref" + tag);
-    expect_grads_close(dec_from_fused, ref_g, kTol.bwd, "bwd given fused saved vs ref" + tag);
-    expect_grads_close(dec_from_fused, recompute, kTol.bwd, "given fused saved vs recompute" + tag);
-    expect_grads_close(fused_from_dec, recompute, kTol.bwd, "given dec saved vs recompute" + tag);
+    expect_grads_close(dec_from_fused, ref_g, kTol.bwd, "bwd given fused saved vs ref" + tag,
+                       "[gdr fused]");
+    expect_grads_close(dec_from_fused, recompute, kTol.bwd, "given fused saved vs recompute" + tag,
+                       "[gdr fused]");
+    expect_grads_close(fused_from_dec, recompute, kTol.bwd, "given dec saved vs recompute" + tag,
+                       "[gdr fused]");
   }
 }
 
@@ -225,7 +214,7 @@ TEST_F(GdrFused, ManyDocumentsAtHeadDim128) {
   Knobs knobs(true);
   OwnedTensor saved = poisoned(DType::BF16, {saved_numel(in)});
   expect_fwd_close(forward(in, d, true, saved), ref_f, kTol.fwd, s.name);
-  expect_grads_close(backward(in, d, true, saved), ref_g, kTol.bwd, s.name + " bwd");
+  expect_grads_close(backward(in, d, true, saved), ref_g, kTol.bwd, s.name + " bwd", "[gdr fused]");
 }
 
 TEST_F(GdrFused, KnobSelectsTheFusedImplementationWhichPassesItsOwnProbe) {
