@@ -36,7 +36,7 @@ ProbeTensors::Pair ProbeTensors::normal(std::initializer_list<int64_t> shape, ui
 }
 
 ProbeTensors::Pair ProbeTensors::ints(std::span<const int64_t> values,
-                                      std::initializer_list<int64_t> shape, DType dtype) {
+                                      std::span<const int64_t> shape, DType dtype) {
   Tensor src(const_cast<int64_t*>(values.data()), DType::I64, shape);
   GDN_CHECK(src.numel() == static_cast<int64_t>(values.size()),
             "ProbeTensors::ints: {} values for {}", values.size(), src.shape_str());

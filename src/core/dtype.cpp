@@ -18,13 +18,15 @@ std::string_view dtype_name(DType t) {
       return "I32";
     case DType::I64:
       return "I64";
+    case DType::I16:
+      return "I16";
   }
   return "?";
 }
 
 bool dtype_try_from_name(std::string_view name, DType* out) {
-  static constexpr DType all[] = {DType::F64, DType::F32, DType::BF16,
-                                  DType::F16, DType::I32, DType::I64};
+  static constexpr DType all[] = {DType::F64, DType::F32, DType::BF16, DType::F16,
+                                  DType::I32, DType::I64, DType::I16};
   for (DType t : all) {
     if (dtype_name(t) == name) {
       *out = t;
@@ -37,7 +39,7 @@ bool dtype_try_from_name(std::string_view name, DType* out) {
 DType dtype_from_name(std::string_view name) {
   DType t;
   GDN_CHECK(dtype_try_from_name(name, &t),
-            "unknown dtype '{}': expected one of F64, F32, BF16, F16, I32, I64", name);
+            "unknown dtype '{}': expected one of F64, F32, BF16, F16, I32, I64, I16", name);
   return t;
 }
 

@@ -306,6 +306,8 @@ double load_as_f64(const void* base, DType t, int64_t i) {
       return static_cast<const int32_t*>(base)[i];
     case DType::I64:
       return static_cast<double>(static_cast<const int64_t*>(base)[i]);
+    case DType::I16:
+      return static_cast<const int16_t*>(base)[i];
   }
   return 0;
 }
@@ -329,6 +331,9 @@ void store_from_f64(void* base, DType t, int64_t i, double v) {
     case DType::I64:
       static_cast<int64_t*>(base)[i] = static_cast<int64_t>(v);
       break;
+    case DType::I16:
+      static_cast<int16_t*>(base)[i] = static_cast<int16_t>(v);
+      break;
   }
 }
 void convert_host(void* dst, DType dt, const void* src, DType st, int64_t n) {
@@ -339,12 +344,17 @@ void convert_host(void* dst, DType dt, const void* src, DType st, int64_t n) {
   bool int_to_int = !dtype_is_float(dt) && !dtype_is_float(st);
   if (int_to_int) {
     for (int64_t i = 0; i < n; ++i) {
-      int64_t v = st == DType::I32 ? static_cast<const int32_t*>(src)[i]
-                                   : static_cast<const int64_t*>(src)[i];
+      const int64_t v = st == DType::I32   ? static_cast<const int32_t*>(src)[i]
+                        : st == DType::I16 ? static_cast<const int16_t*>(src)[i]
+                                           : static_cast<const int64_t*>(src)[i];
       if (dt == DType::I32) {
         GDN_CHECK(v >= INT32_MIN && v <= INT32_MAX, "value {} at index {} does not fit in I32", v,
                   i);
         static_cast<int32_t*>(dst)[i] = static_cast<int32_t>(v);
+      } else if (dt == DType::I16) {
+        GDN_CHECK(v >= INT16_MIN && v <= INT16_MAX, "value {} at index {} does not fit in I16", v,
+                  i);
+        static_cast<int16_t*>(dst)[i] = static_cast<int16_t>(v);
       } else {
         static_cast<int64_t*>(dst)[i] = v;
       }

@@ -16,6 +16,7 @@
 #include "gdn/core/error.h"
 #include "gdn/core/log.h"
 #include "gdn/core/rng.h"
+#include "gdn/core/split_f32.h"
 #include "gdn/core/tensor.h"
 
 namespace gdn {
@@ -62,8 +63,32 @@ TEST(F16, KnownBitPatterns) {
     ASSERT_EQ(float_to_f16_bits(f16_bits_to_float(static_cast<uint16_t>(h))), h) << h;
 }
 
+TEST(SplitF32, EveryPatternRoundTripsAndTheHighHalfIsBf16Rounding) {
+  // Every 251st bit pattern (17 million, both signs, specials) and every pattern whose low half
+  // is a tie or next to one: join(split(x)) == x; hi is round to nearest even except at exact ties,
+  // where it is the one away from zero.
+  int64_t bad = 0;
+  auto check = [&](uint32_t b) {
+    const uint16_t hi = split_hi(b);
+    bad += split_join(hi, split_lo(b, hi)) != b;
+    const bool nan = (b & 0x7f800000u) == 0x7f800000u && (b & 0x007fffffu) != 0;
+    if (nan) return;
+    const bool tie = (b & 0xffffu) == 0x8000u;
+    bad += tie ? hi != static_cast<uint16_t>((b >> 16) + 1)
+               : hi != float_to_bf16_bits(f32_from_bits(b));
+  };
+  for (uint64_t b = 0; b <= 0xffffffffu; b += 251) check(static_cast<uint32_t>(b));
+  for (uint32_t top = 0; top < 0x10000u; top += 3)
+    for (uint32_t low : {0x7fffu, 0x8000u, 0x8001u, 0x0000u, 0xffffu}) check((top << 16) | low);
+  EXPECT_EQ(bad, 0);
+  EXPECT_EQ(split_hi(f32_bits(1.0f + 0x1p-8f)), 0x3f81);  // tie: away from zero
+  EXPECT_EQ(split_lo(f32_bits(1.0f + 0x1p-8f), 0x3f81), -32768);
+  EXPECT_EQ(split_hi(f32_bits(std::numeric_limits<float>::max())), 0x7f80);
+}
+
 TEST(DType, NamesRoundTripAndUnknownIsAnError) {
-  for (DType t : {DType::F64, DType::F32, DType::BF16, DType::F16, DType::I32, DType::I64})
+  for (DType t :
+       {DType::F64, DType::F32, DType::BF16, DType::F16, DType::I32, DType::I64, DType::I16})
     EXPECT_EQ(dtype_from_name(dtype_name(t)), t);
   try {
     dtype_from_name("F8_E4M3");

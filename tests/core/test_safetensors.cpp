@@ -29,7 +29,8 @@ TEST(SafeTensors, RoundTripEveryDtypeWithMetadataAndRawTensors) {
   std::vector<OwnedTensor> keep;
   std::vector<NamedTensor> ts;
   int i = 0;
-  for (DType dt : {DType::F64, DType::F32, DType::BF16, DType::F16, DType::I32, DType::I64}) {
+  for (DType dt :
+       {DType::F64, DType::F32, DType::BF16, DType::F16, DType::I32, DType::I64, DType::I16}) {
     OwnedTensor src = OwnedTensor::empty(DType::F64, {3, 5});
     rng::fill_normal(src, 7, static_cast<uint64_t>(i), 0, 100);
     OwnedTensor t = dtype_is_float(dt) ? convert(src, dt) : OwnedTensor::empty(dt, {3, 5});
@@ -37,6 +38,8 @@ TEST(SafeTensors, RoundTripEveryDtypeWithMetadataAndRawTensors) {
       for (int j = 0; j < 15; ++j) {
         if (dt == DType::I32)
           t.ptr<int32_t>()[j] = j * 1000 - 7;
+        else if (dt == DType::I16)
+          t.ptr<int16_t>()[j] = static_cast<int16_t>(j * 2000 - 32768);
         else
           t.ptr<int64_t>()[j] = (int64_t{1} << 40) + j;
       }

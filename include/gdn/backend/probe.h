@@ -30,8 +30,12 @@ class ProbeTensors {
                std::optional<DType> dtype = std::nullopt);
   Pair normal(std::initializer_list<int64_t> shape, uint64_t seed, double std,
               std::optional<DType> dtype = std::nullopt);
-  // Integer tensors (cu_seqlens, token ids): identical in both, I32 or I64.
-  Pair ints(std::span<const int64_t> values, std::initializer_list<int64_t> shape, DType dtype);
+  // Integer tensors (cu_seqlens, token ids, split-master low halves): identical in both, I16,
+  // I32 or I64.
+  Pair ints(std::span<const int64_t> values, std::span<const int64_t> shape, DType dtype);
+  Pair ints(std::span<const int64_t> values, std::initializer_list<int64_t> shape, DType dtype) {
+    return ints(values, std::span<const int64_t>(shape.begin(), shape.size()), dtype);
+  }
   // Zero-filled outputs (outputs that ops accumulate into start at zero).
   Pair zeros(std::initializer_list<int64_t> shape, std::optional<DType> dtype = std::nullopt);
 

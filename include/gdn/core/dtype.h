@@ -10,7 +10,7 @@
 
 namespace gdn {
 
-enum class DType : uint8_t { F64, F32, BF16, F16, I32, I64 };
+enum class DType : uint8_t { F64, F32, BF16, F16, I32, I64, I16 };
 
 constexpr int64_t dtype_size(DType t) {
   switch (t) {
@@ -26,6 +26,8 @@ constexpr int64_t dtype_size(DType t) {
       return 4;
     case DType::I64:
       return 8;
+    case DType::I16:
+      return 2;
   }
   return 0;
 }
@@ -108,6 +110,10 @@ constexpr DType dtype_of<int32_t>() {
 template <>
 constexpr DType dtype_of<int64_t>() {
   return DType::I64;
+}
+template <>
+constexpr DType dtype_of<int16_t>() {
+  return DType::I16;
 }
 
 }  // namespace gdn
