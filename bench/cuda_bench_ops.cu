@@ -583,11 +583,13 @@ std::vector<OpCase> make_embedding_cases() {
 }
 
 // The optimizer over ~1e9 parameters in a model-like list: 100 matrices of 9.4M elements, 150
-// small tensors (norm weights of 4096, per-head parameters of 32). One buffer set (18 GB).
+// small tensors (norm weights of 4096, per-head parameters of 32). One buffer set (18 GB), plus the
+// I16 low halves of split masters (2 GB; "adamw.step_split": the bf16 copy is the high half, m and
+// v are shared with "adamw.step").
 std::vector<OpCase> make_adamw_cases() {
   struct Bufs {
-    std::vector<OwnedTensor> p, g, m, v, pb;
-    std::vector<ops::AdamWParam> params;
+    std::vector<OwnedTensor> p, g, m, v, pb, lo;
+    std::vector<ops::AdamWParam> params, split;
     std::vector<Tensor> grads;
     std::vector<ops::Bf16Copy> copies;
     int64_t n = 0;
@@ -600,14 +602,21 @@ std::vector<OpCase> make_adamw_cases() {
     b->m.push_back(OwnedTensor::zeros(DType::F32, {n}, Device::CUDA));
     b->v.push_back(OwnedTensor::zeros(DType::F32, {n}, Device::CUDA));
     b->pb.push_back(dev_empty(DType::BF16, {n}));
+    b->lo.push_back(dev_empty(DType::I16, {n}));
     fill_uniform(b->p.back(), 400 + static_cast<uint64_t>(k), -0.05f, 0.05f);
     fill_uniform(b->g.back(), 700 + static_cast<uint64_t>(k), -1e-3f, 1e-3f);
     b->n += n;
   }
   for (size_t k = 0; k < b->p.size(); ++k) {
     b->params.push_back({b->p[k], b->g[k], b->m[k], b->v[k], b->pb[k], k < 100, {}});
+    b->split.push_back({b->lo[k], b->g[k], b->m[k], b->v[k], b->pb[k], k < 100, {}});
     b->grads.push_back(b->g[k]);
     b->copies.push_back({b->p[k], b->pb[k]});
+  }
+  {  // the split halves of p
+    std::vector<ops::Bf16Copy> halves;
+    for (size_t k = 0; k < b->p.size(); ++k) halves.push_back({b->p[k], b->pb[k], b->lo[k]});
+    ops::adamw_refresh_bf16(halves);
   }
   const double n = static_cast<double>(b->n);
   const std::string shape = fmt::format("{:.3g} elements, {} tensors", n, b->p.size());
@@ -618,11 +627,19 @@ std::vector<OpCase> make_adamw_cases() {
     h.step = 1 + i;
     ops::adamw_step(b->params, h);
   };
+  // Split masters: hi, lo, g, m, v read (2 + 2 + 12 bytes), hi, lo, m, v written (2 + 2 + 8).
+  OpCase sp{"adamw.step_split", shape, "adamw", 28.0 * n, 0, nullptr, b};
+  sp.run = [b](int i) {
+    ops::AdamWHyper h;
+    h.step = 1 + i;
+    ops::adamw_step(b->split, h);
+  };
   OpCase q{"adamw.grad_sumsq", shape, "adamw", 4.0 * n, 0, nullptr, b};
   q.run = [b](int) { (void)ops::grad_global_norm(b->grads); };
   OpCase r{"adamw.refresh_bf16", shape, "adamw", 6.0 * n, 0, nullptr, b};
   r.run = [b](int) { ops::adamw_refresh_bf16(b->copies); };
   cases.push_back(std::move(s));
+  cases.push_back(std::move(sp));
   cases.push_back(std::move(q));
   cases.push_back(std::move(r));
   return cases;

@@ -10,6 +10,7 @@
 
 #include "ops/adamw/op.h"
 #include "ops/adamw_clip_check.h"
+#include "ops/adamw_split_check.h"
 #include "ops/dense_test_util.h"
 #include "support/op_test_util.h"
 
@@ -271,6 +272,12 @@ TEST(AdamW, FusedBf16CopyEqualsRefresh) {
   }
 }
 
+TEST(AdamW, SplitMastersStepLikeFp32Masters) {
+  testing_adamw::check_split_master_steps(Device::CPU, [](const Tensor& t, bool) { return t; });
+}
+
+TEST(AdamW, SplitRefreshWritesBothHalves) { testing_adamw::check_split_refresh(Device::CPU); }
+
 TEST(AdamW, MultiTensorCallEqualsOneCallPerTensor) {
   const std::vector<int64_t> sizes = {5, 70000, 1, 300};
   std::vector<OwnedTensor> a, b;  // p, g, m, v per tensor, twice
@@ -386,6 +393,31 @@ TEST(AdamW, BadInputIsAClearError) {
     std::vector<AdamWParam> ps = {{pb, g, m, v, Tensor(), true, {}}};
     testing::expect_error([&] { adamw_step(ps, AdamWHyper{}); },
                           "adamw: tensor 'params[0].p' has dtype BF16, expected F32");
+  }
+  {
+    auto lo = OwnedTensor::zeros(DType::I16, {4, 6});
+    std::vector<AdamWParam> ps = {{lo, g, m, v, Tensor(), true, "w"}};
+    testing::expect_error([&] { adamw_step(ps, AdamWHyper{}); },
+                          "adamw: tensor 'w.p' is the I16 low half of a split master, but "
+                          "'w.p_bf16' (its high half) is not given");
+    auto g64 = OwnedTensor::zeros(DType::F64, {4, 6});
+    auto hi = OwnedTensor::zeros(DType::BF16, {4, 6});
+    std::vector<AdamWParam> ps64 = {{lo, g64, m, v, hi, true, "w"}};
+    testing::expect_error([&] { adamw_step(ps64, AdamWHyper{}); },
+                          "adamw: tensor 'w.g' has dtype F64, expected F32");
+    auto p64 = OwnedTensor::zeros(DType::F64, {4, 6});
+    auto m64 = OwnedTensor::zeros(DType::F64, {4, 6}), v64 = OwnedTensor::zeros(DType::F64, {4, 6});
+    std::vector<AdamWParam> mixed = {{p64, g64, m64, v64, Tensor(), true, "a"},
+                                     {lo, g, m, v, hi, true, "b"}};
+    testing::expect_error([&] { adamw_step(mixed, AdamWHyper{}); },
+                          "adamw: tensor 'b.p' has dtype I16, expected F64");
+    auto lo_bad = OwnedTensor::zeros(DType::I16, {6, 4});
+    std::vector<Bf16Copy> split_bad = {{p, hi, lo_bad}};
+    testing::expect_error([&] { adamw_refresh_bf16(split_bad); },
+                          "adamw: tensor 'copies[0].lo' has shape [6, 4], expected [4, 6]");
+    std::vector<Bf16Copy> split64 = {{p64, hi, lo}};
+    testing::expect_error([&] { adamw_refresh_bf16(split64); },
+                          "adamw: tensor 'copies[0].master' has dtype F64, expected F32");
   }
   std::vector<AdamWParam> ok = {{p, g, m, v, Tensor(), true, {}}};
   AdamWHyper h;

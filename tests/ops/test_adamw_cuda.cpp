@@ -14,6 +14,7 @@
 #include "gdn/core/rng.h"
 #include "ops/adamw/op.h"
 #include "ops/adamw_clip_check.h"
+#include "ops/adamw_split_check.h"
 #include "ops/cuda_test_util.h"
 
 namespace gdn::ops {
@@ -277,6 +278,18 @@ TEST_F(AdamWCuda, RefreshBf16RoundsToNearestEven) {
   adamw_refresh_bf16(copies);
   expect_bitwise_equal(c, convert(m, DType::BF16), "refreshed copy");
   expect_bitwise_equal(cu, convert(mu, DType::BF16), "refreshed copy (unaligned)");
+}
+
+TEST_F(AdamWCuda, SplitMastersStepLikeFp32Masters) {
+  // Odd tensors go through copies one element past a 16-byte boundary (the per-element path).
+  std::vector<OwnedTensor> keep;
+  testing_adamw::check_split_master_steps(Device::CUDA, [&](const Tensor& t, bool odd) {
+    return odd ? unaligned_copy(t, static_cast<int>(dtype_size(t.dtype())), keep) : t;
+  });
+}
+
+TEST_F(AdamWCuda, SplitRefreshWritesBothHalves) {
+  testing_adamw::check_split_refresh(Device::CUDA);
 }
 
 TEST_F(AdamWCuda, ResolverChoosesCudaAndItPassesItsProbe) {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "gdn/backend/registry.h"
+#include "gdn/core/split_f32.h"
 #include "ops/adamw/op.h"
 
 namespace gdn::ops {
@@ -50,7 +51,9 @@ void step(const AdamWStep& s) {
 #pragma omp parallel for schedule(static)
   for (size_t c = 0; c < work.size(); ++c) {
     const AdamWParam& e = s.params[static_cast<size_t>(work[c].tensor)];
-    float* p = e.p.ptr<float>();                                     // [n]
+    const bool split = e.p.dtype() == DType::I16;
+    float* p = split ? nullptr : e.p.ptr<float>();                   // [n] F32 master
+    int16_t* lo = split ? e.p.ptr<int16_t>() : nullptr;              // [n] or the split's low half
     const float* g = e.g.ptr<float>();                               // [n]
     float* m = e.m.ptr<float>();                                     // [n]
     float* v = e.v.ptr<float>();                                     // [n]
@@ -63,9 +66,16 @@ void step(const AdamWStep& s) {
       m[i] = mi;
       v[i] = vi;
       const float denom = std::sqrt(vi) / bc2_sqrt + eps;
-      const float pi = p[i] * df - step_size * mi / denom;
-      p[i] = pi;
-      if (pb != nullptr) pb[i] = to_bf16(pi);
+      const float p0 = split ? f32_from_bits(split_join(pb[i].bits, lo[i])) : p[i];
+      const float pi = p0 * df - step_size * mi / denom;
+      if (split) {
+        const uint32_t b = f32_bits(pi);
+        pb[i].bits = split_hi(b);
+        lo[i] = split_lo(b, pb[i].bits);
+      } else {
+        p[i] = pi;
+        if (pb != nullptr) pb[i] = to_bf16(pi);
+      }
     }
   }
 }
@@ -97,9 +107,18 @@ void refresh_bf16(std::span<const Bf16Copy> copies) {
 #pragma omp parallel for schedule(static)
   for (size_t c = 0; c < work.size(); ++c) {
     const Bf16Copy& cp = copies[static_cast<size_t>(work[c].tensor)];
-    const float* src = cp.master.ptr<float>();  // [n]
-    bf16* dst = cp.copy.ptr<bf16>();            // [n]
-    for (int64_t i = work[c].begin; i < work[c].end; ++i) dst[i] = to_bf16(src[i]);
+    const float* src = cp.master.ptr<float>();                       // [n]
+    bf16* dst = cp.copy.ptr<bf16>();                                 // [n]
+    int16_t* lo = cp.lo.defined() ? cp.lo.ptr<int16_t>() : nullptr;  // [n] or none
+    if (lo == nullptr) {
+      for (int64_t i = work[c].begin; i < work[c].end; ++i) dst[i] = to_bf16(src[i]);
+    } else {
+      for (int64_t i = work[c].begin; i < work[c].end; ++i) {
+        const uint32_t b = f32_bits(src[i]);
+        dst[i].bits = split_hi(b);
+        lo[i] = split_lo(b, dst[i].bits);
+      }
+    }
   }
 }
 

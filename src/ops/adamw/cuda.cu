@@ -26,6 +26,8 @@
 // 8 warps in order) into one fp64 partial per unit; one block then adds the partials in a fixed
 // order. The units depend only on the tensors' sizes, so the sum is bitwise reproducible and
 // independent of the device; it differs from cpu's (64K-element chunks) only by fp64 rounding.
+// Split masters (op.h) read and write 2 + 2 bytes of master and copy instead of 4 (+ 2 written):
+// the step reads 16 and writes 12 bytes per element then, 2 fewer.
 // Bytes moved (the floor): step 16 read + 12 written (+ 2 for the bf16 copy) per element;
 // grad_sumsq 4 per element; refresh_bf16 4 read + 2 written per element.
 #include <algorithm>
@@ -37,6 +39,7 @@
 #include "backend/cuda/memory_bound.cuh"
 #include "gdn/backend/cuda_check.h"
 #include "gdn/backend/registry.h"
+#include "gdn/core/split_f32.h"
 #include "ops/adamw/op.h"
 
 namespace gdn::ops {
@@ -67,6 +70,7 @@ struct TensorList {
   void* ptr[kPtrs][kMaxTensors];
   uint8_t decay[kMaxTensors];  // adamw only
   uint8_t vec[kMaxTensors];    // 16-byte groups allowed
+  uint8_t split[kMaxTensors];  // adamw, refresh: a split master (ptr[0] or ptr[2]: the I16 half)
 };
 
 // Kernel parameters may take 32764 bytes (CUDA 12.1+, Volta and later); the largest list plus the
@@ -110,6 +114,76 @@ __device__ __forceinline__ uint2 pack4_bf16(float a, float b, float c, float d) 
   return make_uint2(cuda::pack2(a, b), cuda::pack2(c, d));
 }
 
+// Split masters (op.h, gdn/core/split_f32.h): two packed halves (hi: bf16 pair, lo: int16 pair)
+// to the two fp32 values they hold, and back.
+__device__ __forceinline__ float2 join2(uint32_t hi, uint32_t lo) {
+  return make_float2(
+      __uint_as_float(split_join(static_cast<uint16_t>(hi), static_cast<int16_t>(lo & 0xffffu))),
+      __uint_as_float(split_join(static_cast<uint16_t>(hi >> 16), static_cast<int16_t>(lo >> 16))));
+}
+__device__ __forceinline__ void split2(float a, float b, uint32_t& hi, uint32_t& lo) {
+  const uint32_t ba = __float_as_uint(a), bb = __float_as_uint(b);
+  const uint16_t ha = split_hi(ba), hb = split_hi(bb);
+  hi = static_cast<uint32_t>(ha) | (static_cast<uint32_t>(hb) << 16);
+  lo = static_cast<uint32_t>(static_cast<uint16_t>(split_lo(ba, ha))) |
+       (static_cast<uint32_t>(static_cast<uint16_t>(split_lo(bb, hb))) << 16);
+}
+
+// The step over one unit of a split master: lo [n] int16 and hi [n] bf16 instead of p.
+__device__ __forceinline__ void adamw_split_unit(int16_t* lo, bf16_t* hi, const float* g, float* m,
+                                                 float* v, int64_t begin, int64_t end, bool vec,
+                                                 const AdamWScalars& sc, float df) {
+  auto scalar = [&](int64_t j) {
+    uint32_t h = reinterpret_cast<const uint16_t*>(hi)[j];
+    float pj = __uint_as_float(split_join(static_cast<uint16_t>(h), lo[j])), mj = m[j], vj = v[j];
+    adamw_elem(pj, g[j], mj, vj, sc, df);
+    m[j] = mj;
+    v[j] = vj;
+    const uint32_t b = __float_as_uint(pj);
+    const uint16_t nh = split_hi(b);
+    reinterpret_cast<uint16_t*>(hi)[j] = nh;
+    lo[j] = split_lo(b, nh);
+  };
+  if (!vec) {
+    for (int64_t j = begin + threadIdx.x; j < end; j += kThreads) scalar(j);
+    return;
+  }
+  uint2 hv[kGroups], lv[kGroups];
+  float4 gv[kGroups], mv[kGroups], vv[kGroups];
+#pragma unroll
+  for (int k = 0; k < kGroups; ++k) {
+    const int64_t j = begin + (static_cast<int64_t>(k) * kThreads + threadIdx.x) * 4;
+    if (j + 4 <= end) {
+      hv[k] = __ldcs(reinterpret_cast<const uint2*>(hi + j));
+      lv[k] = __ldcs(reinterpret_cast<const uint2*>(lo + j));
+      gv[k] = __ldcs(reinterpret_cast<const float4*>(g + j));
+      mv[k] = __ldcs(reinterpret_cast<const float4*>(m + j));
+      vv[k] = __ldcs(reinterpret_cast<const float4*>(v + j));
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kGroups; ++k) {
+    const int64_t j = begin + (static_cast<int64_t>(k) * kThreads + threadIdx.x) * 4;
+    if (j + 4 <= end) {
+      const float2 p01 = join2(hv[k].x, lv[k].x), p23 = join2(hv[k].y, lv[k].y);
+      float4 pv = make_float4(p01.x, p01.y, p23.x, p23.y);
+      adamw_elem(pv.x, gv[k].x, mv[k].x, vv[k].x, sc, df);
+      adamw_elem(pv.y, gv[k].y, mv[k].y, vv[k].y, sc, df);
+      adamw_elem(pv.z, gv[k].z, mv[k].z, vv[k].z, sc, df);
+      adamw_elem(pv.w, gv[k].w, mv[k].w, vv[k].w, sc, df);
+      uint2 nh, nl;
+      split2(pv.x, pv.y, nh.x, nl.x);
+      split2(pv.z, pv.w, nh.y, nl.y);
+      __stcs(reinterpret_cast<uint2*>(hi + j), nh);
+      __stcs(reinterpret_cast<uint2*>(lo + j), nl);
+      __stcs(reinterpret_cast<float4*>(m + j), mv[k]);
+      __stcs(reinterpret_cast<float4*>(v + j), vv[k]);
+    }
+  }
+  const int64_t tail = begin + ((end - begin) & ~int64_t{3});  // the last (end - begin) % 4
+  if (tail + threadIdx.x < end) scalar(tail + threadIdx.x);
+}
+
 // The clip decision of a step with clip_sumsq (op.h), made on the device by one thread in fp64 as
 // host_clip_decision makes it on the host (IEEE sqrt and division: the same bits): ctl[0] = the
 // fp32 gradient scale, ctl[1] = 1 when the step is skipped (a non-finite sum or loss).
@@ -143,12 +217,17 @@ __global__ void __launch_bounds__(kThreads)
   const int i = find_tensor(list, u);
   const int64_t begin = (u - list.first_unit[i]) * kUnit;
   const int64_t end = std::min<int64_t>(list.numel[i], begin + kUnit);
-  float* p = static_cast<float*>(list.ptr[0][i]);              // [n]
+  float* p = static_cast<float*>(list.ptr[0][i]);              // [n] (I16 [n]: split master)
   const float* g = static_cast<const float*>(list.ptr[1][i]);  // [n]
   float* m = static_cast<float*>(list.ptr[2][i]);              // [n]
   float* v = static_cast<float*>(list.ptr[3][i]);              // [n]
   bf16_t* pb = static_cast<bf16_t*>(list.ptr[4][i]);           // [n] or null
   const float df = list.decay[i] ? sc.decay_factor : 1.f;
+  if (list.split[i]) {
+    adamw_split_unit(static_cast<int16_t*>(list.ptr[0][i]), pb, g, m, v, begin, end, list.vec[i],
+                     sc, df);
+    return;
+  }
   auto scalar = [&](int64_t j) {
     float pj = p[j], mj = m[j], vj = v[j];
     adamw_elem(pj, g[j], mj, vj, sc, df);
@@ -276,13 +355,23 @@ __global__ void __launch_bounds__(kSumThreads)
 }
 
 __global__ void __launch_bounds__(kThreads)
-    refresh_bf16_kernel(const __grid_constant__ TensorList<2> list) {
+    refresh_bf16_kernel(const __grid_constant__ TensorList<3> list) {
   const int64_t u = blockIdx.x;
   const int i = find_tensor(list, u);
   const int64_t begin = (u - list.first_unit[i]) * kUnit;
   const int64_t end = std::min<int64_t>(list.numel[i], begin + kUnit);
   const float* src = static_cast<const float*>(list.ptr[0][i]);  // [n]
   bf16_t* dst = static_cast<bf16_t*>(list.ptr[1][i]);            // [n]
+  if (list.split[i]) {  // the halves of a split master: one element a thread, start-up only
+    int16_t* lo = static_cast<int16_t*>(list.ptr[2][i]);  // [n]
+    for (int64_t j = begin + threadIdx.x; j < end; j += kThreads) {
+      const uint32_t b = __float_as_uint(src[j]);
+      const uint16_t h = split_hi(b);
+      reinterpret_cast<uint16_t*>(dst)[j] = h;
+      lo[j] = split_lo(b, h);
+    }
+    return;
+  }
   if (!list.vec[i]) {
     for (int64_t j = begin + threadIdx.x; j < end; j += kThreads)
       dst[j] = __float2bfloat16_rn(src[j]);
@@ -317,7 +406,8 @@ template <int kPtrs, class Launch>
 class ListBatcher {
  public:
   explicit ListBatcher(Launch launch, int64_t unit = kUnit) : launch_(launch), unit_(unit) {}
-  void add(int64_t numel, const std::array<void*, kPtrs>& ptrs, bool decay, bool vec) {
+  void add(int64_t numel, const std::array<void*, kPtrs>& ptrs, bool decay, bool vec,
+           bool split = false) {
     if (numel == 0) return;
     const int i = list_.n;
     list_.first_unit[i] = units_;
@@ -325,6 +415,7 @@ class ListBatcher {
     for (int k = 0; k < kPtrs; ++k) list_.ptr[k][i] = ptrs[static_cast<size_t>(k)];
     list_.decay[i] = decay ? 1 : 0;
     list_.vec[i] = vec ? 1 : 0;
+    list_.split[i] = split ? 1 : 0;
     units_ += units_of(numel, unit_);
     list_.n = i + 1;
     if (list_.n == kMaxTensors) flush();
@@ -383,10 +474,12 @@ void step(const AdamWStep& s) {
   ListBatcher<5, decltype(launch)> batch(launch);
   for (const AdamWParam& e : s.params) {
     void* pb = e.p_bf16.defined() ? e.p_bf16.data() : nullptr;
-    const bool vec = cuda::aligned16(e.p.data()) && cuda::aligned16(e.g.data()) &&
+    const bool split = e.p.dtype() == DType::I16;
+    const bool vec = aligned(e.p.data(), split ? 8 : 16) && cuda::aligned16(e.g.data()) &&
                      cuda::aligned16(e.m.data()) && cuda::aligned16(e.v.data()) &&
                      (pb == nullptr || aligned(pb, 8));
-    batch.add(e.p.numel(), {e.p.data(), e.g.data(), e.m.data(), e.v.data(), pb}, e.decay, vec);
+    batch.add(e.p.numel(), {e.p.data(), e.g.data(), e.m.data(), e.v.data(), pb}, e.decay, vec,
+              split);
   }
   batch.flush();
 }
@@ -437,14 +530,15 @@ double grad_sumsq(std::span<const Tensor> grads) {
 
 void refresh_bf16(std::span<const Bf16Copy> copies) {
   cudaStream_t stream = cuda::stream();
-  auto launch = [&](const TensorList<2>& l, int64_t units, int64_t) {
+  auto launch = [&](const TensorList<3>& l, int64_t units, int64_t) {
     refresh_bf16_kernel<<<static_cast<unsigned>(units), kThreads, 0, stream>>>(l);
     GDN_CUDA_LAUNCH_CHECK("refresh_bf16_kernel");
   };
-  ListBatcher<2, decltype(launch)> batch(launch);
+  ListBatcher<3, decltype(launch)> batch(launch);
   for (const Bf16Copy& c : copies)
-    batch.add(c.master.numel(), {c.master.data(), c.copy.data()}, false,
-              cuda::aligned16(c.master.data()) && aligned(c.copy.data(), 8));
+    batch.add(c.master.numel(),
+              {c.master.data(), c.copy.data(), c.lo.defined() ? c.lo.data() : nullptr}, false,
+              cuda::aligned16(c.master.data()) && aligned(c.copy.data(), 8), c.lo.defined());
   batch.flush();
 }
 

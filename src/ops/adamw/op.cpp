@@ -10,6 +10,7 @@
 #include "gdn/backend/probe.h"
 #include "gdn/backend/registry.h"
 #include "gdn/core/rng.h"
+#include "gdn/core/split_f32.h"
 
 namespace gdn::ops {
 
@@ -68,21 +69,33 @@ void validate_clip(const AdamWClip& h, Device device) {
 void validate_step(std::span<const AdamWParam> params, const AdamWHyper& h,
                    const AdamWClip& clip = {}) {
   validate_hyper(h);
-  if (!params.empty()) validate_clip(clip, params[0].p.device());
+  if (params.empty()) return;
+  expect_defined(params[0].p, kOp, label(params[0], 0, "p"));
+  validate_clip(clip, params[0].p.device());
+  // The state dtype of the call: F32 (F64 on ref); an I16 p is a split master over F32 state.
+  const DType dt = params[0].p.dtype() == DType::I16 ? DType::F32 : params[0].p.dtype();
   for (size_t i = 0; i < params.size(); ++i) {
     const AdamWParam& e = params[i];
     const std::string pn = label(e, i, "p");
     expect_defined(e.p, kOp, pn);
-    const DType dt = params[0].p.dtype();
+    const bool split = e.p.dtype() == DType::I16;
+    GDN_CHECK(
+        e.p.dtype() == dt || (split && dt == DType::F32),
+        "{}: tensor '{}' has dtype {}, expected {}: master weights are fp32 (F64 on ref), or I16 "
+        "for the low half of a split fp32 master (cpu and cuda)",
+        kOp, pn, dtype_name(e.p.dtype()), dtype_name(dt));
     GDN_CHECK(dt == DType::F32 || dt == DType::F64,
               "{}: tensor '{}' has dtype {}, expected F32 (F64 on ref): master weights are fp32",
-              kOp, pn, dtype_name(e.p.dtype()));
-    expect_dtype(e.p, kOp, pn, dt);
+              kOp, pn, dtype_name(dt));
     expect_contiguous(e.p, kOp, pn);
     expect_device(e.p, kOp, pn, params[0].p.device());
     expect_like(e.g, e.p, label(e, i, "g"), dt);
     expect_like(e.m, e.p, label(e, i, "m"), dt);
     expect_like(e.v, e.p, label(e, i, "v"), dt);
+    GDN_CHECK(!split || e.p_bf16.defined(),
+              "{}: tensor '{}' is the I16 low half of a split master, but '{}' (its high half) is "
+              "not given",
+              kOp, pn, label(e, i, "p_bf16"));
     if (e.p_bf16.defined()) expect_like(e.p_bf16, e.p, label(e, i, "p_bf16"), DType::BF16);
     // Each element is read and written once, so p, g, m, v must be four distinct buffers.
     if (e.p.numel() > 0) {
@@ -114,6 +127,10 @@ void validate_copies(std::span<const Bf16Copy> copies) {
     expect_contiguous(copies[i].master, kOp, mn);
     expect_device(copies[i].master, kOp, mn, copies[0].master.device());
     expect_like(copies[i].copy, copies[i].master, fmt::format("copies[{}].copy", i), DType::BF16);
+    if (copies[i].lo.defined()) {
+      expect_dtype(copies[i].master, kOp, mn, DType::F32);
+      expect_like(copies[i].lo, copies[i].master, fmt::format("copies[{}].lo", i), DType::I16);
+    }
   }
 }
 
@@ -131,7 +148,8 @@ std::vector<double> deltas(const Tensor& after, const std::vector<double>& befor
 // and off), three steps with the clip scale active and inactive, the fused bf16 copy on two of
 // them, and the global norm. Compared with ref: the change of p over the steps (p itself hides
 // the update under its own rounding), m, v and the norm; the candidate's bf16 copies must equal
-// its own masters rounded to nearest even, bit for bit.
+// its own masters rounded to nearest even, bit for bit. Split masters (cpu, cuda) must give the
+// fp32 path's bits, and the split refresh must round exact ties away from zero.
 ProbeError probe(const ImplDesc& impl, const OpQuery&) {
   const auto& cand = *static_cast<const AdamWTable*>(impl.table);
   const auto& ref = *static_cast<const AdamWTable*>(Registry::global().ref(kOp).table);
@@ -168,6 +186,37 @@ ProbeError probe(const ImplDesc& impl, const OpQuery&) {
     rg.push_back(s.g.ref);
     cg.push_back(s.g.cand);
   }
+  // Split masters (op.h): a twin of slots 0 and 1 with the master as (bf16, I16) halves and its
+  // own m, v, in the same calls. After the steps the joined halves must be the fp32 master's
+  // bits and the high half its split_hi, exactly.
+  struct Twin {
+    ProbeTensors::Pair lo, hi, m, v;
+  };
+  std::vector<Twin> twins;
+  if (sd == DType::F32) {
+    for (size_t i = 0; i < 2; ++i) {
+      const Slot& s = slots[i];
+      std::vector<double> hi;
+      std::vector<int64_t> lo;
+      for (double x : to_f64_vector(s.p.cand)) {
+        const uint32_t b = f32_bits(static_cast<float>(x));
+        const uint16_t h = split_hi(b);
+        hi.push_back(bf16_bits_to_float(h));
+        lo.push_back(split_lo(b, h));
+      }
+      const std::vector<int64_t> sh = s.p.cand.shape_vec();
+      twins.push_back({pt.ints(lo, sh, DType::I16), pt.input(hi, sh, DType::BF16),
+                       filled(sh, 0, 0.0, sd), filled(sh, 0, 0.0, sd)});
+    }
+    for (size_t i = 0; i < twins.size(); ++i)
+      cp.push_back({twins[i].lo.cand,
+                    slots[i].g.cand,
+                    twins[i].m.cand,
+                    twins[i].v.cand,
+                    twins[i].hi.cand,
+                    slots[i].decay,
+                    {}});
+  }
   ProbeError err;
   const double nr = std::sqrt(ref.grad_sumsq(rg)), nc = std::sqrt(cand.grad_sumsq(cg));
   err.fwd = std::abs(nc - nr) / nr;
@@ -187,6 +236,32 @@ ProbeError probe(const ImplDesc& impl, const OpQuery&) {
     if (slots[i].has_bf16) {
       OwnedTensor want = convert(slots[i].p.cand, DType::BF16);
       err.fwd = std::max(err.fwd, rel_l2_error(slots[i].bf.cand, want) > 0 ? INFINITY : 0.0);
+    }
+  }
+  for (size_t i = 0; i < twins.size(); ++i) {
+    const std::vector<double> want = to_f64_vector(slots[i].p.cand),
+                              hi = to_f64_vector(twins[i].hi.cand);
+    const OwnedTensor lo = convert(twins[i].lo.cand, DType::I16);  // host copy of the bits
+    for (size_t j = 0; j < want.size(); ++j) {
+      const uint32_t w = f32_bits(static_cast<float>(want[j]));
+      const uint16_t h = float_to_bf16_bits(static_cast<float>(hi[j]));  // exact: hi is a bf16
+      const int16_t l = lo.view().ptr<int16_t>()[j];
+      if (split_join(h, l) != w || h != split_hi(w)) err.fwd = INFINITY;
+    }
+  }
+  if (sd == DType::F32) {  // the split refresh at exact ties (away from zero) and near them
+    const std::vector<double> xs = {1.0 + 0x1p-8, -(1.0 + 0x1p-8), 1.0 + 3 * 0x1p-8, 0.1, -7.0};
+    ProbeTensors::Pair x = pt.input(xs, {5}, DType::F32), h = pt.zeros({5}, DType::BF16);
+    const std::vector<int64_t> zeros(5, 0);
+    ProbeTensors::Pair l = pt.ints(zeros, {5}, DType::I16);
+    const std::vector<Bf16Copy> c = {{x.cand, h.cand, l.cand}};
+    cand.refresh_bf16(c);
+    const std::vector<double> hv = to_f64_vector(h.cand);
+    const OwnedTensor lv = convert(l.cand, DType::I16);
+    for (size_t j = 0; j < xs.size(); ++j) {
+      const uint32_t w = f32_bits(static_cast<float>(xs[j]));
+      const uint16_t hb = float_to_bf16_bits(static_cast<float>(hv[j]));
+      if (hb != split_hi(w) || split_join(hb, lv.view().ptr<int16_t>()[j]) != w) err.fwd = INFINITY;
     }
   }
   err.fwd = std::max({err.fwd, rel_l2_error(dc, dr), rel_l2_error(mc, mr), rel_l2_error(vc, vr)});

@@ -26,10 +26,19 @@
 // The caller passes scale as hyper.grad_scale; gradients are not modified. A non-finite norm is
 // an error in clip_scale (the trainer must skip the step, not scale by NaN).
 //
+// Split masters (cpu and cuda): an entry whose p is I16 keeps its fp32 master weights as two
+// halves, p_bf16 (required) the high one and p the low one (gdn/core/split_f32.h: the master's
+// bits are split_join(p_bf16, p)). The step joins them, applies the fp32 update above (the same
+// bits as with an F32 p holding the joined value) and splits the result back: the compute copy is
+// then the master rounded to nearest with ties away from zero (split_hi) instead of ties to even.
+// 4 bytes a parameter for master and compute copy together instead of 6. One call may mix split
+// and F32 entries; g, m and v are F32 in both.
+//
 // Shapes: p, g, m, v (and p_bf16) of one entry share one shape (any rank); entries may differ.
 // Outputs: p, m, v updated in place (=); p_bf16 written (=). g is read only.
 // Dtypes: p, g, m, v F32 on cpu and cuda (fp32 masters, fp32 gradient accumulation), F64 on ref;
-// p_bf16 always BF16 (the cuda compute copy; on cpu the op exists with a host bf16 output).
+// p may be I16 on cpu and cuda (split masters, above); p_bf16 always BF16 (the cuda compute copy;
+// on cpu the op exists with a host bf16 output).
 // Deterministic: yes. The step is elementwise. grad_global_norm sums fixed 64K-element chunks in
 // fp64 and adds the chunk sums in order, so the norm is bitwise independent of the thread count.
 // cuda: the same in 32768-element units (a fixed order that depends on the tensor sizes only).
@@ -52,11 +61,11 @@
 namespace gdn::ops {
 
 struct AdamWParam {
-  Tensor p;               // [*] master weights, in/out
+  Tensor p;               // [*] master weights, in/out; I16: the low half of a split master
   Tensor g;               // [*] gradient, read only
   Tensor m;               // [*] first moment, in/out
   Tensor v;               // [*] second moment, in/out
-  Tensor p_bf16;          // [*] BF16 compute copy, out (=); undefined: none
+  Tensor p_bf16;          // [*] BF16 compute copy, out (=), in/out with an I16 p; undefined: none
   bool decay = true;      // apply decoupled weight decay to this tensor
   std::string_view name;  // for error messages ("" -> "params[i]")
 };
@@ -90,10 +99,12 @@ struct AdamWStep {
   AdamWClip clip;  // undefined sumsq: hyper.grad_scale as given
 };
 
-// A master tensor and the BF16 copy refreshed from it.
+// A master tensor and the BF16 copy refreshed from it (rounded to nearest even), or, with lo
+// defined, split into copy = split_hi and lo = split_lo (the halves of a split master, above).
 struct Bf16Copy {
   Tensor master;  // [*] F32 (F64 on ref)
   Tensor copy;    // [*] BF16 out (=)
+  Tensor lo{};    // [*] I16 out (=), optional (cpu and cuda): the split's low half
 };
 
 struct AdamWTable {
