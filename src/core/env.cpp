@@ -80,6 +80,12 @@ constexpr Knob kKnobs[] = {
      "list). The forced implementation is still probed; under GDN_STRICT_KERNELS a failed probe or "
      "capability check is an error.",
      false, nullptr},
+    {"GDN_SPLIT_MASTER", KnobType::Bool, "1",
+     "Training on cuda: 1 keeps each fp32 master weight whose compute copy is bf16 as that copy "
+     "plus an I16 low half (exactly the fp32 value; 4 bytes a parameter instead of 6), the copy "
+     "then rounded with ties away from zero instead of ties to even. 0: a separate fp32 master. "
+     "Not scheduling-only (the rounding of exact ties).",
+     false, nullptr},
     {"GDN_STRICT_KERNELS", KnobType::Bool, "0",
      "Turn every skipped implementation or fallback (failed capability check or numeric probe) "
      "into an error naming the op, the implementation and the reason.",

@@ -1,7 +1,8 @@
 // Training on the GPU (issue 8): the tiny model trained on the cuda backend tracks the same model
 // trained on the cpu backend from the same initialisation; the gated delta rule's two CUDA routes
-// and the fused kernel routes' unfused A/B counterparts (GDN_FUSED_*) agree to bf16 precision; a
-// 1000-step run under GDN_FAIL_ON_NONFINITE=1 has no non-finite step.
+// and the fused kernel routes' unfused A/B counterparts (GDN_FUSED_*) agree to bf16 precision;
+// split fp32 masters resume bit-exactly; a 1000-step run under GDN_FAIL_ON_NONFINITE=1 has no
+// non-finite step.
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -134,6 +135,48 @@ TEST(TrainCuda, GdrFusedForwardKnobAgreesToBf16Precision) {
   for (size_t i = 0; i < 2; ++i) {
     std::printf("step %zu: decomposed %.9f fused forward %.9f\n", i + 1, a.losses[i], b.losses[i]);
     EXPECT_NEAR(b.losses[i], a.losses[i], 1e-2 * a.losses[i]) << "step " << i + 1;
+  }
+}
+
+// Split fp32 masters (GDN_SPLIT_MASTER=1, the default: the bf16 compute copy plus an I16 low
+// half, ops/adamw/op.h): a run stopped after step 3 and resumed from its checkpoint (the masters
+// joined on the host to write it, split again on upload) repeats the uninterrupted run's losses
+// bitwise, with checkpoints written every 2 steps on the way; and the knob at 0 (a separate fp32
+// master, the copy rounded ties-to-even) agrees to bf16 precision.
+TEST(TrainCuda, SplitMastersResumeBitExactlyAndAgreeWithSeparateMasters) {
+  TrainOptions quiet;
+  quiet.quiet = true;
+  auto cfg = [](const std::string& tag) {
+    ConfigTree c = tiny(tag, "cuda", 6);
+    c.set("checkpoint.every=2");
+    return c;
+  };
+  env::reset_cache_for_testing();
+  const TrainResult full = run_training(cfg("split_full"), quiet);
+  const ConfigTree resumed = cfg("split_resumed");
+  TrainOptions stop = quiet;
+  stop.stop_after = 3;
+  const TrainResult first = run_training(resumed, stop);
+  TrainOptions resume = quiet;
+  resume.resume = true;
+  const TrainResult rest = run_training(resumed, resume);
+  ASSERT_EQ(full.losses.size(), 6u);
+  ASSERT_EQ(first.losses.size(), 3u);
+  ASSERT_EQ(rest.losses.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(first.losses[i], full.losses[i]) << "step " << i + 1;
+    EXPECT_EQ(rest.losses[i], full.losses[i + 3]) << "step " << i + 4 << " after resume";
+  }
+  setenv("GDN_SPLIT_MASTER", "0", 1);
+  env::reset_cache_for_testing();
+  const TrainResult separate = run_training(cfg("split_off"), quiet);
+  unsetenv("GDN_SPLIT_MASTER");
+  env::reset_cache_for_testing();
+  ASSERT_EQ(separate.losses.size(), 6u);
+  for (size_t i = 0; i < 6; ++i) {
+    std::printf("step %zu: split masters %.9f separate masters %.9f\n", i + 1, full.losses[i],
+                separate.losses[i]);
+    EXPECT_NEAR(separate.losses[i], full.losses[i], 1e-2 * full.losses[i]) << "step " << i + 1;
   }
 }
 
