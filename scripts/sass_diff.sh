@@ -57,6 +57,9 @@ def kernels(path):
     for line in open(path):
         if "Function :" in line:
             name = re.sub(r"_GLOBAL__N__[0-9a-f]{8}_\d+_\w+?_[0-9a-f]{8}(?:_\d+(?=_))?", "_GLOBAL__N_", line.split("Function :")[1].strip())
+            # The short form "<len>_GLOBAL__N__<digits><len><name>" (hash and name length run
+            # together): drop every digit up to the name.
+            name = re.sub(r"\d+_GLOBAL__N__\d+", "_GLOBAL__N_", name)
             out[name] = []
         elif name is not None:
             out[name].append(line)

@@ -129,33 +129,76 @@ __device__ __forceinline__ void split2(float a, float b, uint32_t& hi, uint32_t&
        (static_cast<uint32_t>(static_cast<uint16_t>(split_lo(bb, hb))) << 16);
 }
 
-// The step over one unit of a split master: lo [n] int16 and hi [n] bf16 instead of p.
-__device__ __forceinline__ void adamw_split_unit(int16_t* lo, bf16_t* hi, const float* g, float* m,
-                                                 float* v, int64_t begin, int64_t end, bool vec,
-                                                 const AdamWScalars& sc, float df) {
+// Where a tensor's master weights live, read and written 4 elements (16-byte groups of the fp32
+// streams) or 1 at a time: an F32 master with an optional bf16 copy written from it, or a split
+// master (lo [n] int16, hi [n] bf16: the copy is the high half).
+struct F32Master {
+  float* p;    // [n]
+  bf16_t* pb;  // [n] or null
+  __device__ __forceinline__ float4 load4(int64_t j) const {
+    return __ldcs(reinterpret_cast<const float4*>(p + j));
+  }
+  __device__ __forceinline__ void store4(int64_t j, float4 x) const {
+    __stcs(reinterpret_cast<float4*>(p + j), x);
+    if (pb != nullptr) __stcs(reinterpret_cast<uint2*>(pb + j), pack4_bf16(x.x, x.y, x.z, x.w));
+  }
+  __device__ __forceinline__ float load1(int64_t j) const { return p[j]; }
+  __device__ __forceinline__ void store1(int64_t j, float x) const {
+    p[j] = x;
+    if (pb != nullptr) pb[j] = __float2bfloat16_rn(x);
+  }
+};
+struct SplitMaster {
+  int16_t* lo;  // [n]
+  bf16_t* hi;   // [n]
+  __device__ __forceinline__ float4 load4(int64_t j) const {
+    const uint2 h = __ldcs(reinterpret_cast<const uint2*>(hi + j));
+    const uint2 l = __ldcs(reinterpret_cast<const uint2*>(lo + j));
+    const float2 a = join2(h.x, l.x), b = join2(h.y, l.y);
+    return make_float4(a.x, a.y, b.x, b.y);
+  }
+  __device__ __forceinline__ void store4(int64_t j, float4 x) const {
+    uint2 h, l;
+    split2(x.x, x.y, h.x, l.x);
+    split2(x.z, x.w, h.y, l.y);
+    __stcs(reinterpret_cast<uint2*>(hi + j), h);
+    __stcs(reinterpret_cast<uint2*>(lo + j), l);
+  }
+  __device__ __forceinline__ float load1(int64_t j) const {
+    return __uint_as_float(split_join(reinterpret_cast<const uint16_t*>(hi)[j], lo[j]));
+  }
+  __device__ __forceinline__ void store1(int64_t j, float x) const {
+    const uint32_t b = __float_as_uint(x);
+    const uint16_t h = split_hi(b);
+    reinterpret_cast<uint16_t*>(hi)[j] = h;
+    lo[j] = split_lo(b, h);
+  }
+};
+
+// The step over elements [begin, end) of one tensor: 16-byte groups (kGroups per thread, every
+// load issued before the first use) when `vec`, else one element at a time; a unit's last
+// (end - begin) % 4 elements one by one.
+template <class Master>
+__device__ __forceinline__ void adamw_unit(const Master& mst, const float* g, float* m, float* v,
+                                           int64_t begin, int64_t end, bool vec,
+                                           const AdamWScalars& sc, float df) {
   auto scalar = [&](int64_t j) {
-    uint32_t h = reinterpret_cast<const uint16_t*>(hi)[j];
-    float pj = __uint_as_float(split_join(static_cast<uint16_t>(h), lo[j])), mj = m[j], vj = v[j];
+    float pj = mst.load1(j), mj = m[j], vj = v[j];
     adamw_elem(pj, g[j], mj, vj, sc, df);
+    mst.store1(j, pj);
     m[j] = mj;
     v[j] = vj;
-    const uint32_t b = __float_as_uint(pj);
-    const uint16_t nh = split_hi(b);
-    reinterpret_cast<uint16_t*>(hi)[j] = nh;
-    lo[j] = split_lo(b, nh);
   };
   if (!vec) {
     for (int64_t j = begin + threadIdx.x; j < end; j += kThreads) scalar(j);
     return;
   }
-  uint2 hv[kGroups], lv[kGroups];
-  float4 gv[kGroups], mv[kGroups], vv[kGroups];
+  float4 pv[kGroups], gv[kGroups], mv[kGroups], vv[kGroups];
 #pragma unroll
   for (int k = 0; k < kGroups; ++k) {
     const int64_t j = begin + (static_cast<int64_t>(k) * kThreads + threadIdx.x) * 4;
     if (j + 4 <= end) {
-      hv[k] = __ldcs(reinterpret_cast<const uint2*>(hi + j));
-      lv[k] = __ldcs(reinterpret_cast<const uint2*>(lo + j));
+      pv[k] = mst.load4(j);
       gv[k] = __ldcs(reinterpret_cast<const float4*>(g + j));
       mv[k] = __ldcs(reinterpret_cast<const float4*>(m + j));
       vv[k] = __ldcs(reinterpret_cast<const float4*>(v + j));
@@ -165,22 +208,16 @@ __device__ __forceinline__ void adamw_split_unit(int16_t* lo, bf16_t* hi, const 
   for (int k = 0; k < kGroups; ++k) {
     const int64_t j = begin + (static_cast<int64_t>(k) * kThreads + threadIdx.x) * 4;
     if (j + 4 <= end) {
-      const float2 p01 = join2(hv[k].x, lv[k].x), p23 = join2(hv[k].y, lv[k].y);
-      float4 pv = make_float4(p01.x, p01.y, p23.x, p23.y);
-      adamw_elem(pv.x, gv[k].x, mv[k].x, vv[k].x, sc, df);
-      adamw_elem(pv.y, gv[k].y, mv[k].y, vv[k].y, sc, df);
-      adamw_elem(pv.z, gv[k].z, mv[k].z, vv[k].z, sc, df);
-      adamw_elem(pv.w, gv[k].w, mv[k].w, vv[k].w, sc, df);
-      uint2 nh, nl;
-      split2(pv.x, pv.y, nh.x, nl.x);
-      split2(pv.z, pv.w, nh.y, nl.y);
-      __stcs(reinterpret_cast<uint2*>(hi + j), nh);
-      __stcs(reinterpret_cast<uint2*>(lo + j), nl);
+      adamw_elem(pv[k].x, gv[k].x, mv[k].x, vv[k].x, sc, df);
+      adamw_elem(pv[k].y, gv[k].y, mv[k].y, vv[k].y, sc, df);
+      adamw_elem(pv[k].z, gv[k].z, mv[k].z, vv[k].z, sc, df);
+      adamw_elem(pv[k].w, gv[k].w, mv[k].w, vv[k].w, sc, df);
+      mst.store4(j, pv[k]);
       __stcs(reinterpret_cast<float4*>(m + j), mv[k]);
       __stcs(reinterpret_cast<float4*>(v + j), vv[k]);
     }
   }
-  const int64_t tail = begin + ((end - begin) & ~int64_t{3});  // the last (end - begin) % 4
+  const int64_t tail = begin + ((end - begin) & ~int64_t{3});
   if (tail + threadIdx.x < end) scalar(tail + threadIdx.x);
 }
 
@@ -217,57 +254,18 @@ __global__ void __launch_bounds__(kThreads)
   const int i = find_tensor(list, u);
   const int64_t begin = (u - list.first_unit[i]) * kUnit;
   const int64_t end = std::min<int64_t>(list.numel[i], begin + kUnit);
-  float* p = static_cast<float*>(list.ptr[0][i]);              // [n] (I16 [n]: split master)
   const float* g = static_cast<const float*>(list.ptr[1][i]);  // [n]
   float* m = static_cast<float*>(list.ptr[2][i]);              // [n]
   float* v = static_cast<float*>(list.ptr[3][i]);              // [n]
   bf16_t* pb = static_cast<bf16_t*>(list.ptr[4][i]);           // [n] or null
   const float df = list.decay[i] ? sc.decay_factor : 1.f;
-  if (list.split[i]) {
-    adamw_split_unit(static_cast<int16_t*>(list.ptr[0][i]), pb, g, m, v, begin, end, list.vec[i],
-                     sc, df);
-    return;
+  if (list.split[i]) {  // ptr[0]: the I16 low half [n]
+    adamw_unit(SplitMaster{static_cast<int16_t*>(list.ptr[0][i]), pb}, g, m, v, begin, end,
+               list.vec[i], sc, df);
+  } else {  // ptr[0]: the F32 master [n]
+    adamw_unit(F32Master{static_cast<float*>(list.ptr[0][i]), pb}, g, m, v, begin, end, list.vec[i],
+               sc, df);
   }
-  auto scalar = [&](int64_t j) {
-    float pj = p[j], mj = m[j], vj = v[j];
-    adamw_elem(pj, g[j], mj, vj, sc, df);
-    p[j] = pj;
-    m[j] = mj;
-    v[j] = vj;
-    if (pb != nullptr) pb[j] = __float2bfloat16_rn(pj);
-  };
-  if (!list.vec[i]) {
-    for (int64_t j = begin + threadIdx.x; j < end; j += kThreads) scalar(j);
-    return;
-  }
-  float4 pv[kGroups], gv[kGroups], mv[kGroups], vv[kGroups];
-#pragma unroll
-  for (int k = 0; k < kGroups; ++k) {
-    const int64_t j = begin + (static_cast<int64_t>(k) * kThreads + threadIdx.x) * 4;
-    if (j + 4 <= end) {
-      pv[k] = __ldcs(reinterpret_cast<const float4*>(p + j));
-      gv[k] = __ldcs(reinterpret_cast<const float4*>(g + j));
-      mv[k] = __ldcs(reinterpret_cast<const float4*>(m + j));
-      vv[k] = __ldcs(reinterpret_cast<const float4*>(v + j));
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < kGroups; ++k) {
-    const int64_t j = begin + (static_cast<int64_t>(k) * kThreads + threadIdx.x) * 4;
-    if (j + 4 <= end) {
-      adamw_elem(pv[k].x, gv[k].x, mv[k].x, vv[k].x, sc, df);
-      adamw_elem(pv[k].y, gv[k].y, mv[k].y, vv[k].y, sc, df);
-      adamw_elem(pv[k].z, gv[k].z, mv[k].z, vv[k].z, sc, df);
-      adamw_elem(pv[k].w, gv[k].w, mv[k].w, vv[k].w, sc, df);
-      __stcs(reinterpret_cast<float4*>(p + j), pv[k]);
-      __stcs(reinterpret_cast<float4*>(m + j), mv[k]);
-      __stcs(reinterpret_cast<float4*>(v + j), vv[k]);
-      if (pb != nullptr)
-        __stcs(reinterpret_cast<uint2*>(pb + j), pack4_bf16(pv[k].x, pv[k].y, pv[k].z, pv[k].w));
-    }
-  }
-  const int64_t tail = begin + ((end - begin) & ~int64_t{3});  // the last (end - begin) % 4
-  if (tail + threadIdx.x < end) scalar(tail + threadIdx.x);
 }
 
 // partial[u] = sum of g^2 over unit u of kSumUnit elements, in fp64 (a fixed order inside the
