@@ -114,7 +114,7 @@ DevInputs to_device(const Inputs& in) {
           b(in.dout)};
 }
 
-const char* const kImpls[] = {"cuda.flash", "cuda.pipe", "cuda.pipe_xi"};
+const char* const kImpls[] = {"cuda.flash", "cuda.pipe", "cuda.pipe_xi", "cuda.tma"};
 // The resolver's choice on Hopper: the highest priority (cuda.pipe_xi 35, cuda.pipe 30, cuda.flash
 // 10).
 constexpr const char* kPreferred = "cuda.pipe_xi";
@@ -342,6 +342,34 @@ TEST_P(GatedAttentionCudaImpl, BackwardIsDeterministicAndAccumulatesNormWeightGr
                               {&again.dwq, &first.dwq, "dq_norm_w"},
                               {&again.dwk, &first.dwk, "dk_norm_w"}})
       EXPECT_EQ(to_f64_vector(*a), to_f64_vector(*b)) << what << " differs between runs";
+  }
+}
+
+// cuda.tma's forward (TMA producer warpgroup, mbarriers) computes the same products in the same
+// order as cuda.pipe_xi's, and its tiles past a document's end hold the next document's rows
+// instead of zeros (a tensor map ends at T, not at the document), which the causal mask must turn
+// into exact zeros: every output, forward and backward, bit for bit, over documents that end
+// inside a key tile, inside and at the end of a query tile, 1-token and empty ones, padded head
+// dims (columns past hd zero-filled by the TMA unit) and the last rows of T.
+TEST_F(GatedAttentionCuda, TmaMatchesPipeXiBitForBit) {
+  struct Case {
+    std::vector<int32_t> lens;
+    int64_t Hq, Hkv, hd;
+  };
+  for (const Case& c :
+       {Case{{1100, 333}, 4, 1, 256}, Case{{1, 130, 64, 1, 7, 129}, 4, 2, 128},
+        Case{{65, 191, 2}, 2, 2, 256}, Case{{5, 0, 70, 0}, 2, 1, 96}, Case{{9, 3}, 2, 2, 8}}) {
+    Inputs in = make_inputs(c.lens, c.Hq, c.Hkv, c.hd, 0.25, 1e4, 71 + c.hd);
+    DevInputs d = to_device(in);
+    Result a = run_cuda("cuda.tma", in, d), b = run_cuda("cuda.pipe_xi", in, d);
+    const std::string label = "hd " + std::to_string(c.hd) + ", T " + std::to_string(in.T());
+    for (auto [x, y, what] : {std::tuple{&a.o, &b.o, "o"},
+                              {&a.attn, &b.attn, "attn"},
+                              {&a.lse, &b.lse, "lse"},
+                              {&a.dqg, &b.dqg, "dqg"},
+                              {&a.dk, &b.dk, "dk"},
+                              {&a.dv, &b.dv, "dv"}})
+      EXPECT_EQ(to_f64_vector(*x), to_f64_vector(*y)) << what << ", " << label;
   }
 }
 

@@ -366,13 +366,19 @@ void forward_pipe(const GatedAttentionFwd& a) { forward_with(a, kPipe); }
 void backward_pipe(const GatedAttentionBwd& a) { backward_with(a, kPipe); }
 void forward_pipe_xi(const GatedAttentionFwd& a) { forward_with(a, kPipeXi); }
 void backward_pipe_xi(const GatedAttentionBwd& a) { backward_with(a, kPipeXi); }
+constexpr attn::AttnKernels kTma{attn::launch_fwd_tma, attn::launch_bwd_dq_pipe,
+                                 attn::launch_bwd_dkdv_xi};
+void forward_tma(const GatedAttentionFwd& a) { forward_with(a, kTma); }
+void backward_tma(const GatedAttentionBwd& a) { backward_with(a, kTma); }
 const GatedAttentionTable kTable{forward_mma, backward_mma};
 const GatedAttentionTable kTablePipe{forward_pipe, backward_pipe};
 const GatedAttentionTable kTablePipeXi{forward_pipe_xi, backward_pipe_xi};
+const GatedAttentionTable kTableTma{forward_tma, backward_tma};
 
 const attn::AttnKernels& kernels_of(std::string_view impl) {
   if (impl == "cuda.flash") return kMmaSync;
   if (impl == "cuda.pipe_xi") return kPipeXi;
+  if (impl == "cuda.tma") return kTma;
   GDN_CHECK(impl == "cuda.pipe", "{}: no implementation named '{}'", kName, impl);
   return kPipe;
 }
@@ -410,6 +416,8 @@ GDN_REGISTER(gated_attention_cuda) {
       {"gated_attention", "cuda.pipe", Backend::Cuda, 30, supports_wgmma, &kTablePipe});
   Registry::global().add_impl(
       {"gated_attention", "cuda.pipe_xi", Backend::Cuda, 35, supports_wgmma, &kTablePipeXi});
+  Registry::global().add_impl(
+      {"gated_attention", "cuda.tma", Backend::Cuda, 33, supports_wgmma, &kTableTma});
 }
 
 }  // namespace gdn::ops
