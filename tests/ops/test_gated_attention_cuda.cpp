@@ -114,7 +114,7 @@ DevInputs to_device(const Inputs& in) {
           b(in.dout)};
 }
 
-const char* const kImpls[] = {"cuda.flash", "cuda.pipe", "cuda.pipe_xi", "cuda.tma"};
+const char* const kImpls[] = {"cuda.flash", "cuda.pipe", "cuda.pipe_xi", "cuda.tma", "cuda.tma_kv"};
 // The resolver's choice on Hopper: the highest priority (cuda.pipe_xi 35, cuda.pipe 30, cuda.flash
 // 10).
 constexpr const char* kPreferred = "cuda.pipe_xi";
@@ -345,10 +345,11 @@ TEST_P(GatedAttentionCudaImpl, BackwardIsDeterministicAndAccumulatesNormWeightGr
   }
 }
 
-// cuda.tma's forward (TMA producer warpgroup, mbarriers) computes the same products in the same
-// order as cuda.pipe_xi's, and its tiles past a document's end hold the next document's rows
-// instead of zeros (a tensor map ends at T, not at the document), which the causal mask must turn
-// into exact zeros: every output, forward and backward, bit for bit, over documents that end
+// cuda.tma's forward and cuda.tma_kv's forward and dk/dv kernel (TMA producer warpgroup,
+// mbarriers) compute the same products in the same order as cuda.pipe_xi's, and their tiles past
+// a document's end hold the next document's rows instead of zeros (a tensor map ends at T, not at
+// the document), which the causal mask (keys) and lse = +inf (queries of the dk/dv items) must
+// turn into exact zeros: every output, forward and backward, bit for bit, over documents that end
 // inside a key tile, inside and at the end of a query tile, 1-token and empty ones, padded head
 // dims (columns past hd zero-filled by the TMA unit) and the last rows of T.
 TEST_F(GatedAttentionCuda, TmaMatchesPipeXiBitForBit) {
@@ -361,15 +362,19 @@ TEST_F(GatedAttentionCuda, TmaMatchesPipeXiBitForBit) {
         Case{{65, 191, 2}, 2, 2, 256}, Case{{5, 0, 70, 0}, 2, 1, 96}, Case{{9, 3}, 2, 2, 8}}) {
     Inputs in = make_inputs(c.lens, c.Hq, c.Hkv, c.hd, 0.25, 1e4, 71 + c.hd);
     DevInputs d = to_device(in);
-    Result a = run_cuda("cuda.tma", in, d), b = run_cuda("cuda.pipe_xi", in, d);
-    const std::string label = "hd " + std::to_string(c.hd) + ", T " + std::to_string(in.T());
-    for (auto [x, y, what] : {std::tuple{&a.o, &b.o, "o"},
-                              {&a.attn, &b.attn, "attn"},
-                              {&a.lse, &b.lse, "lse"},
-                              {&a.dqg, &b.dqg, "dqg"},
-                              {&a.dk, &b.dk, "dk"},
-                              {&a.dv, &b.dv, "dv"}})
-      EXPECT_EQ(to_f64_vector(*x), to_f64_vector(*y)) << what << ", " << label;
+    Result b = run_cuda("cuda.pipe_xi", in, d);
+    for (const char* impl : {"cuda.tma", "cuda.tma_kv"}) {
+      Result a = run_cuda(impl, in, d);
+      const std::string label =
+          std::string(impl) + ", hd " + std::to_string(c.hd) + ", T " + std::to_string(in.T());
+      for (auto [x, y, what] : {std::tuple{&a.o, &b.o, "o"},
+                                {&a.attn, &b.attn, "attn"},
+                                {&a.lse, &b.lse, "lse"},
+                                {&a.dqg, &b.dqg, "dqg"},
+                                {&a.dk, &b.dk, "dk"},
+                                {&a.dv, &b.dv, "dv"}})
+        EXPECT_EQ(to_f64_vector(*x), to_f64_vector(*y)) << what << ", " << label;
+    }
   }
 }
 

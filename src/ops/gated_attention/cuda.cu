@@ -370,15 +370,21 @@ constexpr attn::AttnKernels kTma{attn::launch_fwd_tma, attn::launch_bwd_dq_pipe,
                                  attn::launch_bwd_dkdv_xi};
 void forward_tma(const GatedAttentionFwd& a) { forward_with(a, kTma); }
 void backward_tma(const GatedAttentionBwd& a) { backward_with(a, kTma); }
+constexpr attn::AttnKernels kTmaKv{attn::launch_fwd_tma, attn::launch_bwd_dq_pipe,
+                                   attn::launch_bwd_dkdv_tma};
+void forward_tma_kv(const GatedAttentionFwd& a) { forward_with(a, kTmaKv); }
+void backward_tma_kv(const GatedAttentionBwd& a) { backward_with(a, kTmaKv); }
 const GatedAttentionTable kTable{forward_mma, backward_mma};
 const GatedAttentionTable kTablePipe{forward_pipe, backward_pipe};
 const GatedAttentionTable kTablePipeXi{forward_pipe_xi, backward_pipe_xi};
 const GatedAttentionTable kTableTma{forward_tma, backward_tma};
+const GatedAttentionTable kTableTmaKv{forward_tma_kv, backward_tma_kv};
 
 const attn::AttnKernels& kernels_of(std::string_view impl) {
   if (impl == "cuda.flash") return kMmaSync;
   if (impl == "cuda.pipe_xi") return kPipeXi;
   if (impl == "cuda.tma") return kTma;
+  if (impl == "cuda.tma_kv") return kTmaKv;
   GDN_CHECK(impl == "cuda.pipe", "{}: no implementation named '{}'", kName, impl);
   return kPipe;
 }
@@ -418,6 +424,8 @@ GDN_REGISTER(gated_attention_cuda) {
       {"gated_attention", "cuda.pipe_xi", Backend::Cuda, 35, supports_wgmma, &kTablePipeXi});
   Registry::global().add_impl(
       {"gated_attention", "cuda.tma", Backend::Cuda, 33, supports_wgmma, &kTableTma});
+  Registry::global().add_impl(
+      {"gated_attention", "cuda.tma_kv", Backend::Cuda, 34, supports_wgmma, &kTableTmaKv});
 }
 
 }  // namespace gdn::ops

@@ -24,6 +24,8 @@ void launch_bwd_dkdv_pipe(const BwdParams& p, int hd_class, unsigned blocks, cud
 void launch_bwd_dkdv_xi(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
 // The forward with a TMA producer warp and mbarriers (sm90_tma.cuh).
 void launch_fwd_tma(const FwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
+// The dk/dv kernel with a TMA producer warp and mbarriers (sm90_tma.cuh).
+void launch_bwd_dkdv_tma(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
 
 // The attention kernels of one implementation.
 struct AttnKernels {

@@ -322,4 +322,212 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   }
 }
 
+// The dk/dv kernel's tensor maps, boxes of kSmallTile rows: q_hat and dA [T, Hq, ·] (the items),
+// k_hat and v [T, Hkv, hd] (the block's key tile).
+struct DkdvMaps {
+  CUtensorMap q, a, k, v;
+};
+
+template <int HD>
+constexpr size_t dkdv_tma_smem_bytes() {  // K, V; Q, dA [2]; Pᵀ fp32 [2][64 x 64]; lse, D [2][64]
+  return sizeof(bf16_t) * HD * 6 * kSmallTile + sizeof(float) * 2 * kSmallTile * kSmallTile +
+         sizeof(float) * 4 * kSmallTile + 5 * sizeof(uint64_t) + 1024;
+}
+static_assert(dkdv_tma_smem_bytes<256>() <= 227 * 1024, "dk/dv (TMA) shared memory");
+
+// dk/dv, warp-specialized: attn_bwd_dkdv_pipe_kernel<HD, true> (sm90_pipe.cuh: items, products,
+// Pᵀ hand-over, cross-item overlap, epilogue, all unchanged) with the producer warp loading
+// K and V once and, per item, Q and dA (TMA) and lse · log2e and D (all 32 lanes, plain loads) into
+// slot it % 2, and the block barriers B1 / B2 replaced by mbarriers: each consumer warp waits for
+// the "full" barrier of item it+1 before its first product and arrives on the "empty" barrier of
+// item it's slot once its second product of item it is done. The slot turns over only when all
+// eight warps are past item it, which also orders what B1 used to: Pᵀ is double-buffered by item
+// parity (sP[it % 2], named barrier 1 + it % 2), and warpgroup 0 rewrites sP[it % 2] for item it+2
+// only after that item's tiles arrived, i.e. after warpgroup 1 released item it, whose Pᵀ it read
+// before its second product.
+template <int HD>
+__global__ void __launch_bounds__(kTmaThreads, 1)
+    attn_bwd_dkdv_tma_kernel(const BwdParams p, const __grid_constant__ DkdvMaps maps) {
+  constexpr int BN = kSmallTile, BM = kSmallTile;
+  using LN = TileL<BN, HD>;                                      // K, V, Q, dA
+  bf16_t* sK = reinterpret_cast<bf16_t*>(dyn_smem_1k());         // [BN x HD]
+  bf16_t* sV = sK + BN * HD;                                     // [BN x HD]
+  bf16_t* sQ = sV + BN * HD;                                     // [2][BM x HD]
+  bf16_t* sA = sQ + 2 * BM * HD;                                 // [2][BM x HD] dA
+  float* sP = reinterpret_cast<float*>(sA + 2 * BM * HD);        // [2][BN·BM / 128][128] Pᵀ
+  float* sL = sP + 2 * BN * BM;                                  // [2][BM] lse · log2e
+  float* sD = sL + 2 * BM;                                       // [2][BM] D
+  uint64_t* full_kv = reinterpret_cast<uint64_t*>(sD + 2 * BM);  // K, V loaded
+  uint64_t* full = full_kv + 1;                                  // [2] item slot loaded
+  uint64_t* empty = full_kv + 3;                                 // [2] item slot released
+
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int j = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.Hkv));
+  const int tile = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.Hkv));
+  const int total = p.ts[p.N];
+  if (tile >= total) return;
+  const int n = find_doc(p.ts, p.N, tile);
+  const Doc d = doc_bounds(p.cu, n, p.T);
+  const int64_t k0l = d.b + static_cast<int64_t>(tile - p.ts[n]) * BN;
+  if (k0l >= d.e) return;
+  const int k0 = static_cast<int>(k0l), k_end = imin(k0 + BN, d.e);
+  const int m_first = (k0 - d.b) / BM, n_m = (d.e - d.b + BM - 1) / BM - m_first;
+  const int n_items = p.group * n_m;
+
+  if (tid == 0) {
+    mbar_init(full_kv, 1);
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(full + s, 32);       // the producer warp's lanes (lse, D; lane 0 also the tiles)
+      mbar_init(empty + s, kWarps);  // one arrival per consumer warp
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();  // the last block barrier
+
+  if (warp >= kWarps) {  // producer warpgroup
+    setmaxnreg_dec<kTmaProducerRegs>();
+    if (warp == kWarps) {
+      if (lane == 0) {
+        mbar_arrive_expect_tx(full_kv, static_cast<uint32_t>(2 * BN * HD * sizeof(bf16_t)));
+#pragma unroll
+        for (int b = 0; b < HD / 64; ++b) {
+          tma_load_3d(sK + b * BN * 64, &maps.k, full_kv, b * 64, j, k0);
+          tma_load_3d(sV + b * BN * 64, &maps.v, full_kv, b * 64, j, k0);
+        }
+      }
+      for (int it = 0; it < n_items; ++it) {
+        const int s = it & 1;
+        if (it >= 2) mbar_wait(empty + s, static_cast<uint32_t>((it >> 1) - 1) & 1u);
+        const int h = j * p.group + it / n_m;
+        const int qs = d.b + (m_first + it % n_m) * BM;
+#pragma unroll
+        for (int r = lane; r < BM; r += 32) {
+          const bool ok = r < d.e - qs;
+          const size_t row = static_cast<size_t>(qs + (ok ? r : 0)) * p.Hq + h;
+          sL[s * BM + r] = ok ? p.lse[row] * kLog2e : INFINITY;
+          sD[s * BM + r] = ok ? p.D[row] : 0.f;
+        }
+        if (lane == 0) {
+          mbar_arrive_expect_tx(full + s, static_cast<uint32_t>(2 * BM * HD * sizeof(bf16_t)));
+#pragma unroll
+          for (int b = 0; b < HD / 64; ++b) {
+            tma_load_3d(sQ + s * BM * HD + b * BM * 64, &maps.q, full + s, b * 64, h, qs);
+            tma_load_3d(sA + s * BM * HD + b * BM * 64, &maps.a, full + s, b * 64, h, qs);
+          }
+        } else {
+          mbar_arrive(full + s);
+        }
+      }
+    }
+    return;  // the consumers wait for every copy, so the block outlives them
+  }
+
+  setmaxnreg_inc<kTmaConsumerRegs>();
+  const int g = lane >> 2, c = lane & 3;
+  const int wg = warp >> 2, wtid = tid & 127;  // warpgroup, thread in the warpgroup
+  const int kr = (warp & 3) * 16 + g;          // this thread's key rows kr, kr + 8 of the tile
+  const int u0 = k0 + kr, u1 = u0 + 8;
+  const unsigned char* Kt = reinterpret_cast<const unsigned char*>(sK);
+  const unsigned char* Vt = reinterpret_cast<const unsigned char*>(sV);
+  float acc[HD / 2];  // warpgroup 0: dV; warpgroup 1: dK (64 keys x HD)
+#pragma unroll
+  for (int i = 0; i < HD / 2; ++i) acc[i] = 0.f;
+
+  float st[BM / 2];
+  auto issue_first = [&](int sb) {
+#pragma unroll
+    for (int i = 0; i < BM / 2; ++i) st[i] = 0.f;
+    reg_fence(st);
+    wgmma_fence();
+    const uint64_t da = LN::desc_k(wg == 0 ? Kt : Vt);
+    const uint64_t db =
+        LN::desc_k(wg == 0 ? reinterpret_cast<const unsigned char*>(sQ + sb * BM * HD)
+                           : reinterpret_cast<const unsigned char*>(sA + sb * BM * HD));
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk)
+      wgmma_ss<BM, 0>(st, da + LN::k_step(kk), db + LN::k_step(kk), 1);
+    wgmma_commit();
+  };
+  auto issue_second = [&](int sb, int it, uint32_t(&pa)[BM / 16][4]) {
+    const unsigned char* Q = reinterpret_cast<const unsigned char*>(sQ + sb * BM * HD);
+    const unsigned char* A = reinterpret_cast<const unsigned char*>(sA + sb * BM * HD);
+    const float* L = sL + sb * BM;
+    const float* Dv = sD + sb * BM;
+    float* P = sP + sb * BN * BM;
+    const int qs = d.b + (m_first + it % n_m) * BM;
+    const bool diag = k0 + BN - 1 > qs;  // some key of the tile lies after some query
+    if (wg == 0) {
+#pragma unroll
+      for (int i = 0; i < BM / 2; ++i) {
+        const int q = (i >> 2) * 8 + 2 * c + (i & 1);  // query column in the item
+        float x = st[i] * p.scale_log2 - L[q];
+        if (diag && ((i & 2) ? u1 : u0) > qs + q) x = -INFINITY;
+        st[i] = ex2(x);
+        P[i * 128 + wtid] = st[i];
+      }
+      named_bar_arrive(1 + sb, kThreads);
+    } else {
+      named_bar_sync(1 + sb, kThreads);
+#pragma unroll
+      for (int i = 0; i < BM / 2; ++i) {
+        const int q = (i >> 2) * 8 + 2 * c + (i & 1);
+        st[i] = P[i * 128 + wtid] * (st[i] - Dv[q]);
+      }
+    }
+    acc_to_a<BM>(st, pa);
+    const uint64_t db2 = LN::desc_mn(wg == 0 ? A : Q);
+    reg_fence_u(pa);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < BM / 16; ++ks) wgmma_rs<HD, 1>(acc, pa[ks], db2 + LN::mn_step(ks), 1);
+    wgmma_commit();
+  };
+
+  mbar_wait(full_kv, 0);
+  mbar_wait(full, 0);
+  reg_fence(acc);
+  issue_first(0);
+  wgmma_wait<0>();
+  reg_fence(st);
+  for (int it = 0; it < n_items; ++it) {
+    const int buf = it & 1;
+    uint32_t pa[BM / 16][4];
+    issue_second(buf, it, pa);
+    if (it + 1 < n_items) {
+      mbar_wait(full + (buf ^ 1), static_cast<uint32_t>((it + 1) >> 1) & 1u);  // item it+1
+      issue_first(buf ^ 1);
+      wgmma_wait<1>();  // this warpgroup's dV / dK product of item it is done
+      reg_fence(acc);
+      reg_fence_u(pa);
+      if (lane == 0) mbar_arrive(empty + buf);  // this warp is done with item it's slot
+      wgmma_wait<0>();
+      reg_fence(st);
+    } else {
+      wgmma_wait<0>();
+      reg_fence(acc);
+      reg_fence_u(pa);
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int u = r == 0 ? u0 : u1;
+    if (u >= k_end) continue;
+    const size_t row = static_cast<size_t>(u) * p.Hkv + j;
+#pragma unroll
+    for (int nt = 0; nt < HD / 8; ++nt) {
+      const int col = nt * 8 + 2 * c;
+      if (col < p.hd) {
+        if (wg == 0) {
+          *reinterpret_cast<uint32_t*>(p.dv + row * p.hd + col) =
+              pack_bf16x2(acc[4 * nt + 2 * r], acc[4 * nt + 2 * r + 1]);
+        } else {
+          *reinterpret_cast<float2*>(p.dk_hat + row * p.hd + col) =
+              make_float2(acc[4 * nt + 2 * r] * p.scale, acc[4 * nt + 2 * r + 1] * p.scale);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace gdn::ops::attn
