@@ -1,6 +1,7 @@
 // Gated attention on CUDA (label gpu), for each CUDA implementation ("cuda.flash": mma.sync,
-// "cuda.pipe": Hopper warpgroup MMAs with overlapped tile products) called directly: cuda vs ref
-// over swept shapes (forward, every saved tensor and every gradient, both halves of dqg
+// "cuda.pipe" / "cuda.pipe_xi": Hopper warpgroup MMAs with overlapped tile products, "cuda.tma",
+// "cuda.tma_kv", "cuda.tma_all": the same with TMA producer warps and mbarriers) called directly:
+// cuda vs ref over swept shapes (forward, every saved tensor and every gradient, both halves of dqg
 // separately): one document, many documents with 1-token and empty ones, T and documents not
 // multiples of the 128-query / 64-key tiles, GQA 1/2/4, head dims 8 .. 256 (64, 128, 256 native; 8,
 // 16, 96 padded), partial rotary factors 0 .. 1; packed batch == documents run alone (bit for bit,
@@ -115,9 +116,9 @@ DevInputs to_device(const Inputs& in) {
 }
 
 const char* const kImpls[] = {"cuda.flash", "cuda.pipe", "cuda.pipe_xi", "cuda.tma", "cuda.tma_kv"};
-// The resolver's choice on Hopper: the highest priority (cuda.pipe_xi 35, cuda.pipe 30, cuda.flash
-// 10).
-constexpr const char* kPreferred = "cuda.pipe_xi";
+// The resolver's choice on Hopper: the highest priority (cuda.tma_all 39, cuda.tma_kv 38,
+// cuda.pipe_xi 35, cuda.tma 33, cuda.pipe 30, cuda.flash 10).
+constexpr const char* kPreferred = "cuda.tma_all";
 
 // The function table of a registered CUDA implementation.
 const GatedAttentionTable& table_of(const std::string& impl) {
@@ -345,11 +346,11 @@ TEST_P(GatedAttentionCudaImpl, BackwardIsDeterministicAndAccumulatesNormWeightGr
   }
 }
 
-// cuda.tma's forward and cuda.tma_kv's forward and dk/dv kernel (TMA producer warpgroup,
-// mbarriers) compute the same products in the same order as cuda.pipe_xi's, and their tiles past
-// a document's end hold the next document's rows instead of zeros (a tensor map ends at T, not at
-// the document), which the causal mask (keys) and lse = +inf (queries of the dk/dv items) must
-// turn into exact zeros: every output, forward and backward, bit for bit, over documents that end
+// The TMA kernels (producer warpgroup, mbarriers: cuda.tma the forward, cuda.tma_kv also dk/dv,
+// cuda.tma_all also dq) compute the same products in the same order as cuda.pipe_xi's, and their
+// tiles past a document's end hold the next document's rows instead of zeros (a tensor map ends
+// at T, not at the document), which the causal mask (keys) and lse = +inf (queries) must turn
+// into exact zeros: every output, forward and backward, bit for bit, over documents that end
 // inside a key tile, inside and at the end of a query tile, 1-token and empty ones, padded head
 // dims (columns past hd zero-filled by the TMA unit) and the last rows of T.
 TEST_F(GatedAttentionCuda, TmaMatchesPipeXiBitForBit) {
@@ -363,7 +364,7 @@ TEST_F(GatedAttentionCuda, TmaMatchesPipeXiBitForBit) {
     Inputs in = make_inputs(c.lens, c.Hq, c.Hkv, c.hd, 0.25, 1e4, 71 + c.hd);
     DevInputs d = to_device(in);
     Result b = run_cuda("cuda.pipe_xi", in, d);
-    for (const char* impl : {"cuda.tma", "cuda.tma_kv"}) {
+    for (const char* impl : {"cuda.tma", "cuda.tma_kv", "cuda.tma_all"}) {
       Result a = run_cuda(impl, in, d);
       const std::string label =
           std::string(impl) + ", hd " + std::to_string(c.hd) + ", T " + std::to_string(in.T());
@@ -421,7 +422,7 @@ TEST_P(GatedAttentionCudaImpl, InconsistentDeviceOffsetsDoNotFault) {
   }
 }
 
-// The resolver prefers cuda.pipe (priority 30) over cuda.flash (10); both pass the probe.
+// The resolver prefers the highest priority (kPreferred); every implementation passes the probe.
 TEST_F(GatedAttentionCuda, ResolverChoosesPipeAndAllPassTheProbe) {
   const OpQuery q{Backend::Cuda, "", {{"hd", 256}, {"Hq", 16}, {"Hkv", 4}}};
   const Resolution& r = Registry::global().resolve("gated_attention", q);

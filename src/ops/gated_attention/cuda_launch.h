@@ -26,6 +26,8 @@ void launch_bwd_dkdv_xi(const BwdParams& p, int hd_class, unsigned blocks, cudaS
 void launch_fwd_tma(const FwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
 // The dk/dv kernel with a TMA producer warp and mbarriers (sm90_tma.cuh).
 void launch_bwd_dkdv_tma(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
+// The dq kernel with a TMA producer warp and mbarriers (sm90_tma.cuh).
+void launch_bwd_dq_tma(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
 
 // The attention kernels of one implementation.
 struct AttnKernels {
@@ -35,7 +37,7 @@ struct AttnKernels {
 };
 
 // For kernel benchmarks (bench/cuda_bench_attn_kernels.cu): the forward / backward of CUDA
-// implementation `impl` ("cuda.flash", "cuda.pipe", "cuda.pipe_xi" or "cuda.tma"), no validation
+// implementation `impl` (any registered CUDA one), no validation
 // beyond the implementation's own, with an event recorded on the context stream before the first
 // launch and after each: forward 4 marks (tile index, prologue, attention), backward 7 (tile index,
 // preprocess, dk/dv, dq, epilogue, dw reduce).

@@ -1,11 +1,12 @@
-// Gated attention on Hopper, "cuda.tma": the forward of sm90_pipe.cuh with its K / V tiles brought
-// in by a producer warp through TMA (cp.async.bulk.tensor) into a ring of slots guarded by
-// mbarriers, FlashAttention-3's warp specialization (Shah et al. 2024, §3.1; the roles and the
-// full / empty barrier pairs follow CUTLASS's PipelineTmaAsync, include/cutlass/pipeline/
-// sm90_pipeline.hpp, read, not copied). The two consumer warpgroups never meet at a block barrier:
-// each waits on the "full" mbarrier of the tile it needs and signals the "empty" one of a tile it
-// has finished reading, so they drift freely and no consumer thread spends issue slots or
-// registers on copies.
+// Gated attention on Hopper, "cuda.tma" / "cuda.tma_kv" / "cuda.tma_all": the three attention
+// kernels of sm90_pipe.cuh (forward, dk/dv, dq) with their tiles brought in by a producer warp
+// through TMA (cp.async.bulk.tensor) into slots guarded by mbarriers, FlashAttention-3's warp
+// specialization (Shah et al. 2024, §3.1; the roles and the full / empty barrier pairs follow
+// CUTLASS's PipelineTmaAsync, include/cutlass/pipeline/sm90_pipeline.hpp, read, not copied). The
+// two consumer warpgroups never meet at a block barrier: each waits on the "full" mbarrier of the
+// tile it needs and signals the "empty" one of a tile it has finished reading, so they drift
+// freely, and no consumer thread spends issue slots or registers on copies. The products, masking,
+// order of accumulation and epilogues are sm90_pipe.cuh's, line for line.
 //
 // TMA and the wgmma tiles: a tensor map over [T, H, hd] (dims {hd, H, T}, box {64, 1, R},
 // CU_TENSOR_MAP_SWIZZLE_128B) writes R rows of 128 bytes with the 16-byte chunk j of row r at
@@ -526,6 +527,182 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
               make_float2(acc[4 * nt + 2 * r] * p.scale, acc[4 * nt + 2 * r + 1] * p.scale);
         }
       }
+    }
+  }
+}
+
+// The dq kernel's tensor maps: q_hat and dA [T, Hq, ·] in boxes of kBigTile rows, k_hat and v
+// [T, Hkv, hd] in boxes of kPipeDqKeys rows.
+struct DqMaps {
+  CUtensorMap q, a, k, v;
+};
+
+template <int HD>
+constexpr size_t dq_tma_smem_bytes() {  // the cuda.pipe tiles + 7 mbarriers
+  return dq_pipe_smem_bytes<HD>() + 7 * sizeof(uint64_t);
+}
+static_assert(dq_tma_smem_bytes<256>() <= 227 * 1024, "dq (TMA) shared memory");
+
+// dq, warp-specialized: attn_bwd_dq_pipe_kernel (sm90_pipe.cuh: products, masking, order of
+// accumulation, epilogue unchanged) with the producer warp loading Q and dA once, K_j into slot
+// j % 2 and V_j into the one V slot, and mbarriers in place of the block barriers:
+//   producer (warp 8, one lane): Q, dA, K_0, V_0, then per step i: K_{i+1} once the consumers
+//     released K_{i-1}, V_{i+1} once they released V_i;
+//   consumers, step jt: wait K_jt, S = Q K_jtᵀ; wait V_jt, dP = dA V_jtᵀ; both done: release V_jt;
+//     dS; dQ += dS K_jt done: release K_jt.
+// V_j is the j-th fill of its slot (parity j % 2 of full_v, and the producer waits for parity
+// i % 2 of empty_v, V_i released, before loading V_{i+1}); K as in the forward.
+template <int HD>
+__global__ void __launch_bounds__(kTmaThreads, 1)
+    attn_bwd_dq_tma_kernel(const BwdParams p, const __grid_constant__ DqMaps maps) {
+  constexpr int BM = kBigTile, BN = kPipeDqKeys;
+  using LB = TileL<BM, HD>;                                       // Q, dA
+  using LN = TileL<BN, HD>;                                       // K, V
+  bf16_t* sQ = reinterpret_cast<bf16_t*>(dyn_smem_1k());          // [BM x HD]
+  bf16_t* sA = sQ + BM * HD;                                      // [BM x HD] dA
+  bf16_t* sK = sA + BM * HD;                                      // [2][BN x HD]
+  bf16_t* sV = sK + 2 * BN * HD;                                  // [BN x HD]
+  uint64_t* full_qa = reinterpret_cast<uint64_t*>(sV + BN * HD);  // Q, dA loaded
+  uint64_t* full_k = full_qa + 1;                                 // [2]
+  uint64_t* empty_k = full_qa + 3;                                // [2]
+  uint64_t* full_v = full_qa + 5;
+  uint64_t* empty_v = full_qa + 6;
+
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int h = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.Hq));
+  const int rev = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.Hq));
+  const int total = p.ts[p.N];
+  if (rev >= total) return;
+  const int tile = total - 1 - rev;  // longest tiles first
+  const int n = find_doc(p.ts, p.N, tile);
+  const Doc d = doc_bounds(p.cu, n, p.T);
+  const int64_t q0l = d.b + static_cast<int64_t>(tile - p.ts[n]) * BM;
+  if (q0l >= d.e) return;
+  const int q0 = static_cast<int>(q0l), q_end = imin(q0 + BM, d.e);
+  const int j = h / p.group;
+  const int nk = (q_end - d.b + BN - 1) / BN;
+
+  if (tid == 0) {
+    mbar_init(full_qa, 1);
+    mbar_init(full_v, 1);
+    mbar_init(empty_v, kWarps);
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(full_k + s, 1);
+      mbar_init(empty_k + s, kWarps);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();  // the last block barrier
+
+  if (warp >= kWarps) {  // producer warpgroup
+    setmaxnreg_dec<kTmaProducerRegs>();
+    if (warp == kWarps && lane == 0) {
+      mbar_arrive_expect_tx(full_qa, static_cast<uint32_t>(2 * BM * HD * sizeof(bf16_t)));
+#pragma unroll
+      for (int b = 0; b < HD / 64; ++b) {
+        tma_load_3d(sQ + b * BM * 64, &maps.q, full_qa, b * 64, h, q0);
+        tma_load_3d(sA + b * BM * 64, &maps.a, full_qa, b * 64, h, q0);
+      }
+      tma_tile<BN, HD>(sK, &maps.k, full_k, j, d.b);
+      tma_tile<BN, HD>(sV, &maps.v, full_v, j, d.b);
+      for (int i = 0; i + 1 < nk; ++i) {
+        const int s = (i + 1) & 1;
+        if (i + 1 >= 2) mbar_wait(empty_k + s, static_cast<uint32_t>(((i + 1) >> 1) - 1) & 1u);
+        tma_tile<BN, HD>(sK + s * BN * HD, &maps.k, full_k + s, j, d.b + (i + 1) * BN);
+        mbar_wait(empty_v, static_cast<uint32_t>(i) & 1u);
+        tma_tile<BN, HD>(sV, &maps.v, full_v, j, d.b + (i + 1) * BN);
+      }
+    }
+    return;  // the consumers wait for every copy, so the block outlives them
+  }
+
+  setmaxnreg_inc<kTmaConsumerRegs>();
+  const int g = lane >> 2, c = lane & 3;
+  const int t0 = q0 + warp * 16 + g, t1 = t0 + 8;
+  float lse2[2], Dr[2];  // lse in base-2 units and D of rows t0, t1
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int t = r == 0 ? t0 : t1;
+    const bool ok = t < q_end;
+    const size_t row = static_cast<size_t>(ok ? t : q0) * p.Hq + h;
+    lse2[r] = ok ? p.lse[row] * kLog2e : INFINITY;
+    Dr[r] = ok ? p.D[row] : 0.f;
+  }
+  const size_t wg_off = LB::rows((warp >> 2) * 64);  // this warpgroup's 64 rows
+  const unsigned char* qrows = reinterpret_cast<const unsigned char*>(sQ) + wg_off;
+  const unsigned char* arows = reinterpret_cast<const unsigned char*>(sA) + wg_off;
+  const unsigned char* V = reinterpret_cast<const unsigned char*>(sV);
+  float acc[HD / 2];  // dQ
+#pragma unroll
+  for (int i = 0; i < HD / 2; ++i) acc[i] = 0.f;
+  mbar_wait(full_qa, 0);
+
+  for (int jt = 0; jt < nk; ++jt) {
+    mbar_wait(full_k + (jt & 1), static_cast<uint32_t>(jt >> 1) & 1u);  // K_jt
+    const unsigned char* K = reinterpret_cast<const unsigned char*>(sK + (jt & 1) * BN * HD);
+    const int k0 = d.b + jt * BN;
+
+    float s[BN / 2], dp[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) s[i] = dp[i] = 0.f;
+    reg_fence(s);
+    reg_fence(dp);
+    reg_fence(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk)
+      wgmma_ss<BN, 0>(s, LB::desc_k(qrows) + LB::k_step(kk), LN::desc_k(K) + LN::k_step(kk), 1);
+    wgmma_commit();
+    mbar_wait(full_v, static_cast<uint32_t>(jt) & 1u);  // V_jt
+    // After the wait's loop ptxas no longer sees dp as fenced and would insert this itself (C7519).
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk)
+      wgmma_ss<BN, 0>(dp, LB::desc_k(arows) + LB::k_step(kk), LN::desc_k(V) + LN::k_step(kk), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(s);
+    reg_fence(dp);
+    if (lane == 0) mbar_arrive(empty_v);  // this warp is done with V_jt
+
+    // P and dS = P ⊙ (dP − D), in place of s.
+    const bool diag = k0 + BN - 1 > q0;
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[4 * nt + e] * p.scale_log2 - lse2[e >> 1];
+        const int u = k0 + nt * 8 + 2 * c + (e & 1);
+        if (diag && u > (e < 2 ? t0 : t1)) x = -INFINITY;
+        s[4 * nt + e] = ex2(x) * (dp[4 * nt + e] - Dr[e >> 1]);
+      }
+
+    // dQ += dS K
+    uint32_t pa[BN / 16][4];
+    acc_to_a<BN>(s, pa);
+    reg_fence_u(pa);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < BN / 16; ++ks)
+      wgmma_rs<HD, 1>(acc, pa[ks], LN::desc_mn(K) + LN::mn_step(ks), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(acc);
+    reg_fence_u(pa);
+    if (lane == 0) mbar_arrive(empty_k + (jt & 1));  // this warp is done with K_jt
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int t = r == 0 ? t0 : t1;
+    if (t >= q_end) continue;
+    float* out = p.dq_hat + (static_cast<size_t>(t) * p.Hq + h) * p.hd;  // [hd]
+#pragma unroll
+    for (int nt = 0; nt < HD / 8; ++nt) {
+      const int col = nt * 8 + 2 * c;
+      if (col < p.hd)
+        *reinterpret_cast<float2*>(out + col) =
+            make_float2(acc[4 * nt + 2 * r] * p.scale, acc[4 * nt + 2 * r + 1] * p.scale);
     }
   }
 }
