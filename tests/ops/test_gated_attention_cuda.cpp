@@ -115,7 +115,8 @@ DevInputs to_device(const Inputs& in) {
           b(in.dout)};
 }
 
-const char* const kImpls[] = {"cuda.flash", "cuda.pipe", "cuda.pipe_xi", "cuda.tma", "cuda.tma_kv"};
+const char* const kImpls[] = {"cuda.flash", "cuda.pipe",   "cuda.pipe_xi",
+                              "cuda.tma",   "cuda.tma_kv", "cuda.tma_all"};
 // The resolver's choice on Hopper: the highest priority (cuda.tma_all 39, cuda.tma_kv 38,
 // cuda.pipe_xi 35, cuda.tma 33, cuda.pipe 30, cuda.flash 10).
 constexpr const char* kPreferred = "cuda.tma_all";

@@ -58,19 +58,21 @@
 // (ceil(T / kRowTokens) x 2hd fp32).
 //
 // Where the time goes (H200, T = 8192 as one document, 16 / 4 heads x 256; measured with
-// bench/cuda_bench_attn_kernels --iters 10, branch attn8): cuda.pipe_xi forward 1.33 ms =
-// prologue 0.06 + attention 1.26 (438 TFLOP/s); backward 4.61 ms = preprocess 0.09 + dk/dv 3.01
-// (365) + dq 1.37 (601) + epilogue 0.13 + the rest 0.01. The TMA producer warpgroup and mbarriers
-// (sm90_tma.cuh) took the attention forward to 0.99 ms (557 TFLOP/s) and dk/dv to 2.23 ms (494),
-// bit-identical (four documents of 2048: forward 0.50 -> 0.43 ms, dk/dv 0.81 -> 0.59); with them
-// (cuda.tma_kv) the op's forward + backward ran 5.115 ms against torch SDPA's 4.738 in the same
-// process (1.08x; four documents 1.729 vs 1.568, 1.10x), from 1.31x / 1.29x. In the cp.async
-// kernels a third of dk/dv's stall cycles were at the two block barriers per item (Nsight Compute;
-// 30% L2, 39% SM): every thread spent issue slots and registers on copies, and the warpgroups
-// waited for each other at every step. What remains, in order of size:
+// bench/cuda_bench_attn_kernels --iters 10, branch attn8, one process): cuda.pipe_xi forward
+// 1.34 ms = prologue 0.07 + attention 1.27 (435 TFLOP/s); backward 4.66 ms = preprocess 0.09 +
+// dk/dv 3.04 (362) + dq 1.39 (595) + epilogue 0.13 + the rest 0.01; forward + backward 5.99 ms.
+// The TMA producer warpgroup and mbarriers (sm90_tma.cuh, cuda.tma_all) took the attention
+// forward to 0.99 ms (553 TFLOP/s), dk/dv to 2.22 ms (496) and dq to 1.05 ms (783), bit-identical:
+// forward + backward 4.56 ms (four documents of 2048: 2.00 -> 1.65 ms). torch SDPA in the same
+// machine session: 4.54 / 1.55 ms forward + backward (cuda_bench_ops --peers; with cuda.tma_kv, the
+// TMA forward and dk/dv only, that bench measured 5.115 ms against SDPA's 4.738 in one process,
+// 1.08x, four documents 1.729 vs 1.568, 1.10x, from 1.31x / 1.29x with cuda.pipe_xi). In the
+// cp.async kernels a third of dk/dv's stall cycles were at the two block barriers per item (Nsight
+// Compute; 30% L2, 39% SM): every thread spent issue slots and registers on copies, and the
+// warpgroups waited for each other at every step. What remains, in order of size:
 //   - dk/dv re-reads Q and dA from L2 once per key tile (64 KB per 8.4 MFLOP): a cluster of two key
 //     tiles sharing Q / dA by TMA multicast is the next step;
-//   - the forward (557 TFLOP/s; SDPA 620): FlashAttention-3's ping-pong of the two consumer
+//   - the forward (553 TFLOP/s; SDPA 617): FlashAttention-3's ping-pong of the two consumer
 //     warpgroups (one's softmax under the other's products) is not done;
 //   - the row kernels (branch attn7, H200 with cuda_bench_attn_kernels --iters 10): epilogue
 //     0.130 ms (was 0.33; 0.61 of copy), prologue 0.065 (was 0.11; 0.61), preprocess 0.084 (now
