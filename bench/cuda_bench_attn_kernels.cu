@@ -171,7 +171,8 @@ GatedAttentionBwd bwd_args(Bufs& b) {
 
 int run(int argc, char** argv) {
   int iters = 20;
-  std::vector<std::string> impls{"cuda.flash", "cuda.pipe", "cuda.pipe_xi"};
+  std::vector<std::string> impls{"cuda.flash", "cuda.pipe",   "cuda.pipe_xi",
+                                 "cuda.tma",   "cuda.tma_kv", "cuda.tma_all"};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--iters" && i + 1 < argc) {

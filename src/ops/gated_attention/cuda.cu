@@ -1,14 +1,20 @@
 // Gated attention on CUDA (op.h has the contract): bf16 qg/k/v/weights/outputs, fp32 lse, rstd and
 // norm-weight gradients, fp32 arithmetic, tensor-core (bf16 -> fp32) attention.
 //
-// Two implementations share this host side and the row kernels and differ in the three attention
+// The implementations share this host side and the row kernels and differ in the three attention
 // kernels (fwd, dk/dv, dq), which compute the same things with the same tiles of work and, on an
 // H200, the same bits (HGMMA and HMMA round alike and the products accumulate in the same order):
-//   cuda.pipe_xi (priority 35, Hopper): warpgroup MMAs (wgmma) on 128-byte-swizzled tiles with
-//              the tile products overlapped, sm90_pipe.cuh, the dk/dv kernel pipelined across its
-//              items (the default);
-//   cuda.pipe  (30, Hopper): the same with the dk/dv kernel one item at a time (kept for A/B);
-//   cuda.flash (10, any sm_80+): mma.sync m16n8k16 with ldmatrix, cuda_fwd.cuh / cuda_bwd.cuh.
+//   cuda.tma_all (priority 39, Hopper): the default: every attention kernel warp-specialized, a
+//              producer warpgroup bringing the tiles in with TMA into slots guarded by full / empty
+//              mbarriers and the two consumer warpgroups never meeting at a block barrier
+//              (sm90_tma.cuh; FlashAttention-3's design) around cuda.pipe_xi's products;
+//   cuda.tma_kv  (38): the TMA forward and dk/dv, cuda.pipe_xi's dq (kept for A/B);
+//   cuda.pipe_xi (35, Hopper): warpgroup MMAs (wgmma) on 128-byte-swizzled tiles with the tile
+//              products overlapped, sm90_pipe.cuh, cp.async by every thread and block barriers, the
+//              dk/dv kernel pipelined across its items;
+//   cuda.tma     (33): the TMA forward, cuda.pipe_xi's backward (kept for A/B);
+//   cuda.pipe    (30, Hopper): cuda.pipe_xi with the dk/dv kernel one item at a time;
+//   cuda.flash   (10, any sm_80+): mma.sync m16n8k16 with ldmatrix, cuda_fwd.cuh / cuda_bwd.cuh.
 // The resolver takes the first that the device supports and that passes the probe, so a Hopper
 // kernel that went wrong falls back to the mma.sync one.
 //
@@ -51,18 +57,23 @@
 // [T, Hq, hd] bf16, dq_hat [T, Hq, hd] and dk_hat [T, Hkv, hd] fp32 and the weight-grad partials
 // (ceil(T / kRowTokens) x 2hd fp32).
 //
-// Where the time goes (H200, T = 8192 as one document, 16 / 4 heads x 256, cuda.pipe_xi; measured
-// with bench/cuda_bench_attn_kernels --iters 10): forward 1.37 ms = prologue 0.11 + attention
-// 1.25; backward 4.74 ms = preprocess 0.07 + dk/dv 2.95 + dq 1.36 + epilogue 0.33 + the rest 0.04
-// (torch SDPA in the same run: 0.88 / 4.60 ms forward / forward + backward, so 1.33x). What
-// remains, in order of size:
-//   - dk/dv (373 TFLOP/s of its four products) is latency-bound: Nsight Compute 30% L2, 39% SM,
-//     a third of the stall cycles at the two block barriers per item; the 64 x 64 items re-read
-//     Q and dA from L2 once per key tile (64 KB per 8.4 MFLOP). A producer warp with TMA and
-//     mbarriers instead of block barriers, a third Q / dA slot (shared memory is full at two),
-//     or a cluster of two key tiles sharing Q / dA by multicast are the next steps;
-//   - the forward (440 TFLOP/s; SDPA 625) and dq (606 TFLOP/s of three products): same loads,
-//     one block barrier per step;
+// Where the time goes (H200, T = 8192 as one document, 16 / 4 heads x 256; measured with
+// bench/cuda_bench_attn_kernels --iters 10, branch attn8, one process): cuda.pipe_xi forward
+// 1.34 ms = prologue 0.07 + attention 1.27 (435 TFLOP/s); backward 4.66 ms = preprocess 0.09 +
+// dk/dv 3.04 (362) + dq 1.39 (595) + epilogue 0.13 + the rest 0.01; forward + backward 5.99 ms.
+// The TMA producer warpgroup and mbarriers (sm90_tma.cuh, cuda.tma_all) took the attention
+// forward to 0.99 ms (553 TFLOP/s), dk/dv to 2.22 ms (496) and dq to 1.05 ms (783), bit-identical:
+// forward + backward 4.56 ms (four documents of 2048: 2.00 -> 1.65 ms). torch SDPA in the same
+// machine session: 4.54 / 1.55 ms forward + backward (cuda_bench_ops --peers; with cuda.tma_kv, the
+// TMA forward and dk/dv only, that bench measured 5.115 ms against SDPA's 4.738 in one process,
+// 1.08x, four documents 1.729 vs 1.568, 1.10x, from 1.31x / 1.29x with cuda.pipe_xi). In the
+// cp.async kernels a third of dk/dv's stall cycles were at the two block barriers per item (Nsight
+// Compute; 30% L2, 39% SM): every thread spent issue slots and registers on copies, and the
+// warpgroups waited for each other at every step. What remains, in order of size:
+//   - dk/dv re-reads Q and dA from L2 once per key tile (64 KB per 8.4 MFLOP): a cluster of two key
+//     tiles sharing Q / dA by TMA multicast is the next step;
+//   - the forward (553 TFLOP/s; SDPA 617): FlashAttention-3's ping-pong of the two consumer
+//     warpgroups (one's softmax under the other's products) is not done;
 //   - the row kernels (branch attn7, H200 with cuda_bench_attn_kernels --iters 10): epilogue
 //     0.130 ms (was 0.33; 0.61 of copy), prologue 0.065 (was 0.11; 0.61), preprocess 0.084 (now
 //     also the gate gradient; 0.94). Fusing the query rows' epilogue into the dq kernel (dq_hat
@@ -366,13 +377,31 @@ void forward_pipe(const GatedAttentionFwd& a) { forward_with(a, kPipe); }
 void backward_pipe(const GatedAttentionBwd& a) { backward_with(a, kPipe); }
 void forward_pipe_xi(const GatedAttentionFwd& a) { forward_with(a, kPipeXi); }
 void backward_pipe_xi(const GatedAttentionBwd& a) { backward_with(a, kPipeXi); }
+constexpr attn::AttnKernels kTma{attn::launch_fwd_tma, attn::launch_bwd_dq_pipe,
+                                 attn::launch_bwd_dkdv_xi};
+void forward_tma(const GatedAttentionFwd& a) { forward_with(a, kTma); }
+void backward_tma(const GatedAttentionBwd& a) { backward_with(a, kTma); }
+constexpr attn::AttnKernels kTmaKv{attn::launch_fwd_tma, attn::launch_bwd_dq_pipe,
+                                   attn::launch_bwd_dkdv_tma};
+void forward_tma_kv(const GatedAttentionFwd& a) { forward_with(a, kTmaKv); }
+void backward_tma_kv(const GatedAttentionBwd& a) { backward_with(a, kTmaKv); }
+constexpr attn::AttnKernels kTmaAll{attn::launch_fwd_tma, attn::launch_bwd_dq_tma,
+                                    attn::launch_bwd_dkdv_tma};
+void forward_tma_all(const GatedAttentionFwd& a) { forward_with(a, kTmaAll); }
+void backward_tma_all(const GatedAttentionBwd& a) { backward_with(a, kTmaAll); }
 const GatedAttentionTable kTable{forward_mma, backward_mma};
 const GatedAttentionTable kTablePipe{forward_pipe, backward_pipe};
 const GatedAttentionTable kTablePipeXi{forward_pipe_xi, backward_pipe_xi};
+const GatedAttentionTable kTableTma{forward_tma, backward_tma};
+const GatedAttentionTable kTableTmaKv{forward_tma_kv, backward_tma_kv};
+const GatedAttentionTable kTableTmaAll{forward_tma_all, backward_tma_all};
 
 const attn::AttnKernels& kernels_of(std::string_view impl) {
   if (impl == "cuda.flash") return kMmaSync;
   if (impl == "cuda.pipe_xi") return kPipeXi;
+  if (impl == "cuda.tma") return kTma;
+  if (impl == "cuda.tma_kv") return kTmaKv;
+  if (impl == "cuda.tma_all") return kTmaAll;
   GDN_CHECK(impl == "cuda.pipe", "{}: no implementation named '{}'", kName, impl);
   return kPipe;
 }
@@ -400,9 +429,9 @@ void attn::backward_marked(const GatedAttentionBwd& a, std::string_view impl, cu
   backward_with(a, kernels_of(impl), marks);
 }
 
-// Two implementations with one host side and the same row kernels (see the top of this file):
-// "cuda.pipe" preferred, "cuda.flash" the fallback the resolver takes when the Hopper one cannot
-// run or fails its probe.
+// The implementations, one host side and the same row kernels (see the top of this file): the
+// Hopper ones by priority, "cuda.flash" the fallback the resolver takes when none of them can run
+// or passes its probe.
 GDN_REGISTER(gated_attention_cuda) {
   Registry::global().add_impl(
       {"gated_attention", "cuda.flash", Backend::Cuda, 10, supports, &kTable});
@@ -410,6 +439,12 @@ GDN_REGISTER(gated_attention_cuda) {
       {"gated_attention", "cuda.pipe", Backend::Cuda, 30, supports_wgmma, &kTablePipe});
   Registry::global().add_impl(
       {"gated_attention", "cuda.pipe_xi", Backend::Cuda, 35, supports_wgmma, &kTablePipeXi});
+  Registry::global().add_impl(
+      {"gated_attention", "cuda.tma", Backend::Cuda, 33, supports_wgmma, &kTableTma});
+  Registry::global().add_impl(
+      {"gated_attention", "cuda.tma_kv", Backend::Cuda, 38, supports_wgmma, &kTableTmaKv});
+  Registry::global().add_impl(
+      {"gated_attention", "cuda.tma_all", Backend::Cuda, 39, supports_wgmma, &kTableTmaAll});
 }
 
 }  // namespace gdn::ops

@@ -22,6 +22,12 @@ void launch_bwd_dq_pipe(const BwdParams& p, int hd_class, unsigned blocks, cudaS
 void launch_bwd_dkdv_pipe(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
 // The dk/dv kernel pipelined across items (sm90_pipe.cuh, XI).
 void launch_bwd_dkdv_xi(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
+// The forward with a TMA producer warp and mbarriers (sm90_tma.cuh).
+void launch_fwd_tma(const FwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
+// The dk/dv kernel with a TMA producer warp and mbarriers (sm90_tma.cuh).
+void launch_bwd_dkdv_tma(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
+// The dq kernel with a TMA producer warp and mbarriers (sm90_tma.cuh).
+void launch_bwd_dq_tma(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
 
 // The attention kernels of one implementation.
 struct AttnKernels {
@@ -31,9 +37,9 @@ struct AttnKernels {
 };
 
 // For kernel benchmarks (bench/cuda_bench_attn_kernels.cu): the forward / backward of CUDA
-// implementation `impl` ("cuda.flash", "cuda.pipe" or "cuda.pipe_xi"), no validation beyond the
-// implementation's own, with an event recorded on the context stream before the first launch and
-// after each: forward 4 marks (tile index, prologue, attention), backward 7 (tile index,
+// implementation `impl` (any registered CUDA one), no validation
+// beyond the implementation's own, with an event recorded on the context stream before the first
+// launch and after each: forward 4 marks (tile index, prologue, attention), backward 7 (tile index,
 // preprocess, dk/dv, dq, epilogue, dw reduce).
 constexpr int kFwdMarks = 4, kBwdMarks = 7;
 void forward_marked(const GatedAttentionFwd& a, std::string_view impl, cudaEvent_t* marks);

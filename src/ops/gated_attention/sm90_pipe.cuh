@@ -18,7 +18,9 @@
 //     through shared memory in the accumulator's own register order (thread t of warpgroup 1
 //     reads exactly the elements thread t of warpgroup 0 wrote), handed over by a named barrier.
 //     lse and D of the next item travel through registers a whole item ahead. "cuda.pipe_xi"
-//     (the default) also pipelines across items (XI below); "cuda.pipe" keeps one item at a time.
+//     also pipelines across items (XI below); "cuda.pipe" keeps one item at a time. The default,
+//     "cuda.tma_all" (sm90_tma.cuh), runs these three kernels' products with a TMA producer warp
+//     and mbarriers in place of the cp.async copies and block barriers.
 // The per-element arithmetic and the order of every accumulation are the mma.sync kernels', and on
 // an H200 the outputs are bit-identical to cuda.flash's (bench/cuda_bench_attn_kernels checks it
 // at T = 8192).
