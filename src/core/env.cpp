@@ -74,6 +74,11 @@ constexpr Knob kKnobs[] = {
      "gated_delta_rule on CUDA, fast route's sequential state passes (A/B): value columns per "
      "block, 16 or 32; 0 chooses (cuda_fast.h state_pipe). Scheduling-only: same results.",
      true, nullptr},
+    {"GDN_GDR_STATE_EXCHANGE", KnobType::Choice, "auto",
+     "gated_delta_rule on CUDA, fast route's state passes (A/B): 'all' has every warp sum all dk "
+     "partials of its column slice; 'auto' scatters the sums over the warps (cuda_fast.h "
+     "state_exchange_sum). Scheduling-only: same results.",
+     true, "auto|all"},
     {"GDN_GDR_STATE_SNAP", KnobType::Choice, "auto",
      "gated_delta_rule on CUDA, fast route's state passes (A/B): 'off' stores the state snapshots "
      "straight from the registers instead of through shared memory. Scheduling-only.",

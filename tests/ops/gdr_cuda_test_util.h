@@ -120,17 +120,20 @@ struct StateSplit {
 };
 
 // Forces the staging pipeline of the fast route's state passes (GDN_GDR_STATE_STAGES, _COLS,
-// _SNAP: cuda_fast.h state_pipe) for the life of the object.
+// _SNAP, _EXCHANGE: cuda_fast.h state_pipe) for the life of the object.
 struct StatePipeKnobs {
-  StatePipeKnobs(const char* stages, const char* cols, const char* snap) {
+  StatePipeKnobs(const char* stages, const char* cols, const char* snap,
+                 const char* exchange = "auto") {
     setenv("GDN_GDR_STATE_STAGES", stages, 1);
     setenv("GDN_GDR_STATE_COLS", cols, 1);
     setenv("GDN_GDR_STATE_SNAP", snap, 1);
+    setenv("GDN_GDR_STATE_EXCHANGE", exchange, 1);
   }
   ~StatePipeKnobs() {
     unsetenv("GDN_GDR_STATE_STAGES");
     unsetenv("GDN_GDR_STATE_COLS");
     unsetenv("GDN_GDR_STATE_SNAP");
+    unsetenv("GDN_GDR_STATE_EXCHANGE");
   }
   StatePipeKnobs(const StatePipeKnobs&) = delete;
   StatePipeKnobs& operator=(const StatePipeKnobs&) = delete;

@@ -277,7 +277,8 @@ TEST_F(GdrCuda, EveryStateSplitMatchesRef) {
 }
 
 // The staging pipeline of the state passes (cuda_state_pipe.cuh: ring depth 2..4, 16 or 32 value
-// columns per block, snapshots through shared memory or straight from the registers) changes no
+// columns per block, snapshots through shared memory or straight from the registers, the dk
+// partials summed by every warp or scattered over the warps) changes no
 // arithmetic: at every dk split, every forced choice gives bitwise the results of the automatic
 // one (which EveryStateSplitMatchesRef checks against ref), forward and every gradient, for
 // dk = dv = 128 (whole-row staging; a long document and one with a 1-token document and partial
@@ -303,10 +304,12 @@ TEST_F(GdrCuda, EveryStatePipeGivesTheSameBits) {
       for (const char* stages : {"2", "3", "4"}) {
         for (const char* cols : {"16", "32"}) {
           for (const char* snap : {"auto", "off"}) {
-            StatePipeKnobs knobs(stages, cols, snap);
-            expect_bitwise_equal(run_cuda(in, d, true), want,
-                                 s.name + " ks=" + std::to_string(ks) + " stages=" + stages +
-                                     " cols=" + cols + " snap=" + snap);
+            for (const char* exchange : {"auto", "all"}) {
+              StatePipeKnobs knobs(stages, cols, snap, exchange);
+              expect_bitwise_equal(run_cuda(in, d, true), want,
+                                   s.name + " ks=" + std::to_string(ks) + " stages=" + stages +
+                                       " cols=" + cols + " snap=" + snap + " exchange=" + exchange);
+            }
           }
         }
       }

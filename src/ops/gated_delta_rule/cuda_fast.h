@@ -57,24 +57,29 @@ constexpr size_t state_red_bytes(int ks) {
 // stays small) keeps 2 buffers, 32 columns, direct snapshot stores and dV'_loc in registers; ks > 1
 // (one block per SM) takes the deepest ring that fits (ns_max, then fewer), the shared-memory
 // snapshot path when whole-row pieces allow it (KP / 8 divides the block) and dV'_loc through the
-// ring. GDN_GDR_STATE_STAGES / _COLS / _SNAP force one choice (A/B; the results do not change).
+// ring. GDN_GDR_STATE_STAGES / _COLS / _SNAP / _EXCHANGE force one choice (A/B; the results do
+// not change).
 StatePipe state_pipe(const Dims& d, int ks, int64_t blocks32, int ns_max,
                      size_t (*smem)(const Dims&, int, const StatePipe&));
 
 #ifdef __CUDACC__
 // x (this warp's partial over its k-blocks, C fragments of 8 token tiles) <- the sum over the KS
 // warps of its column slice vwarp (of nvw slices) of their partials, added in the order
-// p = 0 .. KS-1 so that the KS warps end bitwise equal. Every thread of the block must call it (one
+// p = 0 .. KS-1 so that the KS warps end bitwise equal. Every thread of the block must call it (a
 // block barrier); red is rewritten only after the block's next barrier (the caller's loop head).
+// scatter false: every warp adds all KS partials of all 8 tiles. scatter true: warp kq adds those
+// of the tiles kq, kq + KS, .. into slot p = 0 (only it touches them), and after a barrier of the
+// slice's KS warps (named barrier 1 + vwarp) every warp reads the 8 sums: a quarter of the shared
+// loads and additions at KS = 4 for a second, narrower barrier. Same additions in the same order:
+// the two give bitwise the same x.
 template <int KS>
 __device__ __forceinline__ void state_exchange_sum(float (&x)[8][4], float4* red, int kq, int vwarp,
-                                                   int nvw, int lane) {
+                                                   int nvw, int lane, bool scatter) {
 #pragma unroll
   for (int i = 0; i < 8; ++i)
     red[((kq * nvw + vwarp) * 8 + i) * 32 + lane] = make_float4(x[i][0], x[i][1], x[i][2], x[i][3]);
   __syncthreads();
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
+  auto sum_tile = [&](int i) {
     float4 a = red[(vwarp * 8 + i) * 32 + lane];
 #pragma unroll
     for (int p = 1; p < KS; ++p) {
@@ -84,10 +89,32 @@ __device__ __forceinline__ void state_exchange_sum(float (&x)[8][4], float4* red
       a.z += b.z;
       a.w += b.w;
     }
-    x[i][0] = a.x;
-    x[i][1] = a.y;
-    x[i][2] = a.z;
-    x[i][3] = a.w;
+    return a;
+  };
+  if (scatter) {
+#pragma unroll
+    for (int j = 0; j < 8 / KS; ++j) {
+      const int i = kq + j * KS;
+      red[(vwarp * 8 + i) * 32 + lane] = sum_tile(i);
+    }
+    asm volatile("bar.sync %0, %1;\n" ::"r"(1 + vwarp), "r"(32 * KS) : "memory");
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float4 a = red[(vwarp * 8 + i) * 32 + lane];
+      x[i][0] = a.x;
+      x[i][1] = a.y;
+      x[i][2] = a.z;
+      x[i][3] = a.w;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float4 a = sum_tile(i);
+      x[i][0] = a.x;
+      x[i][1] = a.y;
+      x[i][2] = a.z;
+      x[i][3] = a.w;
+    }
   }
 }
 #endif

@@ -210,9 +210,9 @@ size_t state_bwd_smem(const Dims& d, int ks, const StatePipe& pp) {
          (pp.snap ? tile_bytes_bf16(kVB, d.KP) + tile_bytes_bf16(kVB, kC) : 0);
 }
 
-template <int KS>
+template <int KS, bool FULL>
 __global__ void __launch_bounds__(kStateThreads* KS)
-    gdr_fast_state_bwd_kernel(Dims d, IndexView ix, StatePipe pp,
+    gdr_fast_state_bwd_kernel(Dims dd, IndexView ix, StatePipe pp,
                               const bf16_t* __restrict__ qn,     // [T, Hk, dk]
                               const bf16_t* __restrict__ kn,     // [T, Hk, dk]
                               const bf16_t* __restrict__ W,      // [T, Hv, dk]
@@ -224,6 +224,9 @@ __global__ void __launch_bounds__(kStateThreads* KS)
                               bf16_t* __restrict__ dVt,          // [nt_max, Hv, dv, 64]
                               float* __restrict__ dh0) {         // [N, Hv, dk, dv] or null
   constexpr int KBW = 8 / KS;                                    // k-blocks of 16 per warp
+  // FULL: dk = dv = 128, as constants (no bound checks, no general staging path compiled in).
+  Dims d = dd;
+  if constexpr (FULL) d.dk = d.dv = d.KP = d.VP = 128;
   const int ns = pp.ns, nvw = pp.nvw, vbw = 16 * nvw;
   const bool dls = pp.dls != 0;
   const int nvb = (d.VP + vbw - 1) / vbw;
@@ -261,18 +264,18 @@ __global__ void __launch_bounds__(kStateThreads* KS)
   const RowPieces pk = row_pieces<bf16_t>(d.KP / 8), pu = row_pieces<bf16_t>(2 * nvw);
   const RowPieces pv = row_pieces<bf16_t>(kC / 8), pl = row_pieces<float>(kC / 4);
   const bool kcol = pk.c < d.dk, ucol = pu.c < cvalid;
-  const bool snap = KS > 1 && pp.snap != 0 && pk.ok;                       // as in the forward pass
+  const bool snap = KS > 1 && pp.snap != 0 && (FULL || pk.ok);             // as in the forward pass
   const bf16_t* Qb = qn + (static_cast<int64_t>(bos) * d.Hk + kh) * d.dk;  // row 0 of the document
   const bf16_t* Kb = kn + (static_cast<int64_t>(bos) * d.Hk + kh) * d.dk;
   const bf16_t* Wb = W + (static_cast<int64_t>(bos) * d.Hv + h) * d.dk;
   const bf16_t* Ob = dout + (static_cast<int64_t>(bos) * d.Hv + h) * d.dv + col0;
-  // Stages the i-th chunk from the document's end (chunk c1 - 1 - i) into buffer i % ns; one
+  // Stages the i-th chunk from the document's end (chunk c1 - 1 - i) into buffer b = i % ns; one
   // cp.async group per call, empty past the first chunk.
-  auto stage = [&](int i) {
+  auto stage = [&](int i, int b) {
     if (i < nch) {
-      const int b = i % ns, ci = nch - 1 - i, L = min(kC, eos - (bos + ci * kC));
+      const int ci = nch - 1 - i, L = min(kC, eos - (bos + ci * kC));
       const int64_t r0 = static_cast<int64_t>(ci) * kC;
-      if (pk.ok) {
+      if (FULL || pk.ok) {
         stage_rows(Qs0 + b * nk, ldk, Qb + r0 * ldK, ldK, L, kC, kcol, pk);
         stage_rows(Ks0 + b * nk, ldk, Kb + r0 * ldK, ldK, L, kC, kcol, pk);
         stage_rows(Ws0 + b * nk, ldk, Wb + r0 * ldW, ldW, L, kC, kcol, pk);
@@ -323,15 +326,15 @@ __global__ void __launch_bounds__(kStateThreads* KS)
     }
   }
 
-  for (int i = 0; i + 1 < ns; ++i) stage(i);
+  for (int i = 0; i + 1 < ns; ++i) stage(i, i);
   if (!dls && nch > 0) load_dl(c1 - 1);
-  for (int i = 0; i < nch; ++i) {
-    const int c = c1 - 1 - i, b = i % ns;
+  for (int i = 0, b = 0; i < nch; ++i, b = b + 1 == ns ? 0 : b + 1) {  // b = i % ns
+    const int c = c1 - 1 - i;
     const int64_t slot = static_cast<int64_t>(c) * d.Hv + h;
     cp_async_wait_pending(ns - 2);
     __syncthreads();  // chunk c staged and visible; every warp is done with the previous chunk's
                       // buffer, red and dV' tile
-    stage(i + ns - 1);
+    stage(i + ns - 1, b == 0 ? ns - 1 : b - 1);  // the buffer chunk i - 1 used
     if (snap && i > 0)  // dV' of the previous (later) chunk, written before the barrier above
       store_rows(dVt + (slot + d.Hv) * d.dv * kC + static_cast<int64_t>(col0) * kC, kC, Vs, kLdP,
                  cvalid, true, pv);
@@ -398,7 +401,7 @@ __global__ void __launch_bounds__(kStateThreads* KS)
         mma(y[2 * np + 1], sa[kbl], bb[2], bb[3]);
       }
     }
-    if constexpr (KS > 1) state_exchange_sum<KS>(y, red, kq, vwarp, nvw, lane);
+    if constexpr (KS > 1) state_exchange_sum<KS>(y, red, kq, vwarp, nvw, lane, pp.xs != 0);
     if (snap)  // dH_c, written before the exchange's barrier
       store_rows(dHc + static_cast<int64_t>(col0) * d.dk, d.dk, Hs, ldk, cvalid, kcol, pk);
 #pragma unroll
@@ -1095,14 +1098,21 @@ void fast_state_bwd(const Dims& d, const IndexView& ix, const bf16_t* qn, const 
                d.dv);
     kernel<<<grid, threads, smem, s>>>(d, ix, pp, qn, kn, W, dout, dvlocT, gam, dhT, dHt, dVt, dh0);
   };
-  if (ks == 8)
-    launch(&gdr_fast_state_bwd_kernel<8>);
+  const bool full = d.dk == 128 && d.dv == 128;  // the constant-shape kernels (ks 1, 4, 8)
+  if (ks == 8 && full)
+    launch(&gdr_fast_state_bwd_kernel<8, true>);
+  else if (ks == 8)
+    launch(&gdr_fast_state_bwd_kernel<8, false>);
+  else if (ks == 4 && full)
+    launch(&gdr_fast_state_bwd_kernel<4, true>);
   else if (ks == 4)
-    launch(&gdr_fast_state_bwd_kernel<4>);
+    launch(&gdr_fast_state_bwd_kernel<4, false>);
   else if (ks == 2)
-    launch(&gdr_fast_state_bwd_kernel<2>);
+    launch(&gdr_fast_state_bwd_kernel<2, false>);
+  else if (full)
+    launch(&gdr_fast_state_bwd_kernel<1, true>);
   else
-    launch(&gdr_fast_state_bwd_kernel<1>);
+    launch(&gdr_fast_state_bwd_kernel<1, false>);
   GDN_CUDA_LAUNCH_CHECK("gdr_fast_state_bwd_kernel");
 }
 

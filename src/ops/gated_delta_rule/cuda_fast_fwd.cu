@@ -239,9 +239,9 @@ size_t state_fwd_smem(const Dims& d, int ks, const StatePipe& pp) {
          (pp.snap ? tile_bytes_bf16(kVB, d.KP) + tile_bytes_bf16(kVB, kC) : 0);
 }
 
-template <int KS>
+template <int KS, bool FULL>
 __global__ void __launch_bounds__(kStateThreads* KS)
-    gdr_fast_state_fwd_kernel(Dims d, IndexView ix, StatePipe pp,
+    gdr_fast_state_fwd_kernel(Dims dd, IndexView ix, StatePipe pp,
                               const bf16_t* __restrict__ W,   // [T, Hv, dk]
                               const bf16_t* __restrict__ kn,  // [T, Hk, dk]
                               const bf16_t* __restrict__ U,   // [T, Hv, dv]
@@ -251,6 +251,9 @@ __global__ void __launch_bounds__(kStateThreads* KS)
                               bf16_t* __restrict__ Vt,        // [nt_max, Hv, dv, 64]
                               float* __restrict__ hT) {       // [N, Hv, dk, dv] or null
   constexpr int KBW = 8 / KS;                                 // k-blocks of 16 per warp
+  // FULL: dk = dv = 128, as constants (no bound checks, no general staging path compiled in).
+  Dims d = dd;
+  if constexpr (FULL) d.dk = d.dv = d.KP = d.VP = 128;
   const int ns = pp.ns, nvw = pp.nvw, vbw = 16 * nvw;
   const int nvb = (d.VP + vbw - 1) / vbw;
   const int n = static_cast<int>(blockIdx.x) / nvb, vb = static_cast<int>(blockIdx.x) % nvb;
@@ -284,17 +287,17 @@ __global__ void __launch_bounds__(kStateThreads* KS)
   const RowPieces pv = row_pieces<bf16_t>(kC / 8);
   const bool kcol = pk.c < d.dk, ucol = pu.c < cvalid;
   // The copy-out needs the exchange's barrier (KS > 1) and whole-row pieces (the host checks both).
-  const bool snap = KS > 1 && pp.snap != 0 && pk.ok;
+  const bool snap = KS > 1 && pp.snap != 0 && (FULL || pk.ok);
   const bf16_t* Wb = W + (static_cast<int64_t>(bos) * d.Hv + h) * d.dk;  // row 0 of the document
   const bf16_t* Kb = kn + (static_cast<int64_t>(bos) * d.Hk + kh) * d.dk;
   const bf16_t* Ub = U + (static_cast<int64_t>(bos) * d.Hv + h) * d.dv + col0;
-  // Stages the document's i-th chunk into buffer i % ns; one cp.async group per call, empty past
-  // the last chunk (cuda_state_pipe.cuh: the group accounting).
-  auto stage = [&](int i) {
+  // Stages the document's i-th chunk into buffer b = i % ns; one cp.async group per call, empty
+  // past the last chunk (cuda_state_pipe.cuh: the group accounting).
+  auto stage = [&](int i, int b) {
     if (i < nch) {
-      const int b = i % ns, L = min(kC, eos - (bos + i * kC));
+      const int L = min(kC, eos - (bos + i * kC));
       const int64_t r0 = static_cast<int64_t>(i) * kC;
-      if (pk.ok) {
+      if (FULL || pk.ok) {
         stage_rows(Ws0 + b * nk, ldk, Wb + r0 * ldW, ldW, L, kC, kcol, pk);
         stage_rows(Ks0 + b * nk, ldk, Kb + r0 * ldK, ldK, L, kC, kcol, pk);
       } else {
@@ -323,14 +326,14 @@ __global__ void __launch_bounds__(kStateThreads* KS)
     }
   }
 
-  for (int i = 0; i + 1 < ns; ++i) stage(i);
-  for (int i = 0; i < nch; ++i) {
-    const int c = c0 + i, b = i % ns;
+  for (int i = 0; i + 1 < ns; ++i) stage(i, i);
+  for (int i = 0, b = 0; i < nch; ++i, b = b + 1 == ns ? 0 : b + 1) {  // b = i % ns
+    const int c = c0 + i;
     const int64_t slot = static_cast<int64_t>(c) * d.Hv + h;
     cp_async_wait_pending(ns - 2);
     __syncthreads();  // chunk i staged and visible; every warp is done with chunk i - 1's buffer,
                       // red and the previous V' tile
-    stage(i + ns - 1);
+    stage(i + ns - 1, b == 0 ? ns - 1 : b - 1);  // the buffer chunk i - 1 used
     if (snap && i > 0)  // V' of the previous chunk, written before the barrier above
       store_rows(Vt + (slot - d.Hv) * d.dv * kC + static_cast<int64_t>(col0) * kC, kC, Vs, kLdP,
                  cvalid, true, pv);
@@ -376,7 +379,7 @@ __global__ void __launch_bounds__(kStateThreads* KS)
         mma(x[2 * np + 1], sa[kbl], bb[2], bb[3]);
       }
     }
-    if constexpr (KS > 1) state_exchange_sum<KS>(x, red, kq, vwarp, nvw, lane);
+    if constexpr (KS > 1) state_exchange_sum<KS>(x, red, kq, vwarp, nvw, lane, pp.xs != 0);
     if (snap)  // H_c, written before the exchange's barrier
       store_rows(Hc + static_cast<int64_t>(col0) * d.dk, d.dk, Hs, ldk, cvalid, kcol, pk);
       // V'^T = U^T - X (U^T's A fragments are exactly the positions of x's C fragments).
@@ -576,6 +579,7 @@ StatePipe state_pipe(const Dims& d, int ks, int64_t blocks32, int ns_max,
   const int64_t f_ns = env::get_int("GDN_GDR_STATE_STAGES");
   const int64_t f_cols = env::get_int("GDN_GDR_STATE_COLS");
   const std::string f_snap = env::get_string("GDN_GDR_STATE_SNAP");
+  const std::string f_xs = env::get_string("GDN_GDR_STATE_EXCHANGE");
   GDN_CHECK(f_ns == 0 || (f_ns >= 2 && f_ns <= 4),
             "GDN_GDR_STATE_STAGES={} is not one of 0 (automatic), 2, 3, 4", f_ns);
   GDN_CHECK(f_cols == 0 || f_cols == 16 || f_cols == 32,
@@ -584,7 +588,7 @@ StatePipe state_pipe(const Dims& d, int ks, int64_t blocks32, int ns_max,
   const bool rows_ok = 32 % per_row == 0;
   const size_t cap = static_cast<size_t>(cuda::Context::get().props().sharedMemPerBlockOptin);
   (void)blocks32;
-  StatePipe pp{2, f_cols == 16 ? 1 : 2, 0, 0};
+  StatePipe pp{2, f_cols == 16 ? 1 : 2, 0, 0, f_xs == "all" ? 0 : 1};
   if (ks > 1) {
     pp.snap = f_snap == "off" ? 0 : (rows_ok ? 1 : 0);
     pp.dls = 1;
@@ -631,14 +635,21 @@ void fast_state_fwd(const Dims& d, const IndexView& ix, const bf16_t* W, const b
                d.dv);
     kernel<<<grid, threads, smem, s>>>(d, ix, pp, W, kn, U, gam, h0, Ht, Vt, hT);
   };
-  if (ks == 8)
-    launch(&gdr_fast_state_fwd_kernel<8>);
+  const bool full = d.dk == 128 && d.dv == 128;  // the constant-shape kernels (ks 1, 4, 8)
+  if (ks == 8 && full)
+    launch(&gdr_fast_state_fwd_kernel<8, true>);
+  else if (ks == 8)
+    launch(&gdr_fast_state_fwd_kernel<8, false>);
+  else if (ks == 4 && full)
+    launch(&gdr_fast_state_fwd_kernel<4, true>);
   else if (ks == 4)
-    launch(&gdr_fast_state_fwd_kernel<4>);
+    launch(&gdr_fast_state_fwd_kernel<4, false>);
   else if (ks == 2)
-    launch(&gdr_fast_state_fwd_kernel<2>);
+    launch(&gdr_fast_state_fwd_kernel<2, false>);
+  else if (full)
+    launch(&gdr_fast_state_fwd_kernel<1, true>);
   else
-    launch(&gdr_fast_state_fwd_kernel<1>);
+    launch(&gdr_fast_state_fwd_kernel<1, false>);
   GDN_CUDA_LAUNCH_CHECK("gdr_fast_state_fwd_kernel");
 }
 

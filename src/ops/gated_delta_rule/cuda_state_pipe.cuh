@@ -24,6 +24,7 @@ struct StatePipe {
   int snap;  // 1: snapshots through shared memory and 16-byte stores (needs a block barrier
              //    between the fragment writes and the copy-out: KS > 1)
   int dls;   // backward: 1 stages dV'_loc through the ring, 0 loads it into registers a chunk ahead
+  int xs;    // KS > 1: 1 sums the dk partials scattered over the KS warps (state_exchange_sum)
 };
 
 // This thread's pieces of a tile of 16-byte rows pieces `per_row` wide: column piece c (in
@@ -66,6 +67,11 @@ __device__ __forceinline__ void stage_rows(T* dst, int ld, const T* src, int64_t
   const int64_t sstep = static_cast<int64_t>(p.rstep) * stride;
   T* o = dst + p.r0 * ld + p.c;
   const int ostep = p.rstep * ld;
+  if (rows >= R && col_ok) {  // every piece in range (all but a document's last chunk)
+#pragma unroll 4
+    for (int r = p.r0; r < R; r += p.rstep, s += sstep, o += ostep) cp_async16(o, s);
+    return;
+  }
   for (int r = p.r0; r < R; r += p.rstep, s += sstep, o += ostep) {
     if (r < rows && col_ok)
       cp_async16(o, s);
