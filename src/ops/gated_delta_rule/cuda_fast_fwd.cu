@@ -586,17 +586,23 @@ StatePipe state_pipe(const Dims& d, int ks, int64_t blocks32, int ns_max,
             "GDN_GDR_STATE_COLS={} is not one of 0 (automatic), 16, 32", f_cols);
   const int per_row = d.KP / 8;  // 16-byte pieces of a dk row: whole-row pieces need per_row | 32
   const bool rows_ok = 32 % per_row == 0;
-  const size_t cap = static_cast<size_t>(cuda::Context::get().props().sharedMemPerBlockOptin);
-  (void)blocks32;
-  StatePipe pp{2, f_cols == 16 ? 1 : 2, 0, 0, f_xs == "all" ? 0 : 1};
-  if (ks > 1) {
-    pp.snap = f_snap == "off" ? 0 : (rows_ok ? 1 : 0);
-    pp.dls = 1;
-  } else {
-    pp.snap = 0;
-  }
-  int ns = f_ns != 0 ? static_cast<int>(f_ns) : (ks > 1 ? ns_max : 2);
-  ns = std::min(ns, ns_max);
+  const cudaDeviceProp& props = cuda::Context::get().props();
+  StatePipe pp{2, f_cols == 16 ? 1 : 2, 0, 1, f_xs == "all" ? 0 : 1};
+  pp.snap = ks > 1 && f_snap != "off" && rows_ok ? 1 : 0;
+  // Shared memory per block: the opt-in cap, and (automatic ring depth) the share of an SM that
+  // lets all of the grid's blocks be resident at once (ceil(blocks / SMs) per SM), so that a deeper
+  // ring never costs a second wave; the old shape (2 buffers, direct snapshots, dV'_loc in
+  // registers) is the floor.
+  const int nvb32 = (d.VP + 31) / 32, nvbw = (d.VP + 16 * pp.nvw - 1) / (16 * pp.nvw);
+  const int64_t blocks = blocks32 / nvb32 * nvbw;
+  const int64_t per_sm = std::max<int64_t>(
+      1, (blocks + props.multiProcessorCount - 1) / std::max(1, props.multiProcessorCount));
+  size_t cap = static_cast<size_t>(props.sharedMemPerBlockOptin);
+  if (f_ns == 0)
+    cap = std::min(
+        cap, static_cast<size_t>(props.sharedMemPerMultiprocessor) / static_cast<size_t>(per_sm) -
+                 static_cast<size_t>(props.reservedSharedMemPerBlock));
+  int ns = std::min(f_ns != 0 ? static_cast<int>(f_ns) : ns_max, ns_max);
   for (;; --ns) {
     pp.ns = ns;
     if (ns <= 2 || smem(d, ks, pp) <= cap) break;
