@@ -72,7 +72,8 @@ constexpr Knob kKnobs[] = {
      false, nullptr},
     {"GDN_GDR_STATE_COLS", KnobType::Int, "0",
      "gated_delta_rule on CUDA, fast route's sequential state passes (A/B): value columns per "
-     "block, 16 or 32; 0 chooses (cuda_fast.h state_pipe). Scheduling-only: same results.",
+     "block, 16 or 32; 0 chooses (16 when twice the 32-column grid fits the SMs: cuda_fast.h "
+     "state_pipe). Scheduling-only: same results.",
      true, nullptr},
     {"GDN_GDR_STATE_EXCHANGE", KnobType::Choice, "auto",
      "gated_delta_rule on CUDA, fast route's state passes (A/B): 'all' has every warp sum all dk "

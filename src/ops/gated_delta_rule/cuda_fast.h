@@ -51,14 +51,14 @@ constexpr size_t state_red_bytes(int ks) {
 
 // --- the staging pipeline of the state passes (cuda_state_pipe.cuh) ---
 // The launch shape of a state pass whose split is ks over a grid of blocks32 blocks of 32 value
-// columns: ring depth, value columns per block, snapshot path, and (backward) dV'_loc through the
-// ring. smem(pp) is the pass's dynamic shared memory for a candidate; ns_max its deepest ring.
-// Automatic: ks = 1 (more blocks than SMs: several blocks per SM hide the latency, so shared memory
-// stays small) keeps 2 buffers, 32 columns, direct snapshot stores and dV'_loc in registers; ks > 1
-// (one block per SM) takes the deepest ring that fits (ns_max, then fewer), the shared-memory
-// snapshot path when whole-row pieces allow it (KP / 8 divides the block) and dV'_loc through the
-// ring. GDN_GDR_STATE_STAGES / _COLS / _SNAP / _EXCHANGE force one choice (A/B; the results do
-// not change).
+// columns: ring depth, value columns per block, snapshot path, partial exchange, and (backward)
+// dV'_loc through the ring. smem(pp) is the pass's dynamic shared memory for a candidate; ns_max
+// its deepest ring. Automatic: 16 value columns per block when ks > 1 and twice blocks32 still fits
+// the SMs (else 32); the deepest ring (ns_max, then fewer) that keeps all of the grid's blocks
+// resident at once, then snapshots through shared memory (ks > 1, whole-row pieces: KP / 8 divides
+// 32) and dV'_loc through the ring as long as they fit too; the dk partials summed scattered over
+// the warps. GDN_GDR_STATE_STAGES / _COLS / _SNAP / _EXCHANGE force one choice (A/B; every choice
+// gives bitwise the same results).
 StatePipe state_pipe(const Dims& d, int ks, int64_t blocks32, int ns_max,
                      size_t (*smem)(const Dims&, int, const StatePipe&));
 

@@ -2,14 +2,14 @@
 // layouts, cuda_mma.cuh the fragment conventions; the formulas are cpu.cpp's backward (its header
 // lists them), split as FLA splits them (fla/ops/gated_delta_rule/chunk.py):
 //   dvloc      dV'_loc = s P^T dO, stored transposed (fla chunk_bwd_kernel_dv_local)
-//   state_bwd  reverse over chunks, per (document, value head, 32 value columns), 2 KS warps (KS =
-//              the dk split, cuda_fast.h), dS^T in
-//              fp32 mma accumulators (fla chunk_gated_delta_rule_bwd_kernel_dhu): per chunk
-//              bf16(dS^T) is the snapshot dH_c (gradient of the chunk's END state) and the A
-//              operand of dV'^T = dV'_loc^T + (dS^T K^T) diag(dec); then
-//              dS^T <- G_L dS^T + (s dO^T diag(G)) Q - dV'^T W, both A operands from registers or
-//              one ldmatrix.trans of dO. dV'_loc comes straight from global memory into registers
-//              one chunk ahead.
+//   state_bwd  reverse over chunks, per (document, value head, 16 or 32 value columns), 1 or 2 KS
+//              warps (KS = the dk split, cuda_fast.h), dS^T in fp32 mma accumulators (fla
+//              chunk_gated_delta_rule_bwd_kernel_dhu): per chunk bf16(dS^T) is the snapshot dH_c
+//              (gradient of the chunk's END state) and the A operand of dV'^T = dV'_loc^T + (dS^T
+//              K^T) diag(dec); then dS^T <- G_L dS^T + (s dO^T diag(G)) Q - dV'^T W, both A
+//              operands from registers or one ldmatrix.trans of dO. Q, K, W, dO, gamma and dV'_loc
+//              come through a ring of chunk buffers (cuda_state_pipe.cuh; dV'_loc straight into
+//              registers one chunk ahead where the ring has no room for it).
 //   dqkw       per chunk (fla chunk_bwd_kernel_dqkwg): E = s dO V'^T, dP = E .* D (j <= i),
 //              dQ = dP K + s diag(G) dO H_c^T, dK_a = dP^T Q + diag(dec) V' dH_c^T,
 //              dW = -dV' H_c^T, and the gate terms of these paths
