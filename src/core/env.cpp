@@ -70,6 +70,24 @@ constexpr Knob kKnobs[] = {
      "max_tokens / this many documents; a batch with more documents recomputes them (same "
      "gradients, slower). 0 keeps none (less activation memory).",
      false, nullptr},
+    {"GDN_GDR_STATE_COLS", KnobType::Int, "0",
+     "gated_delta_rule on CUDA, fast route's sequential state passes (A/B): value columns per "
+     "block, 16 or 32; 0 chooses (16 when twice the 32-column grid fits the SMs: cuda_fast.h "
+     "state_pipe). Scheduling-only: same results.",
+     true, nullptr},
+    {"GDN_GDR_STATE_EXCHANGE", KnobType::Choice, "auto",
+     "gated_delta_rule on CUDA, fast route's state passes (A/B): 'all' has every warp sum all dk "
+     "partials of its column slice; 'auto' scatters the sums over the warps (cuda_fast.h "
+     "state_exchange_sum). Scheduling-only: same results.",
+     true, "auto|all"},
+    {"GDN_GDR_STATE_SNAP", KnobType::Choice, "auto",
+     "gated_delta_rule on CUDA, fast route's state passes (A/B): 'off' stores the state snapshots "
+     "straight from the registers instead of through shared memory. Scheduling-only.",
+     true, "auto|off"},
+    {"GDN_GDR_STATE_STAGES", KnobType::Int, "0",
+     "gated_delta_rule on CUDA, fast route's state passes (A/B): chunk buffers of the staging "
+     "ring, 2..4 (at most what fits); 0 chooses. Scheduling-only: same results.",
+     true, nullptr},
     {"GDN_LOG_LEVEL", KnobType::Choice, "info", "Lowest log level printed.", false,
      "debug|info|warn|error"},
     {"GDN_NUM_THREADS", KnobType::Int, "0",

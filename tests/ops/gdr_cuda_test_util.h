@@ -119,6 +119,26 @@ struct StateSplit {
   StateSplit& operator=(const StateSplit&) = delete;
 };
 
+// Forces the staging pipeline of the fast route's state passes (GDN_GDR_STATE_STAGES, _COLS,
+// _SNAP, _EXCHANGE: cuda_fast.h state_pipe) for the life of the object.
+struct StatePipeKnobs {
+  StatePipeKnobs(const char* stages, const char* cols, const char* snap,
+                 const char* exchange = "auto") {
+    setenv("GDN_GDR_STATE_STAGES", stages, 1);
+    setenv("GDN_GDR_STATE_COLS", cols, 1);
+    setenv("GDN_GDR_STATE_SNAP", snap, 1);
+    setenv("GDN_GDR_STATE_EXCHANGE", exchange, 1);
+  }
+  ~StatePipeKnobs() {
+    unsetenv("GDN_GDR_STATE_STAGES");
+    unsetenv("GDN_GDR_STATE_COLS");
+    unsetenv("GDN_GDR_STATE_SNAP");
+    unsetenv("GDN_GDR_STATE_EXCHANGE");
+  }
+  StatePipeKnobs(const StatePipeKnobs&) = delete;
+  StatePipeKnobs& operator=(const StatePipeKnobs&) = delete;
+};
+
 // The swept shapes of both tests: partial chunks, 1-token, empty and 50 documents, r in {1, 2, 3},
 // dk != dv, with and without h0 / dhT, strong and no decay, beta near 0 and 1, dims the fast route
 // takes and dims only the generic one takes (not multiples of 8, up to 256).

@@ -7,7 +7,8 @@
 // up to 256). Then: empty documents and an empty batch; a packed batch equals its documents run one
 // by one; runs are bitwise reproducible; a GdrChunkIndexScope gives the same results as the op's
 // own index; garbage device cu_seqlens are sanitised, not read out of bounds; the resolver picks
-// cuda and its probe passes; the probe rejects wrong CUDA variants; `ops run` on the cuda backend;
+// cuda and its probe passes; the probe rejects wrong CUDA variants; every staging pipeline of the
+// state passes gives the same bits; `ops run` on the cuda backend;
 // bad input. Tolerances come from the one table, src/backend/tolerances.h. Every case prints its
 // errors.
 #include <unistd.h>
@@ -271,6 +272,67 @@ TEST_F(GdrCuda, EveryStateSplitMatchesRef) {
         Result got = run_cuda(in, d, l2);
         compare(got, ref, s.name + (l2 ? " l2" : "") + " ks=" + std::to_string(ks));
       }
+    }
+  }
+}
+
+// The staging pipeline of the state passes (cuda_state_pipe.cuh: ring depth 2..4, 16 or 32 value
+// columns per block, snapshots through shared memory or straight from the registers, the dk
+// partials summed by every warp or scattered over the warps) changes no
+// arithmetic: at every dk split, every forced choice gives bitwise the results of the automatic
+// one (which EveryStateSplitMatchesRef checks against ref), forward and every gradient, for
+// dk = dv = 128 (whole-row staging; a long document and one with a 1-token document and partial
+// chunks) and dk = 48, dv = 24 (the general staging, a half-empty value slice). Bad knob values are
+// errors that name the knob.
+TEST_F(GdrCuda, EveryStatePipeGivesTheSameBits) {
+  const Spec specs[] = {
+      {.name = "d128_docs",
+       .lens = {300, 1, 63, 130},
+       .Hk = 2,
+       .r = 1,
+       .dk = 128,
+       .dv = 128,
+       .g_lo = -2,
+       .seed = 43},
+      {.name = "dk48_dv24", .lens = {130, 7}, .r = 2, .dk = 48, .dv = 24, .seed = 44}};
+  for (const Spec& s : specs) {
+    Inputs in = make_inputs(s, true);
+    Dev d = to_device(in);
+    for (int ks : {1, 2, 4, 8}) {
+      StateSplit split(ks);
+      const Result want = run_cuda(in, d, true);
+      for (const char* stages : {"2", "3", "4"}) {
+        for (const char* cols : {"16", "32"}) {
+          for (const char* snap : {"auto", "off"}) {
+            for (const char* exchange : {"auto", "all"}) {
+              StatePipeKnobs knobs(stages, cols, snap, exchange);
+              expect_bitwise_equal(run_cuda(in, d, true), want,
+                                   s.name + " ks=" + std::to_string(ks) + " stages=" + stages +
+                                       " cols=" + cols + " snap=" + snap + " exchange=" + exchange);
+            }
+          }
+        }
+      }
+    }
+  }
+  Inputs in = make_inputs(specs[1], true);
+  Dev d = to_device(in);
+  for (const char* bad : {"5", "1"}) {
+    StatePipeKnobs knobs(bad, "0", "auto");
+    try {
+      run_cuda(in, d, true);
+      ADD_FAILURE() << "GDN_GDR_STATE_STAGES=" << bad << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("GDN_GDR_STATE_STAGES"), std::string::npos) << e.what();
+    }
+  }
+  {
+    StatePipeKnobs knobs("0", "24", "auto");
+    try {
+      run_cuda(in, d, true);
+      ADD_FAILURE() << "GDN_GDR_STATE_COLS=24 was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("GDN_GDR_STATE_COLS"), std::string::npos) << e.what();
     }
   }
 }

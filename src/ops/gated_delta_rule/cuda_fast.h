@@ -24,6 +24,7 @@
 #include <cstdint>
 
 #include "ops/gated_delta_rule/cuda_kernels.h"
+#include "ops/gated_delta_rule/cuda_state_pipe.cuh"
 
 namespace gdn::ops::gdr {
 
@@ -39,7 +40,8 @@ inline bool fast_path(const Dims& d) { return d.vec && d.KP <= 128 && d.VP <= 12
 // the 16 x 64 partial of the one product that reduces over dk (X = S^T W^T forward, dS^T K^T
 // backward). state_split picks KS for a grid of `blocks` blocks: 4 when the grid has no more
 // blocks than the device has SMs (one block per SM: the extra warps and shared memory are free),
-// else 1; gdr_set_state_split (cuda.h) overrides it for tests and benchmarks.
+// else 1; gdr_set_state_split (cuda.h) overrides it for tests and benchmarks. (The blocks counted
+// here are 32-column ones; state_pipe may then halve the columns per block, 1 KS warps each.)
 int state_split(int64_t blocks);
 
 // Bytes of the partial-exchange buffer: [KS, 2 column slices, 8 tiles, 32 lanes] float4.
@@ -47,33 +49,72 @@ constexpr size_t state_red_bytes(int ks) {
   return buf_bytes(static_cast<size_t>(ks) * 2 * 8 * 32 * 16);
 }
 
+// --- the staging pipeline of the state passes (cuda_state_pipe.cuh) ---
+// The launch shape of a state pass whose split is ks over a grid of blocks32 blocks of 32 value
+// columns: ring depth, value columns per block, snapshot path, partial exchange, and (backward)
+// dV'_loc through the ring. smem(pp) is the pass's dynamic shared memory for a candidate; ns_max
+// its deepest ring. Automatic: 16 value columns per block when ks > 1 and twice blocks32 still fits
+// the SMs (else 32); the deepest ring (ns_max, then fewer) that keeps all of the grid's blocks
+// resident at once, then snapshots through shared memory (ks > 1, whole-row pieces: KP / 8 divides
+// 32) and dV'_loc through the ring as long as they fit too; the dk partials summed scattered over
+// the warps. GDN_GDR_STATE_STAGES / _COLS / _SNAP / _EXCHANGE force one choice (A/B; every choice
+// gives bitwise the same results).
+StatePipe state_pipe(const Dims& d, int ks, int64_t blocks32, int ns_max,
+                     size_t (*smem)(const Dims&, int, const StatePipe&));
+
 #ifdef __CUDACC__
 // x (this warp's partial over its k-blocks, C fragments of 8 token tiles) <- the sum over the KS
-// warps of its column slice vwarp of their partials, added in the order p = 0 .. KS-1 so that the
-// KS warps end bitwise equal. Every thread of the block must call it (one block barrier); red is
-// rewritten only after the block's next barrier (the caller's loop head).
+// warps of its column slice vwarp (of nvw slices) of their partials, added in the order
+// p = 0 .. KS-1 so that the KS warps end bitwise equal. Every thread of the block must call it (a
+// block barrier); red is rewritten only after the block's next barrier (the caller's loop head).
+// scatter false: every warp adds all KS partials of all 8 tiles. scatter true: warp kq adds those
+// of the tiles kq, kq + KS, .. into slot p = 0 (only it touches them), and after a barrier of the
+// slice's KS warps (named barrier 1 + vwarp) every warp reads the 8 sums: a quarter of the shared
+// loads and additions at KS = 4 for a second, narrower barrier. Same additions in the same order:
+// the two give bitwise the same x.
 template <int KS>
 __device__ __forceinline__ void state_exchange_sum(float (&x)[8][4], float4* red, int kq, int vwarp,
-                                                   int lane) {
+                                                   int nvw, int lane, bool scatter) {
 #pragma unroll
   for (int i = 0; i < 8; ++i)
-    red[((kq * 2 + vwarp) * 8 + i) * 32 + lane] = make_float4(x[i][0], x[i][1], x[i][2], x[i][3]);
+    red[((kq * nvw + vwarp) * 8 + i) * 32 + lane] = make_float4(x[i][0], x[i][1], x[i][2], x[i][3]);
   __syncthreads();
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
+  auto sum_tile = [&](int i) {
     float4 a = red[(vwarp * 8 + i) * 32 + lane];
 #pragma unroll
     for (int p = 1; p < KS; ++p) {
-      const float4 b = red[((p * 2 + vwarp) * 8 + i) * 32 + lane];
+      const float4 b = red[((p * nvw + vwarp) * 8 + i) * 32 + lane];
       a.x += b.x;
       a.y += b.y;
       a.z += b.z;
       a.w += b.w;
     }
-    x[i][0] = a.x;
-    x[i][1] = a.y;
-    x[i][2] = a.z;
-    x[i][3] = a.w;
+    return a;
+  };
+  if (scatter) {
+#pragma unroll
+    for (int j = 0; j < 8 / KS; ++j) {
+      const int i = kq + j * KS;
+      red[(vwarp * 8 + i) * 32 + lane] = sum_tile(i);
+    }
+    asm volatile("bar.sync %0, %1;\n" ::"r"(1 + vwarp), "r"(32 * KS) : "memory");
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float4 a = red[(vwarp * 8 + i) * 32 + lane];
+      x[i][0] = a.x;
+      x[i][1] = a.y;
+      x[i][2] = a.z;
+      x[i][3] = a.w;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float4 a = sum_tile(i);
+      x[i][0] = a.x;
+      x[i][1] = a.y;
+      x[i][2] = a.z;
+      x[i][3] = a.w;
+    }
   }
 }
 #endif

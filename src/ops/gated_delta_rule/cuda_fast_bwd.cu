@@ -2,14 +2,14 @@
 // layouts, cuda_mma.cuh the fragment conventions; the formulas are cpu.cpp's backward (its header
 // lists them), split as FLA splits them (fla/ops/gated_delta_rule/chunk.py):
 //   dvloc      dV'_loc = s P^T dO, stored transposed (fla chunk_bwd_kernel_dv_local)
-//   state_bwd  reverse over chunks, per (document, value head, 32 value columns), 2 KS warps (KS =
-//              the dk split, cuda_fast.h), dS^T in
-//              fp32 mma accumulators (fla chunk_gated_delta_rule_bwd_kernel_dhu): per chunk
-//              bf16(dS^T) is the snapshot dH_c (gradient of the chunk's END state) and the A
-//              operand of dV'^T = dV'_loc^T + (dS^T K^T) diag(dec); then
-//              dS^T <- G_L dS^T + (s dO^T diag(G)) Q - dV'^T W, both A operands from registers or
-//              one ldmatrix.trans of dO. dV'_loc comes straight from global memory into registers
-//              one chunk ahead.
+//   state_bwd  reverse over chunks, per (document, value head, 16 or 32 value columns), 1 or 2 KS
+//              warps (KS = the dk split, cuda_fast.h), dS^T in fp32 mma accumulators (fla
+//              chunk_gated_delta_rule_bwd_kernel_dhu): per chunk bf16(dS^T) is the snapshot dH_c
+//              (gradient of the chunk's END state) and the A operand of dV'^T = dV'_loc^T + (dS^T
+//              K^T) diag(dec); then dS^T <- G_L dS^T + (s dO^T diag(G)) Q - dV'^T W, both A
+//              operands from registers or one ldmatrix.trans of dO. Q, K, W, dO, gamma and dV'_loc
+//              come through a ring of chunk buffers (cuda_state_pipe.cuh; dV'_loc straight into
+//              registers one chunk ahead where the ring has no room for it).
 //   dqkw       per chunk (fla chunk_bwd_kernel_dqkwg): E = s dO V'^T, dP = E .* D (j <= i),
 //              dQ = dP K + s diag(G) dO H_c^T, dK_a = dP^T Q + diag(dec) V' dH_c^T,
 //              dW = -dV' H_c^T, and the gate terms of these paths
@@ -193,17 +193,26 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 // --- the reverse state pass
 // ---------------------------------------------------------------------------
-// KS splits dk over KS warp pairs as in the forward state pass (cuda_fast.h, cuda_fast_fwd.cu):
-// warp w owns the value columns 16 (w & 1).. and the k-blocks [KBW (w >> 1), + KBW) of dS^T; the
-// partials of dS^T K^T are summed over the KS warps of a column slice in a fixed order.
-size_t state_bwd_smem(const Dims& d, int ks) {
-  return 2 * (3 * tile_bytes_bf16(kC, d.KP) + tile_bytes_bf16(kC, kVB) + kVecBytes) +
-         (ks > 1 ? state_red_bytes(ks) : 0);
+// KS splits dk over KS groups of value warps as in the forward state pass (cuda_fast.h,
+// cuda_fast_fwd.cu): warp w owns the value slice w % nvw and the k-blocks [KBW (w / nvw), + KBW)
+// of dS^T; the partials of dS^T K^T are summed over the KS warps of a slice in a fixed order. The
+// chunk tiles (and with pp.dls dV'_loc^T) come through the ring of cuda_state_pipe.cuh, in reverse
+// chunk order; with pp.snap dH_c and dV' leave through shared tiles as the forward's H_c and V' do.
+// Every StatePipe gives bitwise the same results for one KS.
+constexpr int kLdDl = 72;  // fp32 [32, 64] dV'_loc^T tile: rows 288 B apart
+size_t state_bwd_stage_bytes(const Dims& d, bool dls) {
+  return 3 * tile_bytes_bf16(kC, d.KP) + tile_bytes_bf16(kC, kVB) + kVecBytes +
+         (dls ? buf_bytes(static_cast<size_t>(kVB) * kLdDl * 4) : 0);
+}
+size_t state_bwd_smem(const Dims& d, int ks, const StatePipe& pp) {
+  return static_cast<size_t>(pp.ns) * state_bwd_stage_bytes(d, pp.dls != 0) +
+         (ks > 1 ? state_red_bytes(ks) + 2 * kVecBytes : 0) +
+         (pp.snap ? tile_bytes_bf16(kVB, d.KP) + tile_bytes_bf16(kVB, kC) : 0);
 }
 
-template <int KS>
+template <int KS, bool FULL>
 __global__ void __launch_bounds__(kStateThreads* KS)
-    gdr_fast_state_bwd_kernel(Dims d, IndexView ix,
+    gdr_fast_state_bwd_kernel(Dims dd, IndexView ix, StatePipe pp,
                               const bf16_t* __restrict__ qn,     // [T, Hk, dk]
                               const bf16_t* __restrict__ kn,     // [T, Hk, dk]
                               const bf16_t* __restrict__ W,      // [T, Hv, dk]
@@ -215,37 +224,74 @@ __global__ void __launch_bounds__(kStateThreads* KS)
                               bf16_t* __restrict__ dVt,          // [nt_max, Hv, dv, 64]
                               float* __restrict__ dh0) {         // [N, Hv, dk, dv] or null
   constexpr int KBW = 8 / KS;                                    // k-blocks of 16 per warp
-  const int nvb = (d.VP + kVB - 1) / kVB;
+  // FULL: dk = dv = 128, as constants (no bound checks, no general staging path compiled in).
+  Dims d = dd;
+  if constexpr (FULL) d.dk = d.dv = d.KP = d.VP = 128;
+  const int ns = pp.ns, nvw = pp.nvw, vbw = 16 * nvw;
+  const bool dls = pp.dls != 0;
+  const int nvb = (d.VP + vbw - 1) / vbw;
   const int n = static_cast<int>(blockIdx.x) / nvb, vb = static_cast<int>(blockIdx.x) % nvb;
   const int h = static_cast<int>(blockIdx.y), kh = h / d.r;
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-  const int vwarp = warp & 1, kq = warp >> 1, kb0 = KBW * kq;
+  const int vwarp = warp % nvw, kq = warp / nvw, kb0 = KBW * kq;
   const int g8 = lane >> 2, t4 = lane & 3;
-  const int col0 = vb * kVB, cvalid = min(kVB, d.dv - col0);
+  const int col0 = vb * vbw, cvalid = min(vbw, d.dv - col0);
   const int vw = col0 + 16 * vwarp;
   const int ldk = ld_of(d.KP), ldo = ld_of(kVB), nkb = d.KP / 16;
   extern __shared__ __align__(128) char smem[];
   SmemCarver sc(smem);
+  const size_t nsz = static_cast<size_t>(ns);
   const int64_t nk = tile_bytes_bf16(kC, d.KP) / 2, nu = tile_bytes_bf16(kC, kVB) / 2;
-  bf16_t* Qs0 = sc.take<bf16_t>(2 * tile_bytes_bf16(kC, d.KP));           // 2 x [64, KP] Q
-  bf16_t* Ks0 = sc.take<bf16_t>(2 * tile_bytes_bf16(kC, d.KP));           // 2 x [64, KP] K
-  bf16_t* Ws0 = sc.take<bf16_t>(2 * tile_bytes_bf16(kC, d.KP));           // 2 x [64, KP] W
-  bf16_t* dOs0 = sc.take<bf16_t>(2 * tile_bytes_bf16(kC, kVB));           // 2 x [64, 32] dO columns
-  float* gm0 = sc.take<float>(2 * kVecBytes);                             // 2 x [64] gamma
+  const int64_t ndl = buf_bytes(static_cast<size_t>(kVB) * kLdDl * 4) / 4;
+  bf16_t* Qs0 = sc.take<bf16_t>(nsz * tile_bytes_bf16(kC, d.KP));  // ns x [64, KP] Q
+  bf16_t* Ks0 = sc.take<bf16_t>(nsz * tile_bytes_bf16(kC, d.KP));  // ns x [64, KP] K
+  bf16_t* Ws0 = sc.take<bf16_t>(nsz * tile_bytes_bf16(kC, d.KP));  // ns x [64, KP] W
+  bf16_t* dOs0 = sc.take<bf16_t>(nsz * tile_bytes_bf16(kC, kVB));  // ns x [64, 32] dO columns
+  float* gm0 = sc.take<float>(nsz * kVecBytes);                    // ns x [64] gamma
+  float* dl0 = dls ? sc.take<float>(nsz * static_cast<size_t>(ndl) * 4)
+                   : nullptr;                                             // ns x [32, 64] dV'_loc^T
   float4* red = KS > 1 ? sc.take<float4>(state_red_bytes(KS)) : nullptr;  // [KS, 2, 8, 32] partials
+  float* decs = KS > 1 ? sc.vec() : nullptr;  // [64] the chunk's dec, once per block
+  float* gss = KS > 1 ? sc.vec() : nullptr;   // [64] s e^{gamma_t}, once per block
+  bf16_t* Hs = pp.snap ? sc.take<bf16_t>(tile_bytes_bf16(kVB, d.KP)) : nullptr;  // [32, KP] dH_c
+  bf16_t* Vs = pp.snap ? sc.take<bf16_t>(tile_bytes_bf16(kVB, kC)) : nullptr;    // [32, 64] dV'^T
   sc.done();
 
   const int bos = ix.bos[n], eos = ix.bos[n + 1], c0 = ix.chunk0[n], c1 = ix.chunk0[n + 1];
+  const int nch = c1 - c0;
   const int64_t ldK = static_cast<int64_t>(d.Hk) * d.dk, ldW = static_cast<int64_t>(d.Hv) * d.dk;
   const int64_t ldV = static_cast<int64_t>(d.Hv) * d.dv;
-  auto stage = [&](int c, int b) {
-    const int t0 = bos + (c - c0) * kC, L = min(kC, eos - t0);
-    const int64_t tk = static_cast<int64_t>(t0) * d.Hk + kh, tv = static_cast<int64_t>(t0) * d.Hv;
-    stage_tile(Qs0 + b * nk, ldk, qn + tk * d.dk, ldK, L, d.dk, kC, d.KP, true);
-    stage_tile(Ks0 + b * nk, ldk, kn + tk * d.dk, ldK, L, d.dk, kC, d.KP, true);
-    stage_tile(Ws0 + b * nk, ldk, W + (tv + h) * d.dk, ldW, L, d.dk, kC, d.KP, true);
-    stage_tile(dOs0 + b * nu, ldo, dout + (tv + h) * d.dv + col0, ldV, L, cvalid, kC, kVB, true);
-    stage_gamma(gm0 + b * (kVecBytes / 4), gam + (static_cast<int64_t>(c) * d.Hv + h) * kC);
+  const RowPieces pk = row_pieces<bf16_t>(d.KP / 8), pu = row_pieces<bf16_t>(2 * nvw);
+  const RowPieces pv = row_pieces<bf16_t>(kC / 8), pl = row_pieces<float>(kC / 4);
+  const bool kcol = pk.c < d.dk, ucol = pu.c < cvalid;
+  const bool snap = KS > 1 && pp.snap != 0 && (FULL || pk.ok);             // as in the forward pass
+  const bf16_t* Qb = qn + (static_cast<int64_t>(bos) * d.Hk + kh) * d.dk;  // row 0 of the document
+  const bf16_t* Kb = kn + (static_cast<int64_t>(bos) * d.Hk + kh) * d.dk;
+  const bf16_t* Wb = W + (static_cast<int64_t>(bos) * d.Hv + h) * d.dk;
+  const bf16_t* Ob = dout + (static_cast<int64_t>(bos) * d.Hv + h) * d.dv + col0;
+  // Stages the i-th chunk from the document's end (chunk c1 - 1 - i) into buffer b = i % ns; one
+  // cp.async group per call, empty past the first chunk.
+  auto stage = [&](int i, int b) {
+    if (i < nch) {
+      const int ci = nch - 1 - i, L = min(kC, eos - (bos + ci * kC));
+      const int64_t r0 = static_cast<int64_t>(ci) * kC;
+      if (FULL || pk.ok) {
+        stage_rows(Qs0 + b * nk, ldk, Qb + r0 * ldK, ldK, L, kC, kcol, pk);
+        stage_rows(Ks0 + b * nk, ldk, Kb + r0 * ldK, ldK, L, kC, kcol, pk);
+        stage_rows(Ws0 + b * nk, ldk, Wb + r0 * ldW, ldW, L, kC, kcol, pk);
+      } else {
+        stage_tile(Qs0 + b * nk, ldk, Qb + r0 * ldK, ldK, L, d.dk, kC, d.KP, true);
+        stage_tile(Ks0 + b * nk, ldk, Kb + r0 * ldK, ldK, L, d.dk, kC, d.KP, true);
+        stage_tile(Ws0 + b * nk, ldk, Wb + r0 * ldW, ldW, L, d.dk, kC, d.KP, true);
+      }
+      stage_rows(dOs0 + b * nu, ldo, Ob + r0 * ldV, ldV, L, kC, ucol, pu);
+      const int64_t slot = static_cast<int64_t>(c0 + ci) * d.Hv + h;
+      stage_gamma(gm0 + b * (kVecBytes / 4), gam + slot * kC);
+      if (dls)  // [vbw, 64] rows col0.. of dV'_loc^T (rows past dv zero)
+        stage_rows(dl0 + b * ndl, kLdDl,
+                   dvlocT + slot * d.dv * kC + static_cast<int64_t>(col0) * kC,
+                   static_cast<int64_t>(kC), cvalid, vbw, true, pl);
+    }
     cp_async_commit();
   };
   // dV'_loc^T of chunk c at this lane's C positions (v = vw + g8 (+8), tokens 8 nt + 2 t4 (+1)).
@@ -280,22 +326,47 @@ __global__ void __launch_bounds__(kStateThreads* KS)
     }
   }
 
-  if (c0 < c1) {
-    stage(c1 - 1, 0);
-    load_dl(c1 - 1);
-  }
-  for (int c = c1 - 1; c >= c0; --c) {
-    const int b = (c1 - 1 - c) & 1;
-    cp_async_wait<0>();
-    __syncthreads();  // chunk c staged and visible; every warp is done with buffer b ^ 1 and red
-    if (c - 1 >= c0) stage(c - 1, b ^ 1);
+  for (int i = 0; i + 1 < ns; ++i) stage(i, i);
+  if (!dls && nch > 0) load_dl(c1 - 1);
+  for (int i = 0, b = 0; i < nch; ++i, b = b + 1 == ns ? 0 : b + 1) {  // b = i % ns
+    const int c = c1 - 1 - i;
+    const int64_t slot = static_cast<int64_t>(c) * d.Hv + h;
+    cp_async_wait_pending(ns - 2);
+    __syncthreads();  // chunk c staged and visible; every warp is done with the previous chunk's
+                      // buffer, red and dV' tile
+    stage(i + ns - 1, b == 0 ? ns - 1 : b - 1);  // the buffer chunk i - 1 used
+    if (snap && i > 0)  // dV' of the previous (later) chunk, written before the barrier above
+      store_rows(dVt + (slot + d.Hv) * d.dv * kC + static_cast<int64_t>(col0) * kC, kC, Vs, kLdP,
+                 cvalid, true, pv);
     const bf16_t* Qs = Qs0 + b * nk;
     const bf16_t* Ks = Ks0 + b * nk;
     const bf16_t* Ws = Ws0 + b * nk;
     const bf16_t* dOs = dOs0 + b * nu;
     const float* gm = gm0 + b * (kVecBytes / 4);
     const float glast = gm[kC - 1];
-    const int64_t slot = static_cast<int64_t>(c) * d.Hv + h;
+    // dec_t = e^{gamma_63 - gamma_t} and s e^{gamma_t} once per block (the same expressions each
+    // warp evaluated: bitwise the same factors); read after the exchange's barrier.
+    if constexpr (KS > 1) {
+      for (int t = tid; t < 2 * kC; t += static_cast<int>(blockDim.x)) {
+        if (t < kC)
+          decs[t] = expf(glast - gm[t]);
+        else
+          gss[t - kC] = d.scale * expf(gm[t - kC]);
+      }
+    }
+    if (dls) {
+      const float* dls_b = dl0 + b * ndl;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const float2 x = *reinterpret_cast<const float2*>(
+              dls_b + (16 * vwarp + g8 + 8 * hf) * kLdDl + 8 * nt + 2 * t4);
+          dl[nt][2 * hf] = x.x;
+          dl[nt][2 * hf + 1] = x.y;
+        }
+      }
+    }
 
     // bf16(dS^T): the snapshot dH_c and the A operand of dS^T K^T.
     uint32_t sa[KBW][4];
@@ -307,9 +378,12 @@ __global__ void __launch_bounds__(kStateThreads* KS)
       if (kb >= nkb) continue;
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        const int vv = vw + g8 + 8 * (q & 1), k = 16 * kb + 2 * t4 + 8 * (q >> 1);
-        if (vv < d.dv && k < d.dk)
-          *reinterpret_cast<uint32_t*>(dHc + static_cast<int64_t>(vv) * d.dk + k) = sa[kbl][q];
+        const int vl = 16 * vwarp + g8 + 8 * (q & 1), k = 16 * kb + 2 * t4 + 8 * (q >> 1);
+        if (snap)
+          *reinterpret_cast<uint32_t*>(Hs + vl * ldk + k) = sa[kbl][q];
+        else if (col0 + vl < d.dv && k < d.dk)
+          *reinterpret_cast<uint32_t*>(dHc + static_cast<int64_t>(col0 + vl) * d.dk + k) =
+              sa[kbl][q];
       }
     }
     // dV'^T = dV'_loc^T + (dS^T K^T) diag(dec) (this warp's k-blocks, then the sum of the KS
@@ -327,27 +401,38 @@ __global__ void __launch_bounds__(kStateThreads* KS)
         mma(y[2 * np + 1], sa[kbl], bb[2], bb[3]);
       }
     }
-    if constexpr (KS > 1) state_exchange_sum<KS>(y, red, kq, vwarp, lane);
+    if constexpr (KS > 1) state_exchange_sum<KS>(y, red, kq, vwarp, nvw, lane, pp.xs != 0);
+    if (snap)  // dH_c, written before the exchange's barrier
+      store_rows(dHc + static_cast<int64_t>(col0) * d.dk, d.dk, Hs, ldk, cvalid, kcol, pk);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       const int ta = 8 * nt + 2 * t4;
-      const float d0 = expf(glast - gm[ta]), d1 = expf(glast - gm[ta + 1]);
+      float d0, d1;
+      if constexpr (KS > 1) {
+        d0 = decs[ta];
+        d1 = decs[ta + 1];
+      } else {
+        d0 = expf(glast - gm[ta]);
+        d1 = expf(glast - gm[ta + 1]);
+      }
       y[nt][0] = dl[nt][0] + d0 * y[nt][0];
       y[nt][1] = dl[nt][1] + d1 * y[nt][1];
       y[nt][2] = dl[nt][2] + d0 * y[nt][2];
       y[nt][3] = dl[nt][3] + d1 * y[nt][3];
     }
-    if (c - 1 >= c0) load_dl(c - 1);      // in flight during the rest of this chunk
-    bf16_t* Vc = dVt + slot * d.dv * kC;  // [dv, 64]
+    if (!dls && c - 1 >= c0) load_dl(c - 1);  // in flight during the rest of this chunk
+    bf16_t* Vc = dVt + slot * d.dv * kC;      // [dv, 64]
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       if (nt % KS != kq) continue;  // the KS warps of a column slice share the stores
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int vv = vw + g8 + 8 * hf;
-        if (vv < d.dv)
-          *reinterpret_cast<uint32_t*>(Vc + vv * kC + 8 * nt + 2 * t4) =
-              pack(y[nt][2 * hf], y[nt][2 * hf + 1]);
+        const int vl = 16 * vwarp + g8 + 8 * hf;
+        const uint32_t pv2 = pack(y[nt][2 * hf], y[nt][2 * hf + 1]);
+        if (snap)
+          *reinterpret_cast<uint32_t*>(Vs + vl * kLdP + 8 * nt + 2 * t4) = pv2;
+        else if (col0 + vl < d.dv)
+          *reinterpret_cast<uint32_t*>(Vc + (col0 + vl) * kC + 8 * nt + 2 * t4) = pv2;
       }
     }
     // A operands: -dV'^T (registers) and s dO^T diag(G) (ldmatrix.trans of the dO columns).
@@ -360,8 +445,18 @@ __global__ void __launch_bounds__(kStateThreads* KS)
       na[kb][3] = pack(-y[2 * kb + 1][2], -y[2 * kb + 1][3]);
       load_a_km(oa[kb], dOs, ldo, 16 * vwarp, 16 * kb);
       const int ta = 16 * kb + 2 * t4, tb = ta + 8;
-      const float f0 = d.scale * expf(gm[ta]), f1 = d.scale * expf(gm[ta + 1]);
-      const float f2 = d.scale * expf(gm[tb]), f3 = d.scale * expf(gm[tb + 1]);
+      float f0, f1, f2, f3;
+      if constexpr (KS > 1) {
+        f0 = gss[ta];
+        f1 = gss[ta + 1];
+        f2 = gss[tb];
+        f3 = gss[tb + 1];
+      } else {
+        f0 = d.scale * expf(gm[ta]);
+        f1 = d.scale * expf(gm[ta + 1]);
+        f2 = d.scale * expf(gm[tb]);
+        f3 = d.scale * expf(gm[tb + 1]);
+      }
       oa[kb][0] = scale2(oa[kb][0], f0, f1);
       oa[kb][1] = scale2(oa[kb][1], f0, f1);
       oa[kb][2] = scale2(oa[kb][2], f2, f3);
@@ -389,6 +484,12 @@ __global__ void __launch_bounds__(kStateThreads* KS)
         mma(S[2 * kbl + 1], na[kb], bw[2], bw[3]);
       }
     }
+  }
+  if (snap && nch > 0) {  // the first chunk's dV'
+    __syncthreads();
+    store_rows(
+        dVt + (static_cast<int64_t>(c0) * d.Hv + h) * d.dv * kC + static_cast<int64_t>(col0) * kC,
+        kC, Vs, kLdP, cvalid, true, pv);
   }
   if (dh0 != nullptr) {
 #pragma unroll
@@ -983,25 +1084,35 @@ void fast_dvloc(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16
 void fast_state_bwd(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
                     const bf16_t* W, const bf16_t* dout, const float* dvlocT, const float* gam,
                     const float* dhT, bf16_t* dHt, bf16_t* dVt, float* dh0, cudaStream_t s) {
-  const int nvb = (d.VP + kVB - 1) / kVB;
-  const int64_t blocks = static_cast<int64_t>(d.N) * nvb;
-  const int ks = state_split(blocks * d.Hv);
-  const size_t smem = state_bwd_smem(d, ks);  // 2 x 113 KB per SM at 128 with ks = 1
+  const int64_t blocks32 = static_cast<int64_t>(d.N) * ((d.VP + kVB - 1) / kVB);
+  const int ks = state_split(blocks32 * d.Hv);
+  // ks = 1: 2 x 113 KB per SM at dk = dv = 128 (two blocks per SM)
+  const StatePipe pp = state_pipe(d, ks, blocks32 * d.Hv, 4, &state_bwd_smem);
+  const int vbw = 16 * pp.nvw;
+  const int64_t blocks = static_cast<int64_t>(d.N) * ((d.VP + vbw - 1) / vbw);
+  const size_t smem = state_bwd_smem(d, ks, pp);
   const dim3 grid(grid_x(blocks, "gdr_fast_state_bwd_kernel"), static_cast<unsigned>(d.Hv));
+  const unsigned threads = static_cast<unsigned>(32 * pp.nvw * ks);
   auto launch = [&](auto kernel) {
     allow_smem(reinterpret_cast<const void*>(kernel), smem, "gdr_fast_state_bwd_kernel", d.dk,
                d.dv);
-    kernel<<<grid, kStateThreads * ks, smem, s>>>(d, ix, qn, kn, W, dout, dvlocT, gam, dhT, dHt,
-                                                  dVt, dh0);
+    kernel<<<grid, threads, smem, s>>>(d, ix, pp, qn, kn, W, dout, dvlocT, gam, dhT, dHt, dVt, dh0);
   };
-  if (ks == 8)
-    launch(&gdr_fast_state_bwd_kernel<8>);
+  const bool full = d.dk == 128 && d.dv == 128;  // the constant-shape kernels (ks 1, 4, 8)
+  if (ks == 8 && full)
+    launch(&gdr_fast_state_bwd_kernel<8, true>);
+  else if (ks == 8)
+    launch(&gdr_fast_state_bwd_kernel<8, false>);
+  else if (ks == 4 && full)
+    launch(&gdr_fast_state_bwd_kernel<4, true>);
   else if (ks == 4)
-    launch(&gdr_fast_state_bwd_kernel<4>);
+    launch(&gdr_fast_state_bwd_kernel<4, false>);
   else if (ks == 2)
-    launch(&gdr_fast_state_bwd_kernel<2>);
+    launch(&gdr_fast_state_bwd_kernel<2, false>);
+  else if (full)
+    launch(&gdr_fast_state_bwd_kernel<1, true>);
   else
-    launch(&gdr_fast_state_bwd_kernel<1>);
+    launch(&gdr_fast_state_bwd_kernel<1, false>);
   GDN_CUDA_LAUNCH_CHECK("gdr_fast_state_bwd_kernel");
 }
 

@@ -5,14 +5,14 @@
 //   prep       per (chunk, value head), 8 warps: gamma (sequential fp32 cumsum), K K^T, M, the
 //              blocked fp32 inverse T = (I + M)^{-1}, W = T diag(beta G) K, U = T diag(beta) V
 //              (fla chunk_scaled_dot_kkt + solve_tril + recompute_w_u).
-//   state_fwd  per (document, value head, 32 value columns), 2 KS warps (KS = the dk split,
-//              cuda_fast.h), sequential over the chunks (fla chunk_gated_delta_rule_fwd_kernel_h):
-//              each warp keeps S^T for its 16 columns and dk / KS rows in fp32 mma accumulators;
-//              per chunk S^T repacked to bf16 is at once the snapshot written to Ht and the A
-//              operand of V'^T = U^T - S^T W^T, and the V'^T accumulators scaled by dec and
-//              repacked are the A operand of the update S^T <- G_L S^T + (V' diag(dec))^T K. Only
-//              W, K, U and gamma of the next chunk move through shared memory (cp.async,
-//              double-buffered): one barrier per chunk.
+//   state_fwd  per (document, value head, 16 or 32 value columns), 1 or 2 KS warps (KS = the dk
+//              split, cuda_fast.h), sequential over the chunks (fla
+//              chunk_gated_delta_rule_fwd_kernel_h): each warp keeps S^T for its 16 columns and dk
+//              / KS rows in fp32 mma accumulators; per chunk S^T repacked to bf16 is at once the
+//              snapshot written to Ht and the A operand of V'^T = U^T - S^T W^T, and the V'^T
+//              accumulators scaled by dec and repacked are the A operand of the update S^T <- G_L
+//              S^T + (V' diag(dec))^T K. W, K, U and gamma move through a ring of chunk buffers
+//              (cp.async, up to 3 chunks ahead: cuda_state_pipe.cuh).
 //   output     per (chunk, value head), 8 warps (fla chunk_fwd_kernel_o): the masked gated scores
 //              stay in registers as the A operand of P V'.
 // Gates: gamma is the chunk-local inclusive cumsum of g in fp32, summed in order, so it never
@@ -20,11 +20,14 @@
 // gamma_63 - gamma_i) is <= 0: strong decay underflows to 0, never overflows. At g ~ -20 the
 // difference of two cumsums is off by ~1e-4 relative (cpu.cpp sums each exponent in fp64), far
 // below the bf16 rounding of the operands it scales.
+#include <algorithm>
 #include <atomic>
 #include <climits>
+#include <string>
 
 #include "gdn/backend/cuda_check.h"
 #include "gdn/backend/cuda_context.h"
+#include "gdn/core/env.h"
 #include "gdn/core/error.h"
 #include "ops/gated_delta_rule/cuda.h"
 #include "ops/gated_delta_rule/cuda_fast.h"
@@ -215,22 +218,30 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 // --- the state pass
 // ----------------------------------------------------------------------------------
-// KS splits dk over KS warp pairs (kSplitWarps): warp w owns the value columns 16 (w & 1).. of the
-// block and the k-blocks [KBW (w >> 1), KBW (w >> 1) + KBW) of the state, KBW = 8 / KS. The only
-// product that reduces over dk, X = S^T W^T, then needs a sum of KS partials per chunk: each warp
-// writes its partial to shared memory, and after a barrier every warp of a column slice adds the
-// KS partials in the same order (p = 0 .. KS-1), so that all of them hold bitwise the same V'.
-// KS = 1 is the plain kernel (2 warps, no exchange). A larger KS cuts the sequential work of each
-// warp per chunk by KS (the pass is latency-bound when the grid has fewer blocks than SMs) and
-// spreads the staging over KS times the threads.
-size_t state_fwd_smem(const Dims& d, int ks) {
-  return 2 * (2 * tile_bytes_bf16(kC, d.KP) + tile_bytes_bf16(kC, kVB) + kVecBytes) +
-         (ks > 1 ? state_red_bytes(ks) : 0);
+// KS splits dk over KS groups of value warps (kSplitWarps): a block has pp.nvw 16-column value
+// slices (16 or 32 value columns), warp w owns slice w % nvw and the k-blocks [KBW (w / nvw),
+// + KBW) of the state, KBW = 8 / KS. The only product that reduces over dk, X = S^T W^T, then needs
+// a sum of KS partials per chunk: each warp writes its partial to shared memory, and after a
+// barrier every warp of a column slice adds the KS partials in the same order (p = 0 .. KS-1), so
+// that all of them hold bitwise the same V'. KS = 1 is the plain kernel (no exchange). A larger KS
+// cuts the sequential work of each warp per chunk by KS (the pass is latency-bound when the grid
+// has fewer blocks than SMs). The chunk tiles come through the ring of cuda_state_pipe.cuh (pp.ns
+// deep); with pp.snap the snapshots H_c (written before the exchange barrier, copied out after it)
+// and V' (written after it, copied out after the next chunk's first barrier) leave through shared
+// tiles. None of this changes the arithmetic: every StatePipe gives bitwise the same results for
+// one KS.
+size_t state_fwd_stage_bytes(const Dims& d) {
+  return 2 * tile_bytes_bf16(kC, d.KP) + tile_bytes_bf16(kC, kVB) + kVecBytes;
+}
+size_t state_fwd_smem(const Dims& d, int ks, const StatePipe& pp) {
+  return static_cast<size_t>(pp.ns) * state_fwd_stage_bytes(d) +
+         (ks > 1 ? state_red_bytes(ks) + kVecBytes : 0) +
+         (pp.snap ? tile_bytes_bf16(kVB, d.KP) + tile_bytes_bf16(kVB, kC) : 0);
 }
 
-template <int KS>
+template <int KS, bool FULL>
 __global__ void __launch_bounds__(kStateThreads* KS)
-    gdr_fast_state_fwd_kernel(Dims d, IndexView ix,
+    gdr_fast_state_fwd_kernel(Dims dd, IndexView ix, StatePipe pp,
                               const bf16_t* __restrict__ W,   // [T, Hv, dk]
                               const bf16_t* __restrict__ kn,  // [T, Hk, dk]
                               const bf16_t* __restrict__ U,   // [T, Hv, dv]
@@ -240,37 +251,62 @@ __global__ void __launch_bounds__(kStateThreads* KS)
                               bf16_t* __restrict__ Vt,        // [nt_max, Hv, dv, 64]
                               float* __restrict__ hT) {       // [N, Hv, dk, dv] or null
   constexpr int KBW = 8 / KS;                                 // k-blocks of 16 per warp
-  const int nvb = (d.VP + kVB - 1) / kVB;
+  // FULL: dk = dv = 128, as constants (no bound checks, no general staging path compiled in).
+  Dims d = dd;
+  if constexpr (FULL) d.dk = d.dv = d.KP = d.VP = 128;
+  const int ns = pp.ns, nvw = pp.nvw, vbw = 16 * nvw;
+  const int nvb = (d.VP + vbw - 1) / vbw;
   const int n = static_cast<int>(blockIdx.x) / nvb, vb = static_cast<int>(blockIdx.x) % nvb;
   const int h = static_cast<int>(blockIdx.y), kh = h / d.r;
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-  const int vwarp = warp & 1, kq = warp >> 1, kb0 = KBW * kq;
+  const int vwarp = warp % nvw, kq = warp / nvw, kb0 = KBW * kq;
   const int g8 = lane >> 2, t4 = lane & 3;
-  const int col0 = vb * kVB, cvalid = min(kVB, d.dv - col0);
+  const int col0 = vb * vbw, cvalid = min(vbw, d.dv - col0);
   const int vw = col0 + 16 * vwarp;  // the warp's first value column (row of S^T)
   const int ldk = ld_of(d.KP), ldu = ld_of(kVB), nkb = d.KP / 16;
   extern __shared__ __align__(128) char smem[];
   SmemCarver sc(smem);
+  const size_t nsz = static_cast<size_t>(ns);
   const int64_t nk = tile_bytes_bf16(kC, d.KP) / 2, nu = tile_bytes_bf16(kC, kVB) / 2;
-  bf16_t* Ws0 = sc.take<bf16_t>(2 * tile_bytes_bf16(kC, d.KP));           // 2 x [64, KP] W
-  bf16_t* Ks0 = sc.take<bf16_t>(2 * tile_bytes_bf16(kC, d.KP));           // 2 x [64, KP] K
-  bf16_t* Us0 = sc.take<bf16_t>(2 * tile_bytes_bf16(kC, kVB));            // 2 x [64, 32] U columns
-  float* gm0 = sc.take<float>(2 * kVecBytes);                             // 2 x [64] gamma
+  bf16_t* Ws0 = sc.take<bf16_t>(nsz * tile_bytes_bf16(kC, d.KP));         // ns x [64, KP] W
+  bf16_t* Ks0 = sc.take<bf16_t>(nsz * tile_bytes_bf16(kC, d.KP));         // ns x [64, KP] K
+  bf16_t* Us0 = sc.take<bf16_t>(nsz * tile_bytes_bf16(kC, kVB));          // ns x [64, 32] U columns
+  float* gm0 = sc.take<float>(nsz * kVecBytes);                           // ns x [64] gamma
   float4* red = KS > 1 ? sc.take<float4>(state_red_bytes(KS)) : nullptr;  // [KS, 2, 8, 32] partials
+  float* decs = KS > 1 ? sc.vec() : nullptr;  // [64] the chunk's dec, once per block
+  bf16_t* Hs = pp.snap ? sc.take<bf16_t>(tile_bytes_bf16(kVB, d.KP)) : nullptr;  // [32, KP] H_c
+  bf16_t* Vs = pp.snap ? sc.take<bf16_t>(tile_bytes_bf16(kVB, kC)) : nullptr;    // [32, 64] V'^T
   sc.done();
 
   const int bos = ix.bos[n], eos = ix.bos[n + 1], c0 = ix.chunk0[n], c1 = ix.chunk0[n + 1];
+  const int nch = c1 - c0;
   const int64_t ldW = static_cast<int64_t>(d.Hv) * d.dk, ldK = static_cast<int64_t>(d.Hk) * d.dk;
   const int64_t ldU = static_cast<int64_t>(d.Hv) * d.dv;
-  auto stage = [&](int c, int b) {
-    const int t0 = bos + (c - c0) * kC, L = min(kC, eos - t0);
-    stage_tile(Ws0 + b * nk, ldk, W + (static_cast<int64_t>(t0) * d.Hv + h) * d.dk, ldW, L, d.dk,
-               kC, d.KP, true);
-    stage_tile(Ks0 + b * nk, ldk, kn + (static_cast<int64_t>(t0) * d.Hk + kh) * d.dk, ldK, L, d.dk,
-               kC, d.KP, true);
-    stage_tile(Us0 + b * nu, ldu, U + (static_cast<int64_t>(t0) * d.Hv + h) * d.dv + col0, ldU, L,
-               cvalid, kC, kVB, true);
-    stage_gamma(gm0 + b * (kVecBytes / 4), gam + (static_cast<int64_t>(c) * d.Hv + h) * kC);
+  // This thread's staging pieces, fixed for the pass (no division per chunk).
+  const RowPieces pk = row_pieces<bf16_t>(d.KP / 8), pu = row_pieces<bf16_t>(2 * nvw);
+  const RowPieces pv = row_pieces<bf16_t>(kC / 8);
+  const bool kcol = pk.c < d.dk, ucol = pu.c < cvalid;
+  // The copy-out needs the exchange's barrier (KS > 1) and whole-row pieces (the host checks both).
+  const bool snap = KS > 1 && pp.snap != 0 && (FULL || pk.ok);
+  const bf16_t* Wb = W + (static_cast<int64_t>(bos) * d.Hv + h) * d.dk;  // row 0 of the document
+  const bf16_t* Kb = kn + (static_cast<int64_t>(bos) * d.Hk + kh) * d.dk;
+  const bf16_t* Ub = U + (static_cast<int64_t>(bos) * d.Hv + h) * d.dv + col0;
+  // Stages the document's i-th chunk into buffer b = i % ns; one cp.async group per call, empty
+  // past the last chunk (cuda_state_pipe.cuh: the group accounting).
+  auto stage = [&](int i, int b) {
+    if (i < nch) {
+      const int L = min(kC, eos - (bos + i * kC));
+      const int64_t r0 = static_cast<int64_t>(i) * kC;
+      if (FULL || pk.ok) {
+        stage_rows(Ws0 + b * nk, ldk, Wb + r0 * ldW, ldW, L, kC, kcol, pk);
+        stage_rows(Ks0 + b * nk, ldk, Kb + r0 * ldK, ldK, L, kC, kcol, pk);
+      } else {
+        stage_tile(Ws0 + b * nk, ldk, Wb + r0 * ldW, ldW, L, d.dk, kC, d.KP, true);
+        stage_tile(Ks0 + b * nk, ldk, Kb + r0 * ldK, ldK, L, d.dk, kC, d.KP, true);
+      }
+      stage_rows(Us0 + b * nu, ldu, Ub + r0 * ldU, ldU, L, kC, ucol, pu);
+      stage_gamma(gm0 + b * (kVecBytes / 4), gam + (static_cast<int64_t>(c0 + i) * d.Hv + h) * kC);
+    }
     cp_async_commit();
   };
 
@@ -290,21 +326,30 @@ __global__ void __launch_bounds__(kStateThreads* KS)
     }
   }
 
-  if (c0 < c1) stage(c0, 0);
-  for (int c = c0; c < c1; ++c) {
-    const int b = (c - c0) & 1;
-    cp_async_wait<0>();
-    __syncthreads();  // chunk c staged and visible; every warp is done with buffer b ^ 1 and red
-    if (c + 1 < c1) stage(c + 1, b ^ 1);
+  for (int i = 0; i + 1 < ns; ++i) stage(i, i);
+  for (int i = 0, b = 0; i < nch; ++i, b = b + 1 == ns ? 0 : b + 1) {  // b = i % ns
+    const int c = c0 + i;
+    const int64_t slot = static_cast<int64_t>(c) * d.Hv + h;
+    cp_async_wait_pending(ns - 2);
+    __syncthreads();  // chunk i staged and visible; every warp is done with chunk i - 1's buffer,
+                      // red and the previous V' tile
+    stage(i + ns - 1, b == 0 ? ns - 1 : b - 1);  // the buffer chunk i - 1 used
+    if (snap && i > 0)  // V' of the previous chunk, written before the barrier above
+      store_rows(Vt + (slot - d.Hv) * d.dv * kC + static_cast<int64_t>(col0) * kC, kC, Vs, kLdP,
+                 cvalid, true, pv);
     const bf16_t* Ws = Ws0 + b * nk;
     const bf16_t* Ks = Ks0 + b * nk;
     const bf16_t* Us = Us0 + b * nu;
     const float* gm = gm0 + b * (kVecBytes / 4);
     const float glast = gm[kC - 1];
+    // dec_t = e^{gamma_63 - gamma_t} once per block instead of once per warp (the same expf of the
+    // same argument: bitwise what every warp computed); read after the exchange's barrier, and
+    // rewritten only after the next loop-head barrier.
+    if (KS > 1 && tid < kC) decs[tid] = expf(glast - gm[tid]);
 
     // bf16(S^T): the snapshot H_c and the A operand of S^T W^T.
     uint32_t sa[KBW][4];
-    bf16_t* Hc = Ht + (static_cast<int64_t>(c) * d.Hv + h) * sd;  // [dv, dk]
+    bf16_t* Hc = Ht + slot * sd;  // [dv, dk]
 #pragma unroll
     for (int kbl = 0; kbl < KBW; ++kbl) {
       const int kb = kb0 + kbl;
@@ -312,9 +357,12 @@ __global__ void __launch_bounds__(kStateThreads* KS)
       if (kb >= nkb) continue;
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        const int vv = vw + g8 + 8 * (q & 1), k = 16 * kb + 2 * t4 + 8 * (q >> 1);
-        if (vv < d.dv && k < d.dk)
-          *reinterpret_cast<uint32_t*>(Hc + static_cast<int64_t>(vv) * d.dk + k) = sa[kbl][q];
+        const int vl = 16 * vwarp + g8 + 8 * (q & 1), k = 16 * kb + 2 * t4 + 8 * (q >> 1);
+        if (snap)
+          *reinterpret_cast<uint32_t*>(Hs + vl * ldk + k) = sa[kbl][q];
+        else if (col0 + vl < d.dv && k < d.dk)
+          *reinterpret_cast<uint32_t*>(Hc + static_cast<int64_t>(col0 + vl) * d.dk + k) =
+              sa[kbl][q];
       }
     }
     // X = S^T W^T [16, 64 tokens] (this warp's k-blocks, then the sum of the KS partials).
@@ -331,7 +379,9 @@ __global__ void __launch_bounds__(kStateThreads* KS)
         mma(x[2 * np + 1], sa[kbl], bb[2], bb[3]);
       }
     }
-    if constexpr (KS > 1) state_exchange_sum<KS>(x, red, kq, vwarp, lane);
+    if constexpr (KS > 1) state_exchange_sum<KS>(x, red, kq, vwarp, nvw, lane, pp.xs != 0);
+    if (snap)  // H_c, written before the exchange's barrier
+      store_rows(Hc + static_cast<int64_t>(col0) * d.dk, d.dk, Hs, ldk, cvalid, kcol, pk);
       // V'^T = U^T - X (U^T's A fragments are exactly the positions of x's C fragments).
 #pragma unroll
     for (int kb = 0; kb < 4; ++kb) {
@@ -348,16 +398,18 @@ __global__ void __launch_bounds__(kStateThreads* KS)
     }
     // V' to Vt[c] (all 64 tokens: exact zeros past the chunk's end); the KS warps of a column slice
     // hold the same V' and write token tiles nt = kq (mod KS).
-    bf16_t* Vc = Vt + (static_cast<int64_t>(c) * d.Hv + h) * d.dv * kC;  // [dv, 64]
+    bf16_t* Vc = Vt + slot * d.dv * kC;  // [dv, 64]
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       if (nt % KS != kq) continue;
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int vv = vw + g8 + 8 * hf;
-        if (vv < d.dv)
-          *reinterpret_cast<uint32_t*>(Vc + vv * kC + 8 * nt + 2 * t4) =
-              pack(x[nt][2 * hf], x[nt][2 * hf + 1]);
+        const int vl = 16 * vwarp + g8 + 8 * hf;
+        const uint32_t pv2 = pack(x[nt][2 * hf], x[nt][2 * hf + 1]);
+        if (snap)
+          *reinterpret_cast<uint32_t*>(Vs + vl * kLdP + 8 * nt + 2 * t4) = pv2;
+        else if (col0 + vl < d.dv)
+          *reinterpret_cast<uint32_t*>(Vc + (col0 + vl) * kC + 8 * nt + 2 * t4) = pv2;
       }
     }
     // A operand of the update: (V' diag(dec))^T, dec_i = e^{gamma_63 - gamma_i}.
@@ -365,8 +417,18 @@ __global__ void __launch_bounds__(kStateThreads* KS)
 #pragma unroll
     for (int kb = 0; kb < 4; ++kb) {
       const int ta = 16 * kb + 2 * t4, tb = ta + 8;
-      const float d0 = expf(glast - gm[ta]), d1 = expf(glast - gm[ta + 1]);
-      const float d2 = expf(glast - gm[tb]), d3 = expf(glast - gm[tb + 1]);
+      float d0, d1, d2, d3;
+      if constexpr (KS > 1) {
+        d0 = decs[ta];
+        d1 = decs[ta + 1];
+        d2 = decs[tb];
+        d3 = decs[tb + 1];
+      } else {
+        d0 = expf(glast - gm[ta]);
+        d1 = expf(glast - gm[ta + 1]);
+        d2 = expf(glast - gm[tb]);
+        d3 = expf(glast - gm[tb + 1]);
+      }
       va[kb][0] = pack(x[2 * kb][0] * d0, x[2 * kb][1] * d1);
       va[kb][1] = pack(x[2 * kb][2] * d0, x[2 * kb][3] * d1);
       va[kb][2] = pack(x[2 * kb + 1][0] * d2, x[2 * kb + 1][1] * d3);
@@ -391,6 +453,12 @@ __global__ void __launch_bounds__(kStateThreads* KS)
         mma(S[2 * kbl + 1], va[kb], bb[2], bb[3]);
       }
     }
+  }
+  if (snap && nch > 0) {  // the last chunk's V'
+    __syncthreads();
+    store_rows(Vt + (static_cast<int64_t>(c1 - 1) * d.Hv + h) * d.dv * kC +
+                   static_cast<int64_t>(col0) * kC,
+               kC, Vs, kLdP, cvalid, true, pv);
   }
   if (hT != nullptr) {
 #pragma unroll
@@ -506,6 +574,50 @@ int state_split(int64_t blocks) {
   return blocks <= cuda::Context::get().sm_count() ? 4 : 1;
 }
 
+StatePipe state_pipe(const Dims& d, int ks, int64_t blocks32, int ns_max,
+                     size_t (*smem)(const Dims&, int, const StatePipe&)) {
+  const int64_t f_ns = env::get_int("GDN_GDR_STATE_STAGES");
+  const int64_t f_cols = env::get_int("GDN_GDR_STATE_COLS");
+  const std::string f_snap = env::get_string("GDN_GDR_STATE_SNAP");
+  const std::string f_xs = env::get_string("GDN_GDR_STATE_EXCHANGE");
+  GDN_CHECK(f_ns == 0 || (f_ns >= 2 && f_ns <= 4),
+            "GDN_GDR_STATE_STAGES={} is not one of 0 (automatic), 2, 3, 4", f_ns);
+  GDN_CHECK(f_cols == 0 || f_cols == 16 || f_cols == 32,
+            "GDN_GDR_STATE_COLS={} is not one of 0 (automatic), 16, 32", f_cols);
+  const int per_row = d.KP / 8;  // 16-byte pieces of a dk row: whole-row pieces need per_row | 32
+  const bool rows_ok = 32 % per_row == 0;
+  const cudaDeviceProp& props = cuda::Context::get().props();
+  // 16-column blocks (twice the blocks, half the warps each) when the doubled grid still fits the
+  // SMs with a dk split: one document at Hv = 16 (64 -> 128 blocks on 132 SMs) ran 8% faster
+  // forward and backward on an H200; past one wave they cost a second one.
+  const bool cols16 =
+      f_cols == 16 ||
+      (f_cols == 0 && ks > 1 && 2 * blocks32 <= static_cast<int64_t>(props.multiProcessorCount));
+  StatePipe pp{2, cols16 ? 1 : 2, 0, 1, f_xs == "all" ? 0 : 1};
+  pp.snap = ks > 1 && f_snap != "off" && rows_ok ? 1 : 0;
+  // Shared memory per block: the opt-in cap, and (automatic ring depth) the share of an SM that
+  // lets all of the grid's blocks be resident at once (ceil(blocks / SMs) per SM), so that a deeper
+  // ring never costs a second wave; the old shape (2 buffers, direct snapshots, dV'_loc in
+  // registers) is the floor.
+  const int nvb32 = (d.VP + 31) / 32, nvbw = (d.VP + 16 * pp.nvw - 1) / (16 * pp.nvw);
+  const int64_t blocks = blocks32 / nvb32 * nvbw;
+  const int64_t per_sm = std::max<int64_t>(
+      1, (blocks + props.multiProcessorCount - 1) / std::max(1, props.multiProcessorCount));
+  size_t cap = static_cast<size_t>(props.sharedMemPerBlockOptin);
+  if (f_ns == 0)
+    cap = std::min(
+        cap, static_cast<size_t>(props.sharedMemPerMultiprocessor) / static_cast<size_t>(per_sm) -
+                 static_cast<size_t>(props.reservedSharedMemPerBlock));
+  int ns = std::min(f_ns != 0 ? static_cast<int>(f_ns) : ns_max, ns_max);
+  for (;; --ns) {
+    pp.ns = ns;
+    if (ns <= 2 || smem(d, ks, pp) <= cap) break;
+  }
+  if (smem(d, ks, pp) > cap) pp.snap = 0;
+  if (smem(d, ks, pp) > cap) pp.dls = 0;
+  return pp;
+}
+
 // --- launchers ----------------------------------------------------------------------------------
 void fast_prep(const Dims& d, const IndexView& ix, const bf16_t* kn, const bf16_t* v,
                const float* g, const float* beta, bf16_t* W, bf16_t* U, float* gam, float* Tinv,
@@ -522,24 +634,34 @@ void fast_prep(const Dims& d, const IndexView& ix, const bf16_t* kn, const bf16_
 void fast_state_fwd(const Dims& d, const IndexView& ix, const bf16_t* W, const bf16_t* kn,
                     const bf16_t* U, const float* gam, const float* h0, bf16_t* Ht, bf16_t* Vt,
                     float* hT, cudaStream_t s) {
-  const int nvb = (d.VP + kVB - 1) / kVB;
-  const int64_t blocks = static_cast<int64_t>(d.N) * nvb;
-  const int ks = state_split(blocks * d.Hv);
-  const size_t smem = state_fwd_smem(d, ks);
+  const int64_t blocks32 = static_cast<int64_t>(d.N) * ((d.VP + kVB - 1) / kVB);
+  const int ks = state_split(blocks32 * d.Hv);
+  const StatePipe pp = state_pipe(d, ks, blocks32 * d.Hv, 4, &state_fwd_smem);
+  const int vbw = 16 * pp.nvw;
+  const int64_t blocks = static_cast<int64_t>(d.N) * ((d.VP + vbw - 1) / vbw);
+  const size_t smem = state_fwd_smem(d, ks, pp);
   const dim3 grid(grid_x(blocks, "gdr_fast_state_fwd_kernel"), static_cast<unsigned>(d.Hv));
+  const unsigned threads = static_cast<unsigned>(32 * pp.nvw * ks);
   auto launch = [&](auto kernel) {
     allow_smem(reinterpret_cast<const void*>(kernel), smem, "gdr_fast_state_fwd_kernel", d.dk,
                d.dv);
-    kernel<<<grid, kStateThreads * ks, smem, s>>>(d, ix, W, kn, U, gam, h0, Ht, Vt, hT);
+    kernel<<<grid, threads, smem, s>>>(d, ix, pp, W, kn, U, gam, h0, Ht, Vt, hT);
   };
-  if (ks == 8)
-    launch(&gdr_fast_state_fwd_kernel<8>);
+  const bool full = d.dk == 128 && d.dv == 128;  // the constant-shape kernels (ks 1, 4, 8)
+  if (ks == 8 && full)
+    launch(&gdr_fast_state_fwd_kernel<8, true>);
+  else if (ks == 8)
+    launch(&gdr_fast_state_fwd_kernel<8, false>);
+  else if (ks == 4 && full)
+    launch(&gdr_fast_state_fwd_kernel<4, true>);
   else if (ks == 4)
-    launch(&gdr_fast_state_fwd_kernel<4>);
+    launch(&gdr_fast_state_fwd_kernel<4, false>);
   else if (ks == 2)
-    launch(&gdr_fast_state_fwd_kernel<2>);
+    launch(&gdr_fast_state_fwd_kernel<2, false>);
+  else if (full)
+    launch(&gdr_fast_state_fwd_kernel<1, true>);
   else
-    launch(&gdr_fast_state_fwd_kernel<1>);
+    launch(&gdr_fast_state_fwd_kernel<1, false>);
   GDN_CUDA_LAUNCH_CHECK("gdr_fast_state_fwd_kernel");
 }
 
