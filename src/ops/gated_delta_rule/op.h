@@ -88,8 +88,9 @@
 //     (document, value head, block of value columns), which keeps S in fp32 registers; the
 //     backward rebuilds the forward chain (all but its state pass when given `saved`, which both
 //     routes write in the layout above), then a reverse state pass and per-chunk gradient
-//     kernels; on the fast route the state passes split dk over 2, 4 or 8 warp pairs when their
-//     grid has no more blocks than SMs, one long document, cuda_fast.h). Two routes with the same
+//     kernels; on the fast route the state passes split dk over 2, 4 or 8 groups of one or two
+//     warps (16 or 32 value columns a block) when their grid has no more blocks than SMs, one long
+//     document, and stage up to 3 chunks ahead, cuda_fast.h). Two routes with the same
 //     contract (cuda.cu): the fast one (dk, dv <= 128, multiples of 8, 16-byte aligned tensors;
 //     mma.sync with operands kept in registers, gates from fp32 chunk-local cumsums of g, every
 //     product bf16 x bf16 -> fp32) and the generic one (any dims; WMMA, gates summed term by term
