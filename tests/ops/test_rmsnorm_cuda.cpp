@@ -26,7 +26,7 @@ using testing::randn;
 constexpr ProbeError kTol = bf16_tolerance("rmsnorm");
 
 // The implementations under test.
-const char* const kImpls[] = {"cuda.rowwise", "cuda.bulk"};
+const char* const kImpls[] = {"cuda.rowwise", "cuda.bulk", "cuda.bulkp", "cuda.bulkpb"};
 
 // The registered cuda implementation `name` (its function table); a test fails without it.
 const RmsNormTable& impl_table(const std::string& name) {

@@ -376,7 +376,11 @@ __device__ __forceinline__ void combine(const DwArgs& a, uint32_t k, int w0, int
 
 // One item: window w (sorted positions [s, e)), column chunk `chunk`. Every thread of the block
 // calls it (it holds barriers); `st` is the staged window.
-template <int V>
+// kPf: how many batches ahead each thread prefetches the dy and dW rows towards L2 (1: the next
+// batch, cuda.v2 / cuda.v2r; 3: cuda.v2rp, more bytes in flight per thread for no registers, for
+// windows of repeated ids, which load only dy and so keep half the bytes of distinct ids in
+// flight).
+template <int V, int kPf = 1>
 __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w, int chunk,
                                         int* s_last) {
   const int D = a.D;
@@ -429,23 +433,29 @@ __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w,
         }
       }
     }
-    // The next batch's rows towards L2 meanwhile: twice the bytes in flight per thread for no
+    // The next kPf batches' rows towards L2 meanwhile: more bytes in flight per thread for no
     // registers (the loads above hold 96 bytes per thread, 1024 threads per multiprocessor).
+    auto prefetch = [&](int i) {
+      const int64_t t = st.tok[i];
+      const uint32_t k = st.key[i];
+      const bool direct = ends_run(i) && slot_of(k) < 0;
 #pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      const int i = i0 + kBatch + j;
-      if (i < nv) {
-        const int64_t t = st.tok[i];
-        const uint32_t k = st.key[i];
-        const bool direct = ends_run(i) && slot_of(k) < 0;
-#pragma unroll
-        for (int g = 0; g < kGroups; ++g) {
-          if (has[g]) {
-            prefetch_l2(a.dy + t * D + c[g]);
-            if (direct) prefetch_l2(a.dw + static_cast<int64_t>(k) * D + c[g]);
-          }
+      for (int g = 0; g < kGroups; ++g) {
+        if (has[g]) {
+          prefetch_l2(a.dy + t * D + c[g]);
+          if (direct) prefetch_l2(a.dw + static_cast<int64_t>(k) * D + c[g]);
         }
       }
+    };
+    if constexpr (kPf == 1) {
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j)
+        if (i0 + kBatch + j < nv) prefetch(i0 + kBatch + j);
+    } else {
+      // The first batch requests batches 1 .. kPf, every later one batch i0 / kBatch + kPf.
+      const int pf_hi = min(nv, i0 + kBatch * (kPf + 1));
+#pragma unroll 1
+      for (int i = i0 == 0 ? kBatch : i0 + kBatch * kPf; i < pf_hi; ++i) prefetch(i);
     }
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
@@ -506,7 +516,7 @@ __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w,
 }
 
 // Persistent grid over items (window-major: item = w * chunks + chunk); kDwThreads threads.
-template <int V>
+template <int V, int kPf = 1>
 __global__ void __launch_bounds__(kDwThreads, 8) emb2_dw_kernel(const DwArgs a) {
   pdl_wait();  // step 1's ranks and zeroed counters
   __shared__ Stage stage[2];
@@ -536,7 +546,7 @@ __global__ void __launch_bounds__(kDwThreads, 8) emb2_dw_kernel(const DwArgs a) 
     const int next = item + static_cast<int>(gridDim.x);
     if (next < nitems) stage_window(next, stage[buf ^ 1]);
     const int w = item / a.chunks;
-    dw_item<V>(a, stage[buf], w, item - w * a.chunks, s_last);
+    dw_item<V, kPf>(a, stage[buf], w, item - w * a.chunks, s_last);
     cuda::cp_async_wait<0>();
     __syncthreads();
   }
@@ -568,11 +578,11 @@ void rank_opt_in(size_t limit) {
   });
 }
 
-template <int V>
+template <int V, int kPf>
 void launch_dw(const DwArgs& args, cudaStream_t s) {
   int per_sm = 0;
-  GDN_CUDA_CHECK(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, emb2_dw_kernel<V>, kDwThreads, 0));
+  GDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, emb2_dw_kernel<V, kPf>,
+                                                               kDwThreads, 0));
   const int64_t items = static_cast<int64_t>(args.nwin) * args.chunks;
   const auto grid = static_cast<unsigned>(std::min<int64_t>(
       items, static_cast<int64_t>(cuda::Context::get().sm_count()) * std::max(per_sm, 1)));
@@ -586,11 +596,11 @@ void launch_dw(const DwArgs& args, cudaStream_t s) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  GDN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, emb2_dw_kernel<V>, args));
+  GDN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, emb2_dw_kernel<V, kPf>, args));
   GDN_CUDA_LAUNCH_CHECK("emb2_dw_kernel");
 }
 
-template <int kWin, int kPerBlock>
+template <int kWin, int kPerBlock, int kPf = 1>
 void backward(const EmbeddingBwd& a) {
   // Staging: 16-byte pieces of the window (kWin % 4 == 0), at most 16 per array.
   static_assert(kWin >= 4 && kWin % 4 == 0 && kWin <= kMaxWin && kMaxWin <= 64);
@@ -694,14 +704,15 @@ void backward(const EmbeddingBwd& a) {
               chunks,
               static_cast<uint32_t>(vocab)};
   if (V == 4) {
-    launch_dw<4>(args, s);
+    launch_dw<4, kPf>(args, s);
   } else {
-    launch_dw<1>(args, s);
+    launch_dw<1, kPf>(args, s);
   }
 }
 
 const EmbeddingTable kTable16{forward, backward<16, kRankTokens>};
 const EmbeddingTable kTable16Fine{forward, backward<16, kRankTokensFine>};
+const EmbeddingTable kTable16FinePf{forward, backward<16, kRankTokensFine, 3>};
 
 }  // namespace
 
@@ -713,6 +724,9 @@ const EmbeddingTable kTable16Fine{forward, backward<16, kRankTokensFine>};
 GDN_REGISTER(embedding_cuda_v2) {
   Registry::global().add_impl({"embedding", "cuda.v2", Backend::Cuda, 20, nullptr, &kTable16});
   Registry::global().add_impl({"embedding", "cuda.v2r", Backend::Cuda, 21, nullptr, &kTable16Fine});
+  // A/B variant (mem7): prefetch 3 batches ahead.
+  Registry::global().add_impl(
+      {"embedding", "cuda.v2rp", Backend::Cuda, 19, nullptr, &kTable16FinePf});
 }
 
 }  // namespace gdn::ops

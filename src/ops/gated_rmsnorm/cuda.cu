@@ -29,6 +29,7 @@
 #include "gdn/backend/cuda_check.h"
 #include "gdn/backend/registry.h"
 #include "ops/gated_rmsnorm/op.h"
+#include "ops/rmsnorm/cuda_colsum.cuh"
 
 namespace gdn::ops {
 
@@ -170,7 +171,16 @@ constexpr int acc_floats() {
 }
 
 // Two blocks per multiprocessor at least (<= 128 registers).
-template <int V>
+// kWarpRows (cuda.rowwise_p; only for tpr <= 32, where a row group never crosses a warp and the
+// group sum holds no block barrier): rows are dealt to warps, not blocks. Warp unit u (the 32 / tpr
+// consecutive rows u * 32 / tpr ...) of sweep k goes to warp (u / grid) % 8 of block u % grid, so
+// a last partial sweep is spread over the blocks (one warp each) instead of being the whole work
+// of its first few blocks (at [262144, 128]: 31 full sweeps of 264 blocks and 256 rows left, which
+// the strided walk gives to 8 blocks that run a 32nd iteration while the others idle).
+// kPf (cuda.rowwise_pf): each thread also requests the x, z, dy packs of the row after next
+// towards L2 (prefetch.global.L2: no registers), so a multiprocessor keeps about twice the bytes in
+// flight that its 2 x 256 threads at ~127 registers can hold in registers.
+template <int V, bool kWarpRows = false, bool kPf = false>
 __global__ void __launch_bounds__(kBlock, 2)
     gated_rmsnorm_bwd_kernel(const bf16_t* __restrict__ x,    // [R, D]
                              const bf16_t* __restrict__ z,    // [R, D]
@@ -223,11 +233,34 @@ __global__ void __launch_bounds__(kBlock, 2)
     rn = act ? rstd[row] : 0.f;
   };
 
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * rpb;
-  fetch(static_cast<int64_t>(blockIdx.x) * rpb + g);
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * rpb; base < R; base += stride) {
-    // `base` is uniform over the block: every thread meets the barriers of group_allreduce_sum.
-    const int64_t row = base + g;
+  // Strided walk: row = base + g, base = blockIdx.x * rpb + k * stride (uniform over the block:
+  // every thread meets the barriers of group_allreduce_sum). kWarpRows: row = base + g % rpw,
+  // base = (warp * grid + blockIdx.x + k * 8 * grid) * rpw (uniform over the warp; tpr <= 32).
+  const int rpw = kWarpRows ? 32 / tpr : 0;  // rows per warp
+  const int64_t stride = kWarpRows ? static_cast<int64_t>(gridDim.x) * kBlock / tpr
+                                   : static_cast<int64_t>(gridDim.x) * rpb;
+  const int64_t base0 = kWarpRows ? (static_cast<int64_t>(tid >> 5) * gridDim.x + blockIdx.x) * rpw
+                                  : static_cast<int64_t>(blockIdx.x) * rpb;
+  const int gi = kWarpRows ? g % rpw : g;  // the row's index in its base
+  // The row `row`'s packs towards L2 (kPf).
+  auto prefetch = [&](int64_t row) {
+    if (row >= R) return;
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const int c = lane + k * tpr;
+      if (c < npacks) {
+        const int64_t o = row * D + static_cast<int64_t>(c) * V;
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(x + o));
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(z + o));
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(dy + o));
+      }
+    }
+  };
+  if constexpr (kWarpRows) norm_pdl::pdl_launch_dependents();
+  fetch(base0 + gi);
+  if constexpr (kPf) prefetch(base0 + gi + stride);
+  for (int64_t base = base0; base < R; base += stride) {
+    const int64_t row = base + gi;
     const bool active = row < R;
     const int64_t off = active ? row * D : 0;
     Pack<V> xc[P], zc[P], dyc[P];
@@ -235,6 +268,7 @@ __global__ void __launch_bounds__(kBlock, 2)
     for (int k = 0; k < P; ++k) xc[k] = xn[k], zc[k] = zn[k], dyc[k] = dn[k];
     const float r = rn;
     fetch(row + stride);
+    if constexpr (kPf) prefetch(row + 2 * stride);
 
     float dot = 0.f;  // sum(dy' * w * x) over the row
     auto dot_terms = [&](const Pack<V>& xp, const Pack<V>& zp, const Pack<V>& dp,
@@ -351,6 +385,9 @@ void forward(const GatedRmsNormFwd& a) {
   GDN_CUDA_LAUNCH_CHECK("gated_rmsnorm_fwd_kernel");
 }
 
+// kFast (cuda.rowwise_p): rows dealt to warps when tpr <= 32 (see the kernel) and the dw sum as a
+// programmatic dependent (rmsnorm/cuda_colsum.cuh).
+template <bool kFast, bool kPf = false>
 void backward(const GatedRmsNormBwd& a) {
   const int64_t R = a.x.size(0), D = a.x.size(1);
   if (R == 0 || D == 0) return;  // dw += 0
@@ -380,26 +417,40 @@ void backward(const GatedRmsNormBwd& a) {
   float* partial = static_cast<float*>(  // [grid, D]
       ctx.scratch(static_cast<size_t>(grid) * static_cast<size_t>(D) * sizeof(float)));
   cudaStream_t s = ctx.stream();
+  const bool warp_rows = kFast && l.tpr <= 32;
   if (l.vec == 8) {
-    gated_rmsnorm_bwd_kernel<8><<<grid, kBlock, smem, s>>>(x, z, w, rstd, dy, dx, dz, partial, R,
-                                                           static_cast<int>(D), l.tpr);
+    auto k =
+        warp_rows ? gated_rmsnorm_bwd_kernel<8, true, kPf> : gated_rmsnorm_bwd_kernel<8, false>;
+    k<<<grid, kBlock, smem, s>>>(x, z, w, rstd, dy, dx, dz, partial, R, static_cast<int>(D), l.tpr);
   } else {
-    gated_rmsnorm_bwd_kernel<1><<<grid, kBlock, smem, s>>>(x, z, w, rstd, dy, dx, dz, partial, R,
-                                                           static_cast<int>(D), l.tpr);
+    auto k =
+        warp_rows ? gated_rmsnorm_bwd_kernel<1, true, kPf> : gated_rmsnorm_bwd_kernel<1, false>;
+    k<<<grid, kBlock, smem, s>>>(x, z, w, rstd, dy, dx, dz, partial, R, static_cast<int>(D), l.tpr);
   }
   GDN_CUDA_LAUNCH_CHECK("gated_rmsnorm_bwd_kernel");
-  cuda::column_sum_add_kernel<>
-      <<<static_cast<unsigned>((D + 31) / 32), 256, 0, s>>>(partial, dw, grid, static_cast<int>(D));
-  GDN_CUDA_LAUNCH_CHECK("column_sum_add_kernel");
+  if (warp_rows) {
+    norm_pdl::launch_column_sum_add_pdl(partial, dw, grid, static_cast<int>(D), s);
+  } else {
+    cuda::column_sum_add_kernel<><<<static_cast<unsigned>((D + 31) / 32), 256, 0, s>>>(
+        partial, dw, grid, static_cast<int>(D));
+    GDN_CUDA_LAUNCH_CHECK("column_sum_add_kernel");
+  }
 }
 
-const GatedRmsNormTable kTable{forward, backward};
+const GatedRmsNormTable kTable{forward, backward<false>};
+const GatedRmsNormTable kTableP{forward, backward<true>};
+const GatedRmsNormTable kTablePf{forward, backward<true, true>};
 
 }  // namespace
 
 GDN_REGISTER(gated_rmsnorm_cuda) {
   Registry::global().add_impl(
       {"gated_rmsnorm", "cuda.rowwise", Backend::Cuda, 10, nullptr, &kTable});
+  // A/B variant (mem7): rows dealt to warps, the dw sum as a programmatic dependent.
+  Registry::global().add_impl(
+      {"gated_rmsnorm", "cuda.rowwise_p", Backend::Cuda, 9, nullptr, &kTableP});
+  Registry::global().add_impl(
+      {"gated_rmsnorm", "cuda.rowwise_pf", Backend::Cuda, 8, nullptr, &kTablePf});
 }
 
 }  // namespace gdn::ops

@@ -66,6 +66,7 @@
 #include "gdn/backend/cuda_check.h"
 #include "gdn/backend/cuda_context.h"
 #include "gdn/backend/registry.h"
+#include "ops/rmsnorm/cuda_colsum.cuh"
 #include "ops/rmsnorm/op.h"
 
 namespace gdn::ops {
@@ -120,7 +121,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                             const bf16_t* __restrict__ dy,   // [R, D]
                             bf16_t* __restrict__ dx,         // [R, D]
                             float* __restrict__ partial,     // [gridDim.x, D] dw partial rows
-                            int64_t R, int D, int tpr, int stages, float shift) {
+                            int64_t R, int D, int tpr, int stages, float shift, bool balanced) {
   // Dynamic shared memory: the ring [G][stages][2][D] bf16, then gw as float4 [2][D / 8].
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ uint64_t full[kMaxGroups * kMaxStages];  // [G][stages] mbarriers
@@ -131,10 +132,24 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int lane = static_cast<int>(threadIdx.x) % tpr;
   const int npacks = D / 8;
   const uint32_t row_bytes = static_cast<uint32_t>(D) * 2u;
-  const int64_t NG = static_cast<int64_t>(gridDim.x) * G;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * G + g;
-  const int64_t n = first < R ? (R - first + NG - 1) / NG : 0;  // this group's rows
-  uint64_t* bars = full + g * stages;                           // [stages]
+  // This group's rows: first + i * step, i < n. Strided: the groups of the grid take consecutive
+  // rows in turn (step NG = gridDim.x * G), so the blocks' row counts differ by up to G (at
+  // [8192, 4096] on 132 multiprocessors: 64 rows for 68 blocks, 60 for the other 64, which then
+  // idle for 4 rows' time). Balanced (cuda.bulkpb): block b owns rows [b R / grid, (b + 1) R /
+  // grid), 62 or 63 there, and its groups take them in turn (step G).
+  int64_t first, step, n;
+  if (balanced) {
+    const int64_t lo = static_cast<int64_t>(blockIdx.x) * R / gridDim.x;
+    const int64_t hi = (static_cast<int64_t>(blockIdx.x) + 1) * R / gridDim.x;
+    first = lo + g;
+    step = G;
+    n = first < hi ? (hi - first + G - 1) / G : 0;
+  } else {
+    step = static_cast<int64_t>(gridDim.x) * G;
+    first = static_cast<int64_t>(blockIdx.x) * G + g;
+    n = first < R ? (R - first + step - 1) / step : 0;
+  }
+  uint64_t* bars = full + g * stages;  // [stages]
   bf16_t* ring = reinterpret_cast<bf16_t*>(smem) + static_cast<int64_t>(g) * stages * 2 * D;
 
   // gw = w or 1 + w (formed in fp32) of pack c: sgw[c] (elements 0-3) and sgw[npacks + c] (4-7),
@@ -152,10 +167,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     cuda::mbar_init_fence();
   }
   __syncthreads();
+  // A dw sum launched as a programmatic dependent (cuda_colsum.cuh) may be created now; it waits
+  // for this grid's end. No effect on an ordinary launch after this kernel.
+  norm_pdl::pdl_launch_dependents();
 
   // Requests iteration i's row into slot s = i % stages (producer only; i < n).
   auto request = [&](int64_t i, int s) {
-    const int64_t off = (first + i * NG) * D;
+    const int64_t off = (first + i * step) * D;
     bf16_t* slot = ring + static_cast<int64_t>(s) * 2 * D;  // [2][D]
     cuda::mbar_arrive_expect_tx(&bars[s], 2u * row_bytes);
     cuda::cp_async_bulk_g2s(slot, x + off, row_bytes, &bars[s]);
@@ -175,7 +193,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   int s = 0;           // slot of iteration i
   uint32_t phase = 0;  // parity of the use of slot s that iteration i waits for
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t row = first + i * NG;
+    const int64_t row = first + i * step;
     const int64_t off = row * D;
     const float r = __ldg(rstd + row);
     cuda::mbar_wait_parity(&bars[s], phase);
@@ -308,6 +326,9 @@ bool covered(const RmsNormBwd& a) {
 
 void forward(const RmsNormFwd& a) { rowwise().forward(a); }
 
+// kPdl: the dw sum as a programmatic dependent (cuda_colsum.cuh) instead of a plain second
+// launch; kBalanced: rows split into contiguous per-block ranges (see the kernel).
+template <bool kPdl, bool kBalanced>
 void backward(const RmsNormBwd& a) {
   const int64_t R = a.x.size(0), D = a.x.size(1);
   if (R == 0 || D == 0) return;  // dw += 0
@@ -337,20 +358,29 @@ void backward(const RmsNormBwd& a) {
       ctx.scratch(static_cast<size_t>(grid) * static_cast<size_t>(D) * sizeof(float)));
   const float shift = a.zero_centred ? 1.f : 0.f;
   cudaStream_t s = ctx.stream();
-  rmsnorm_bulk_bwd_kernel<<<grid, kThreads, smem, s>>>(x, w, rstd, dy, dx, partial, R,
-                                                       static_cast<int>(D), tpr, stages, shift);
+  rmsnorm_bulk_bwd_kernel<<<grid, kThreads, smem, s>>>(
+      x, w, rstd, dy, dx, partial, R, static_cast<int>(D), tpr, stages, shift, kBalanced);
   GDN_CUDA_LAUNCH_CHECK("rmsnorm_bulk_bwd_kernel");
-  cuda::column_sum_add_kernel<>
-      <<<static_cast<unsigned>((D + 31) / 32), 256, 0, s>>>(partial, dw, grid, static_cast<int>(D));
-  GDN_CUDA_LAUNCH_CHECK("column_sum_add_kernel");
+  if constexpr (kPdl) {
+    norm_pdl::launch_column_sum_add_pdl(partial, dw, grid, static_cast<int>(D), s);
+  } else {
+    cuda::column_sum_add_kernel<><<<static_cast<unsigned>((D + 31) / 32), 256, 0, s>>>(
+        partial, dw, grid, static_cast<int>(D));
+    GDN_CUDA_LAUNCH_CHECK("column_sum_add_kernel");
+  }
 }
 
-const RmsNormTable kTable{forward, backward};
+const RmsNormTable kTable{forward, backward<false, false>};
+const RmsNormTable kTableP{forward, backward<true, false>};
+const RmsNormTable kTablePB{forward, backward<true, true>};
 
 }  // namespace
 
 GDN_REGISTER(rmsnorm_cuda_bulk) {
   Registry::global().add_impl({"rmsnorm", "cuda.bulk", Backend::Cuda, 20, nullptr, &kTable});
+  // A/B variants (mem7): the dw sum as a programmatic dependent, and with balanced row ranges.
+  Registry::global().add_impl({"rmsnorm", "cuda.bulkp", Backend::Cuda, 18, nullptr, &kTableP});
+  Registry::global().add_impl({"rmsnorm", "cuda.bulkpb", Backend::Cuda, 19, nullptr, &kTablePB});
 }
 
 }  // namespace gdn::ops
