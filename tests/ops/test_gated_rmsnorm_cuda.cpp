@@ -20,9 +20,9 @@ constexpr ProbeError kTol = bf16_tolerance("gated_rmsnorm");
 class GatedRmsNormCuda : public CudaOpTest {};
 
 // The implementations under test, each called through its own table (the sweep, the saturated
-// gates, the dw accumulation and determinism, the scalar path). cuda.rowwise is the resolver's
-// choice.
-const char* const kImpls[] = {"cuda.rowwise", "cuda.rowwise_p", "cuda.rowwise_pf"};
+// gates, the dw accumulation and determinism, the scalar path), and the resolver's choice.
+const char* const kImpls[] = {"cuda.rowwise", "cuda.rowwise_pf", "cuda.rowwise_pf3"};
+const char* const kChosen = "cuda.rowwise_pf";
 
 const GatedRmsNormTable& impl_table(const std::string& name) {
   const GatedRmsNormTable* t = cuda_table<GatedRmsNormTable>("gated_rmsnorm", name);
@@ -201,7 +201,7 @@ TEST_F(GatedRmsNormCuda, UnalignedTensorsTakeTheScalarPath) {
 }
 
 TEST_F(GatedRmsNormCuda, ResolverChoosesCudaAndItPassesItsProbe) {
-  expect_resolves_to_cuda("gated_rmsnorm", "cuda.rowwise", kTol, true, true);
+  expect_resolves_to_cuda("gated_rmsnorm", kChosen, kTol, true, true);
 }
 
 // Deliberately wrong CUDA implementations built from the real one: x and z swapped (normalising
@@ -228,7 +228,7 @@ const GatedRmsNormTable kWrongBwd{real_forward, lost_dw_backward};
 
 TEST_F(GatedRmsNormCuda, ProbeRejectsWrongCudaKernels) {
   ASSERT_NE(real_table(), nullptr) << "cuda.rowwise is not registered";
-  expect_probe_rejects("gated_rmsnorm", "cuda.rowwise",
+  expect_probe_rejects("gated_rmsnorm", kChosen,
                        {{"cuda.wrong_xz", &kWrongFwd}, {"cuda.wrong_dw", &kWrongBwd}});
 }
 
@@ -244,7 +244,7 @@ TEST_F(GatedRmsNormCuda, OpsRunOnCudaBackend) {
                     {"w", w},
                     {"dy", dy.view().reshape({T, H, D})}},
                    true);
-  EXPECT_EQ(run.result().impl, "cuda.rowwise");
+  EXPECT_EQ(run.result().impl, kChosen);
   expect_close(run.load("y"), ref.y, kTol.fwd, "y (ops run)");
   expect_close(run.load("rstd"), ref.rstd, kTol.fwd, "rstd (ops run)");
   expect_close(run.load("dx"), ref.dx, kTol.bwd, "dx (ops run)", dx_scale(in, ref));

@@ -377,9 +377,10 @@ __device__ __forceinline__ void combine(const DwArgs& a, uint32_t k, int w0, int
 // One item: window w (sorted positions [s, e)), column chunk `chunk`. Every thread of the block
 // calls it (it holds barriers); `st` is the staged window.
 // kPf: how many batches ahead each thread prefetches the dy and dW rows towards L2 (1: the next
-// batch, cuda.v2 / cuda.v2r; 3: cuda.v2rp, more bytes in flight per thread for no registers, for
-// windows of repeated ids, which load only dy and so keep half the bytes of distinct ids in
-// flight).
+// batch, cuda.v2 / cuda.v2r; 0: none, cuda.v2rn; -1: the next batch's dy rows only, cuda.v2ry).
+// 3 batches ahead measured 20% slower (mem7's first device run: 127 / 113 us against 105 / 98
+// uniform / skewed): the kernel runs at ~85% of the L2's throughput (ncu), and every prefetch is
+// one more L2 request.
 template <int V, int kPf = 1>
 __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w, int chunk,
                                         int* s_last) {
@@ -438,7 +439,7 @@ __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w,
     auto prefetch = [&](int i) {
       const int64_t t = st.tok[i];
       const uint32_t k = st.key[i];
-      const bool direct = ends_run(i) && slot_of(k) < 0;
+      const bool direct = kPf > 0 && ends_run(i) && slot_of(k) < 0;
 #pragma unroll
       for (int g = 0; g < kGroups; ++g) {
         if (has[g]) {
@@ -447,11 +448,11 @@ __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w,
         }
       }
     };
-    if constexpr (kPf == 1) {
+    if constexpr (kPf == 1 || kPf == -1) {
 #pragma unroll
       for (int j = 0; j < kBatch; ++j)
         if (i0 + kBatch + j < nv) prefetch(i0 + kBatch + j);
-    } else {
+    } else if constexpr (kPf > 1) {
       // The first batch requests batches 1 .. kPf, every later one batch i0 / kBatch + kPf.
       const int pf_hi = min(nv, i0 + kBatch * (kPf + 1));
 #pragma unroll 1
@@ -712,7 +713,9 @@ void backward(const EmbeddingBwd& a) {
 
 const EmbeddingTable kTable16{forward, backward<16, kRankTokens>};
 const EmbeddingTable kTable16Fine{forward, backward<16, kRankTokensFine>};
-const EmbeddingTable kTable16FinePf{forward, backward<16, kRankTokensFine, 3>};
+const EmbeddingTable kTable16FineNoPf{forward, backward<16, kRankTokensFine, 0>};
+const EmbeddingTable kTable16FineDyPf{forward, backward<16, kRankTokensFine, -1>};
+const EmbeddingTable kTable16Fine32{forward, backward<16, 32>};
 
 }  // namespace
 
@@ -724,9 +727,13 @@ const EmbeddingTable kTable16FinePf{forward, backward<16, kRankTokensFine, 3>};
 GDN_REGISTER(embedding_cuda_v2) {
   Registry::global().add_impl({"embedding", "cuda.v2", Backend::Cuda, 20, nullptr, &kTable16});
   Registry::global().add_impl({"embedding", "cuda.v2r", Backend::Cuda, 21, nullptr, &kTable16Fine});
-  // A/B variant (mem7): prefetch 3 batches ahead.
+  // A/B variants (mem7): no L2 prefetch; the dy rows only; 32 tokens ranked per block.
   Registry::global().add_impl(
-      {"embedding", "cuda.v2rp", Backend::Cuda, 19, nullptr, &kTable16FinePf});
+      {"embedding", "cuda.v2rn", Backend::Cuda, 19, nullptr, &kTable16FineNoPf});
+  Registry::global().add_impl(
+      {"embedding", "cuda.v2ry", Backend::Cuda, 18, nullptr, &kTable16FineDyPf});
+  Registry::global().add_impl(
+      {"embedding", "cuda.v2r32", Backend::Cuda, 17, nullptr, &kTable16Fine32});
 }
 
 }  // namespace gdn::ops

@@ -84,6 +84,9 @@ constexpr int kMaxWarpsPerGroup = kMaxTpr / 32;
 constexpr int kMaxStages = 8;
 constexpr int kMinD = 1024;              // narrower rows: cuda.rowwise (not measured here)
 constexpr int kMaxD = 8 * kP * kMaxTpr;  // 8192
+// Kernel flags (mem7 A/B): the grid's group order, and the first requests before the w load.
+constexpr int kInterleave = 1;
+constexpr int kEarly = 2;
 
 // Sum of v over the caller's row group, bit-identical in every thread of the group. Groups of one
 // warp reduce by the xor butterfly (each partner adds the same two numbers). Wider groups: warp
@@ -121,7 +124,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                             const bf16_t* __restrict__ dy,   // [R, D]
                             bf16_t* __restrict__ dx,         // [R, D]
                             float* __restrict__ partial,     // [gridDim.x, D] dw partial rows
-                            int64_t R, int D, int tpr, int stages, float shift, bool balanced) {
+                            int64_t R, int D, int tpr, int stages, float shift, int flags) {
   // Dynamic shared memory: the ring [G][stages][2][D] bf16, then gw as float4 [2][D / 8].
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ uint64_t full[kMaxGroups * kMaxStages];  // [G][stages] mbarriers
@@ -132,36 +135,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int lane = static_cast<int>(threadIdx.x) % tpr;
   const int npacks = D / 8;
   const uint32_t row_bytes = static_cast<uint32_t>(D) * 2u;
-  // This group's rows: first + i * step, i < n. Strided: the groups of the grid take consecutive
-  // rows in turn (step NG = gridDim.x * G), so the blocks' row counts differ by up to G (at
-  // [8192, 4096] on 132 multiprocessors: 64 rows for 68 blocks, 60 for the other 64, which then
-  // idle for 4 rows' time). Balanced (cuda.bulkpb): block b owns rows [b R / grid, (b + 1) R /
-  // grid), 62 or 63 there, and its groups take them in turn (step G).
-  int64_t first, step, n;
-  if (balanced) {
-    const int64_t lo = static_cast<int64_t>(blockIdx.x) * R / gridDim.x;
-    const int64_t hi = (static_cast<int64_t>(blockIdx.x) + 1) * R / gridDim.x;
-    first = lo + g;
-    step = G;
-    n = first < hi ? (hi - first + G - 1) / G : 0;
-  } else {
-    step = static_cast<int64_t>(gridDim.x) * G;
-    first = static_cast<int64_t>(blockIdx.x) * G + g;
-    n = first < R ? (R - first + step - 1) / step : 0;
-  }
+  // This group's rows: first + i * step, i < n, step = NG = gridDim.x * G: at any time the
+  // grid's groups work on nearby rows (the blocks' contiguous row ranges of mem7's first device
+  // run, 62-63 rows each, measured 5% slower: the multiprocessors then stream from 132 regions
+  // at once). Strided (cuda.bulk): group index b * G + g, so the last partial sweep (at [8192,
+  // 4096] on 132 multiprocessors: 272 of 528 rows) falls on the first blocks only (64 rows for 68
+  // blocks, 60 for the other 64, which idle for the last 4 rows' time). kInterleave: group index
+  // g * gridDim.x + b, so those rows spread over all the blocks (62 or 63 rows each).
+  const bool interleave = (flags & kInterleave) != 0;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * G;
+  const int64_t first = interleave ? static_cast<int64_t>(g) * gridDim.x + blockIdx.x
+                                   : static_cast<int64_t>(blockIdx.x) * G + g;
+  const int64_t n = first < R ? (R - first + step - 1) / step : 0;
   uint64_t* bars = full + g * stages;  // [stages]
   bf16_t* ring = reinterpret_cast<bf16_t*>(smem) + static_cast<int64_t>(g) * stages * 2 * D;
 
-  // gw = w or 1 + w (formed in fp32) of pack c: sgw[c] (elements 0-3) and sgw[npacks + c] (4-7),
-  // so that a warp's 16-byte reads of consecutive packs are conflict-free. In shared memory
-  // rather than registers: with the dw sums and the row's packs in registers, 32 more would spill.
-  float4* sgw = reinterpret_cast<float4*>(smem + static_cast<size_t>(G) * stages * 4 * D);
-  for (int c = static_cast<int>(threadIdx.x); c < npacks; c += kThreads) {
-    float f[8];
-    cuda::unpack(cuda::load_pack<8>(w, static_cast<int64_t>(c) * 8), f);
-    sgw[c] = make_float4(shift + f[0], shift + f[1], shift + f[2], shift + f[3]);
-    sgw[npacks + c] = make_float4(shift + f[4], shift + f[5], shift + f[6], shift + f[7]);
-  }
   if (threadIdx.x == 0) {
     for (int i = 0; i < G * stages; ++i) cuda::mbar_init(&full[i], 1);
     cuda::mbar_init_fence();
@@ -180,7 +168,24 @@ __global__ void __launch_bounds__(kThreads, 1)
     cuda::cp_async_bulk_g2s(slot + D, dy + off, row_bytes, &bars[s]);
   };
   const bool producer = lane == 0;
-  if (producer)
+  // kEarly: the first rows are requested before w is read (the ring and sgw are disjoint), so the
+  // w round trip overlaps the first rows' instead of preceding them.
+  const bool early = (flags & kEarly) != 0;
+  if (producer && early)
+    for (int i = 0; i < n && i < stages; ++i) request(i, i);
+
+  // gw = w or 1 + w (formed in fp32) of pack c: sgw[c] (elements 0-3) and sgw[npacks + c] (4-7),
+  // so that a warp's 16-byte reads of consecutive packs are conflict-free. In shared memory
+  // rather than registers: with the dw sums and the row's packs in registers, 32 more would spill.
+  float4* sgw = reinterpret_cast<float4*>(smem + static_cast<size_t>(G) * stages * 4 * D);
+  for (int c = static_cast<int>(threadIdx.x); c < npacks; c += kThreads) {
+    float f[8];
+    cuda::unpack(cuda::load_pack<8>(w, static_cast<int64_t>(c) * 8), f);
+    sgw[c] = make_float4(shift + f[0], shift + f[1], shift + f[2], shift + f[3]);
+    sgw[npacks + c] = make_float4(shift + f[4], shift + f[5], shift + f[6], shift + f[7]);
+  }
+  __syncthreads();  // sgw complete
+  if (producer && !early)
     for (int i = 0; i < n && i < stages; ++i) request(i, i);
 
   // This thread's dw sums (its columns are fixed over the rows).
@@ -327,8 +332,8 @@ bool covered(const RmsNormBwd& a) {
 void forward(const RmsNormFwd& a) { rowwise().forward(a); }
 
 // kPdl: the dw sum as a programmatic dependent (cuda_colsum.cuh) instead of a plain second
-// launch; kBalanced: rows split into contiguous per-block ranges (see the kernel).
-template <bool kPdl, bool kBalanced>
+// launch; kFlags: the kernel's kInterleave / kEarly.
+template <bool kPdl, int kFlags>
 void backward(const RmsNormBwd& a) {
   const int64_t R = a.x.size(0), D = a.x.size(1);
   if (R == 0 || D == 0) return;  // dw += 0
@@ -359,7 +364,7 @@ void backward(const RmsNormBwd& a) {
   const float shift = a.zero_centred ? 1.f : 0.f;
   cudaStream_t s = ctx.stream();
   rmsnorm_bulk_bwd_kernel<<<grid, kThreads, smem, s>>>(
-      x, w, rstd, dy, dx, partial, R, static_cast<int>(D), tpr, stages, shift, kBalanced);
+      x, w, rstd, dy, dx, partial, R, static_cast<int>(D), tpr, stages, shift, kFlags);
   GDN_CUDA_LAUNCH_CHECK("rmsnorm_bulk_bwd_kernel");
   if constexpr (kPdl) {
     norm_pdl::launch_column_sum_add_pdl(partial, dw, grid, static_cast<int>(D), s);
@@ -370,17 +375,20 @@ void backward(const RmsNormBwd& a) {
   }
 }
 
-const RmsNormTable kTable{forward, backward<false, false>};
-const RmsNormTable kTableP{forward, backward<true, false>};
-const RmsNormTable kTablePB{forward, backward<true, true>};
+const RmsNormTable kTable{forward, backward<false, 0>};
+const RmsNormTable kTableP{forward, backward<true, 0>};
+const RmsNormTable kTablePE{forward, backward<true, kEarly>};
+const RmsNormTable kTablePI{forward, backward<true, kEarly | kInterleave>};
 
 }  // namespace
 
 GDN_REGISTER(rmsnorm_cuda_bulk) {
   Registry::global().add_impl({"rmsnorm", "cuda.bulk", Backend::Cuda, 20, nullptr, &kTable});
-  // A/B variants (mem7): the dw sum as a programmatic dependent, and with balanced row ranges.
-  Registry::global().add_impl({"rmsnorm", "cuda.bulkp", Backend::Cuda, 18, nullptr, &kTableP});
-  Registry::global().add_impl({"rmsnorm", "cuda.bulkpb", Backend::Cuda, 19, nullptr, &kTablePB});
+  // A/B variants (mem7): the dw sum as a programmatic dependent; + the first requests before the
+  // w load; + the interleaved group order.
+  Registry::global().add_impl({"rmsnorm", "cuda.bulkp", Backend::Cuda, 21, nullptr, &kTableP});
+  Registry::global().add_impl({"rmsnorm", "cuda.bulkpe", Backend::Cuda, 22, nullptr, &kTablePE});
+  Registry::global().add_impl({"rmsnorm", "cuda.bulkpi", Backend::Cuda, 23, nullptr, &kTablePI});
 }
 
 }  // namespace gdn::ops
