@@ -180,8 +180,10 @@ constexpr int acc_floats() {
 // kPf > 0 (cuda.rowwise_pf: 2, cuda.rowwise_pf3: 3): each thread also requests the x, z, dy
 // packs of its row kPf iterations ahead towards L2 (prefetch.global.L2: no registers), so a
 // multiprocessor keeps more bytes in flight than its 2 x 256 threads at ~127 registers can hold.
-template <int V, bool kWarpRows = false, int kPf = 0>
-__global__ void __launch_bounds__(kBlock, 2)
+// kMinBlocks: blocks per multiprocessor the registers must allow (2: <= 128 registers; 3,
+// cuda.rowwise_pf3b: <= 80).
+template <int V, bool kWarpRows = false, int kPf = 0, int kMinBlocks = 2>
+__global__ void __launch_bounds__(kBlock, kMinBlocks)
     gated_rmsnorm_bwd_kernel(const bf16_t* __restrict__ x,    // [R, D]
                              const bf16_t* __restrict__ z,    // [R, D]
                              const bf16_t* __restrict__ w,    // [D]
@@ -388,7 +390,7 @@ void forward(const GatedRmsNormFwd& a) {
 
 // kFast (cuda.rowwise_p): rows dealt to warps when tpr <= 32 (see the kernel) and the dw sum as a
 // programmatic dependent (rmsnorm/cuda_colsum.cuh).
-template <bool kFast, int kPf = 0>
+template <bool kFast, int kPf = 0, int kMinBlocks = 2>
 void backward(const GatedRmsNormBwd& a) {
   const int64_t R = a.x.size(0), D = a.x.size(1);
   if (R == 0 || D == 0) return;  // dw += 0
@@ -407,8 +409,13 @@ void backward(const GatedRmsNormBwd& a) {
   // The dw sums: P * V fp32 per thread, 16 KB (8 KB with scalar packs).
   const size_t smem =
       static_cast<size_t>(l.vec == 8 ? acc_floats<8>() : acc_floats<1>()) * sizeof(float);
-  const void* kernel = l.vec == 8 ? reinterpret_cast<const void*>(&gated_rmsnorm_bwd_kernel<8>)
-                                  : reinterpret_cast<const void*>(&gated_rmsnorm_bwd_kernel<1>);
+  const bool warp_rows = kFast && l.tpr <= 32;
+  using Kernel = void (*)(const bf16_t*, const bf16_t*, const bf16_t*, const float*, const bf16_t*,
+                          bf16_t*, bf16_t*, float*, int64_t, int, int);
+  const Kernel kernel = l.vec == 8 ? (warp_rows ? gated_rmsnorm_bwd_kernel<8, true, kPf, kMinBlocks>
+                                                : gated_rmsnorm_bwd_kernel<8, false>)
+                                   : (warp_rows ? gated_rmsnorm_bwd_kernel<1, true, kPf, kMinBlocks>
+                                                : gated_rmsnorm_bwd_kernel<1, false>);
   cuda::Context& ctx = cuda::Context::get();
   int per_sm = 0;
   GDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlock, smem));
@@ -418,16 +425,8 @@ void backward(const GatedRmsNormBwd& a) {
   float* partial = static_cast<float*>(  // [grid, D]
       ctx.scratch(static_cast<size_t>(grid) * static_cast<size_t>(D) * sizeof(float)));
   cudaStream_t s = ctx.stream();
-  const bool warp_rows = kFast && l.tpr <= 32;
-  if (l.vec == 8) {
-    auto k =
-        warp_rows ? gated_rmsnorm_bwd_kernel<8, true, kPf> : gated_rmsnorm_bwd_kernel<8, false>;
-    k<<<grid, kBlock, smem, s>>>(x, z, w, rstd, dy, dx, dz, partial, R, static_cast<int>(D), l.tpr);
-  } else {
-    auto k =
-        warp_rows ? gated_rmsnorm_bwd_kernel<1, true, kPf> : gated_rmsnorm_bwd_kernel<1, false>;
-    k<<<grid, kBlock, smem, s>>>(x, z, w, rstd, dy, dx, dz, partial, R, static_cast<int>(D), l.tpr);
-  }
+  kernel<<<grid, kBlock, smem, s>>>(x, z, w, rstd, dy, dx, dz, partial, R, static_cast<int>(D),
+                                    l.tpr);
   GDN_CUDA_LAUNCH_CHECK("gated_rmsnorm_bwd_kernel");
   if (warp_rows) {
     norm_pdl::launch_column_sum_add_pdl(partial, dw, grid, static_cast<int>(D), s);
@@ -441,6 +440,7 @@ void backward(const GatedRmsNormBwd& a) {
 const GatedRmsNormTable kTable{forward, backward<false>};
 const GatedRmsNormTable kTablePf{forward, backward<true, 2>};
 const GatedRmsNormTable kTablePf3{forward, backward<true, 3>};
+const GatedRmsNormTable kTablePf3b{forward, backward<true, 2, 3>};
 
 }  // namespace
 
@@ -455,6 +455,9 @@ GDN_REGISTER(gated_rmsnorm_cuda) {
       {"gated_rmsnorm", "cuda.rowwise_pf", Backend::Cuda, 12, nullptr, &kTablePf});
   Registry::global().add_impl(
       {"gated_rmsnorm", "cuda.rowwise_pf3", Backend::Cuda, 11, nullptr, &kTablePf3});
+  // + at most 80 registers, 3 blocks per multiprocessor.
+  Registry::global().add_impl(
+      {"gated_rmsnorm", "cuda.rowwise_pf3b", Backend::Cuda, 7, nullptr, &kTablePf3b});
 }
 
 }  // namespace gdn::ops

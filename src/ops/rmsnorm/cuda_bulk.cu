@@ -87,6 +87,7 @@ constexpr int kMaxD = 8 * kP * kMaxTpr;  // 8192
 // Kernel flags (mem7 A/B): the grid's group order, and the first requests before the w load.
 constexpr int kInterleave = 1;
 constexpr int kEarly = 2;
+constexpr int kTwoStages = 4;  // host side only: at most 2 ring stages (fewer rows in flight)
 
 // Sum of v over the caller's row group, bit-identical in every thread of the group. Groups of one
 // warp reduce by the xor butterfly (each partner adds the same two numbers). Wider groups: warp
@@ -347,7 +348,9 @@ void backward(const RmsNormBwd& a) {
   const bf16_t* dy = reinterpret_cast<const bf16_t*>(a.dy.ptr<bf16>());  // [R, D]
   bf16_t* dx = reinterpret_cast<bf16_t*>(a.dx.ptr<bf16>());              // [R, D]
   float* dw = a.dw.ptr<float>();                                         // [D]
-  const int tpr = tpr_for(D), G = kThreads / tpr, stages = stages_for(D, tpr);
+  const int tpr = tpr_for(D), G = kThreads / tpr;
+  const int stages =
+      (kFlags & kTwoStages) != 0 ? std::min(2, stages_for(D, tpr)) : stages_for(D, tpr);
   const size_t smem = (static_cast<size_t>(stages) * G + 1) * 4 * static_cast<size_t>(D);
   cuda::Context& ctx = cuda::Context::get();
   static const int per_sm = [] {
@@ -379,6 +382,7 @@ const RmsNormTable kTable{forward, backward<false, 0>};
 const RmsNormTable kTableP{forward, backward<true, 0>};
 const RmsNormTable kTablePE{forward, backward<true, kEarly>};
 const RmsNormTable kTablePI{forward, backward<true, kEarly | kInterleave>};
+const RmsNormTable kTableP2{forward, backward<true, kEarly | kTwoStages>};
 
 }  // namespace
 
@@ -389,6 +393,8 @@ GDN_REGISTER(rmsnorm_cuda_bulk) {
   Registry::global().add_impl({"rmsnorm", "cuda.bulkp", Backend::Cuda, 21, nullptr, &kTableP});
   Registry::global().add_impl({"rmsnorm", "cuda.bulkpe", Backend::Cuda, 22, nullptr, &kTablePE});
   Registry::global().add_impl({"rmsnorm", "cuda.bulkpi", Backend::Cuda, 23, nullptr, &kTablePI});
+  // + at most 2 ring stages (the grid otherwise requests up to 25 MB ahead at D = 4096).
+  Registry::global().add_impl({"rmsnorm", "cuda.bulkp2", Backend::Cuda, 16, nullptr, &kTableP2});
 }
 
 }  // namespace gdn::ops
