@@ -26,8 +26,9 @@ class EmbeddingCuda : public CudaOpTest {};
 
 // Every cuda implementation, called through its table (the sweep checks each one, not only the
 // resolver's choice). cuda.v2r is the one the resolver picks.
-const std::vector<std::string> kImpls = {"cuda.sorted_windows", "cuda.v2",   "cuda.v2r",
-                                         "cuda.v2rn",           "cuda.v2ry", "cuda.v2r32"};
+const std::vector<std::string> kImpls = {
+    "cuda.sorted_windows", "cuda.v2",    "cuda.v2r", "cuda.v2rn",
+    "cuda.v2ry",           "cuda.v2r32", "cuda.v2ra"};
 const std::string kChosen = "cuda.v2r";
 
 const EmbeddingTable& table_of(const std::string& impl) {
