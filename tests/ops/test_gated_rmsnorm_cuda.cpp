@@ -21,8 +21,7 @@ class GatedRmsNormCuda : public CudaOpTest {};
 
 // The implementations under test, each called through its own table (the sweep, the saturated
 // gates, the dw accumulation and determinism, the scalar path), and the resolver's choice.
-const char* const kImpls[] = {"cuda.rowwise", "cuda.rowwise_pf", "cuda.rowwise_pf3",
-                              "cuda.rowwise_pf3b"};
+const char* const kImpls[] = {"cuda.rowwise", "cuda.rowwise_pf"};
 const char* const kChosen = "cuda.rowwise_pf";
 
 const GatedRmsNormTable& impl_table(const std::string& name) {

@@ -1,5 +1,6 @@
-// Embedding on CUDA, second version ("cuda.v2", and "cuda.v2r", the default: the same with 64
-// tokens ranked per block; see the registration): the forward of cuda.sorted_windows and a
+// Embedding on CUDA, second version ("cuda.v2"; "cuda.v2r", the same with 64 tokens ranked per
+// block; "cuda.v2ry", the default, v2r prefetching only the dy rows: see the registration; all
+// three bitwise equal): the forward of cuda.sorted_windows and a
 // backward rebuilt around where that one spends its time (op.h has the contract; cuda.cu keeps the
 // first version for A/B timing).
 //
@@ -344,23 +345,8 @@ struct alignas(16) Stage {
   uint32_t head, tail, pad0, pad1;  // the window's win_info
 };
 
-// cuda.v2ra's per-thread staging (kPf == kAsync): the dy and dW pieces of the next kAsyncDepth
-// positions, copied by cp.async into shared memory that only the copying thread reads (so no
-// barrier: cp.async.wait_group orders a thread's own copies), [depth][group][thread] so that a
-// warp's accesses are contiguous. In flight per thread: up to kAsyncDepth x 48 bytes, against
-// 96 bytes of registers (+ the next batch's L2 prefetch) in cuda.v2r, for no registers.
-constexpr int kAsync = -2;
-constexpr int kAsyncDepth = 4;
-struct AsyncStage {
-  uint2 dy[kAsyncDepth][kGroups][kDwThreads];   // 8 KB
-  float4 dw[kAsyncDepth][kGroups][kDwThreads];  // 16 KB
-};
-
-// 8-byte asynchronous global -> shared copy (cp.async allows 8 bytes only through L1: .ca).
-__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
-  const auto sa = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(sa), "l"(gmem) : "memory");
-}
+// 16-byte asynchronous global -> shared copy through L2 only (.cg): the sources were written by
+// the previous kernel, so no L1 line of this multiprocessor may serve them.
 
 // Adds the partials of the segment of key k spanning windows [w0, w1] to dW: the tail of w0, then
 // the heads of w0 + 1 .. w1 in window order. Called by the block that arrived last.
@@ -391,14 +377,18 @@ __device__ __forceinline__ void combine(const DwArgs& a, uint32_t k, int w0, int
 
 // One item: window w (sorted positions [s, e)), column chunk `chunk`. Every thread of the block
 // calls it (it holds barriers); `st` is the staged window.
-// kPf: how many batches ahead each thread prefetches the dy and dW rows towards L2 (1: the next
-// batch, cuda.v2 / cuda.v2r; 0: none, cuda.v2rn; -1: the next batch's dy rows only, cuda.v2ry).
-// 3 batches ahead measured 20% slower (mem7's first device run: 127 / 113 us against 105 / 98
-// uniform / skewed): the kernel runs at ~85% of the L2's throughput (ncu), and every prefetch is
-// one more L2 request.
+// kPf: what each thread prefetches towards L2 while it loads a batch (1: the next batch's dy and
+// dW rows, cuda.v2 / cuda.v2r; -1: its dy rows only, cuda.v2ry, the default). The kernel runs at
+// ~85% of the L2's throughput (ncu, mem7) and every prefetch is one more L2 request: measured on
+// the H200 (uniform / skewed ids, us, one process), 3 batches ahead 127 / 113 against cuda.v2r's
+// 105 / 98 (device run 1); no prefetch 102.6, 102.0 / 97.5, 96.8, the dy rows only 101.6, 102.3
+// / 96.1, 96.0 against 103.5, 103.7 / 96.4, 97.0 (device run 2). Also run 2: a per-thread
+// cp.async ring of 4 positions in shared memory instead of register batches and prefetch, 102.7,
+// 102.6 / 96.7, 97.5 (not kept); 32 tokens ranked per block instead of 64, 107.9, 106.7 / 99.7,
+// 99.5.
 template <int V, int kPf = 1>
 __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w, int chunk,
-                                        int* s_last, AsyncStage* as = nullptr) {
+                                        int* s_last) {
   const int D = a.D;
   const int s = w * a.win, e = min(a.T, s + a.win), n = e - s;
   // Invalid keys sort last: the window's valid positions are [0, nv).
@@ -428,138 +418,72 @@ __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w,
   for (int g = 0; g < kGroups; ++g)
 #pragma unroll
     for (int v = 0; v < V; ++v) acc[g][v] = 0.f;
-  if constexpr (kPf == kAsync) {
-    static_assert(V == 4, "the async pipeline copies 8-byte dy and 16-byte dW pieces");
-    const int tid = static_cast<int>(threadIdx.x);
-    // Position i's pieces into slot i % depth; one commit group per position (empty past the
-    // window), so that wait_group(depth - 1) at position i means: position i has landed.
-    auto issue = [&](int i) {
+  for (int i0 = 0; i0 < nv; i0 += kBatch) {
+    // Every load of the batch first: the dy rows, and the dW rows of the runs that end in the
+    // batch and go straight to dW (distinct rows: one run per key).
+    DyBits<V> d[kBatch][kGroups] = {};
+    float cur[kBatch][kGroups][V];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int i = i0 + j;
       if (i < nv) {
         const int64_t t = st.tok[i];
         const uint32_t k = st.key[i];
         const bool direct = ends_run(i) && slot_of(k) < 0;
-        const int sl = i % kAsyncDepth;
 #pragma unroll
         for (int g = 0; g < kGroups; ++g) {
           if (has[g]) {
-            cp_async8(&as->dy[sl][g][tid], a.dy + t * D + c[g]);
-            if (direct)
-              cuda::cp_async16(&as->dw[sl][g][tid], a.dw + static_cast<int64_t>(k) * D + c[g]);
+            d[j][g] = load_dy<V>(a.dy + t * D + c[g]);
+            if (direct) load_f<V>(a.dw + static_cast<int64_t>(k) * D + c[g], cur[j][g]);
           }
         }
       }
-      cuda::cp_async_commit();
-    };
-#pragma unroll
-    for (int i = 0; i < kAsyncDepth; ++i) issue(i);
-    for (int i = 0; i < nv; ++i) {
-      cuda::cp_async_wait<kAsyncDepth - 1>();
-      const int sl = i % kAsyncDepth;
+    }
+    // The next batch's rows (kPf = -1: its dy rows only) towards L2 meanwhile: more bytes in
+    // flight per thread for no registers (the loads above hold 96 bytes per thread, 1024 threads
+    // per multiprocessor).
+    auto prefetch = [&](int i) {
+      const int64_t t = st.tok[i];
+      const uint32_t k = st.key[i];
+      const bool direct = kPf > 0 && ends_run(i) && slot_of(k) < 0;
 #pragma unroll
       for (int g = 0; g < kGroups; ++g) {
         if (has[g]) {
-          DyBits<V> d;
-          d.u = as->dy[sl][g][tid];
-          add_dy<V>(acc[g], d);
+          prefetch_l2(a.dy + t * D + c[g]);
+          if (direct) prefetch_l2(a.dw + static_cast<int64_t>(k) * D + c[g]);
         }
       }
-      if (ends_run(i)) {
-        const uint32_t k = st.key[i];
-        const int slot = slot_of(k);
+    };
 #pragma unroll
-        for (int g = 0; g < kGroups; ++g) {
-          if (!has[g]) continue;
-          if (slot < 0) {
-            const float4 o = as->dw[sl][g][tid];
-            const float cur[V] = {o.x + acc[g][0], o.y + acc[g][1], o.z + acc[g][2],
-                                  o.w + acc[g][3]};
-            store_f<V>(a.dw + static_cast<int64_t>(k) * D + c[g], cur);
-          } else {
-            store_f<V>(part + static_cast<int64_t>(slot) * D + c[g], acc[g]);
-          }
+    for (int j = 0; j < kBatch; ++j)
+      if (i0 + kBatch + j < nv) prefetch(i0 + kBatch + j);
 #pragma unroll
-          for (int v = 0; v < V; ++v) acc[g][v] = 0.f;
-        }
-      }
-      // Slot sl is refilled only after its values were used above (program order of this thread).
-      issue(i + kAsyncDepth);
-    }
-    cuda::cp_async_wait<0>();  // (only empty groups remain)
-  } else {
-    for (int i0 = 0; i0 < nv; i0 += kBatch) {
-      // Every load of the batch first: the dy rows, and the dW rows of the runs that end in the
-      // batch and go straight to dW (distinct rows: one run per key).
-      DyBits<V> d[kBatch][kGroups] = {};
-      float cur[kBatch][kGroups][V];
+    for (int j = 0; j < kBatch; ++j) {
+      const int i = i0 + j;
+      if (i < nv) {
 #pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const int i = i0 + j;
-        if (i < nv) {
-          const int64_t t = st.tok[i];
+        for (int g = 0; g < kGroups; ++g)
+          if (has[g]) add_dy<V>(acc[g], d[j][g]);
+        if (ends_run(i)) {
           const uint32_t k = st.key[i];
-          const bool direct = ends_run(i) && slot_of(k) < 0;
+          const int slot = slot_of(k);
 #pragma unroll
           for (int g = 0; g < kGroups; ++g) {
-            if (has[g]) {
-              d[j][g] = load_dy<V>(a.dy + t * D + c[g]);
-              if (direct) load_f<V>(a.dw + static_cast<int64_t>(k) * D + c[g], cur[j][g]);
+            if (!has[g]) continue;
+            if (slot < 0) {
+#pragma unroll
+              for (int v = 0; v < V; ++v) cur[j][g][v] += acc[g][v];
+              store_f<V>(a.dw + static_cast<int64_t>(k) * D + c[g], cur[j][g]);
+            } else {
+              store_f<V>(part + static_cast<int64_t>(slot) * D + c[g], acc[g]);
             }
-          }
-        }
-      }
-      // The next kPf batches' rows towards L2 meanwhile: more bytes in flight per thread for no
-      // registers (the loads above hold 96 bytes per thread, 1024 threads per multiprocessor).
-      auto prefetch = [&](int i) {
-        const int64_t t = st.tok[i];
-        const uint32_t k = st.key[i];
-        const bool direct = kPf > 0 && ends_run(i) && slot_of(k) < 0;
 #pragma unroll
-        for (int g = 0; g < kGroups; ++g) {
-          if (has[g]) {
-            prefetch_l2(a.dy + t * D + c[g]);
-            if (direct) prefetch_l2(a.dw + static_cast<int64_t>(k) * D + c[g]);
-          }
-        }
-      };
-      if constexpr (kPf == 1 || kPf == -1) {
-#pragma unroll
-        for (int j = 0; j < kBatch; ++j)
-          if (i0 + kBatch + j < nv) prefetch(i0 + kBatch + j);
-      } else if constexpr (kPf > 1) {
-        // The first batch requests batches 1 .. kPf, every later one batch i0 / kBatch + kPf.
-        const int pf_hi = min(nv, i0 + kBatch * (kPf + 1));
-#pragma unroll 1
-        for (int i = i0 == 0 ? kBatch : i0 + kBatch * kPf; i < pf_hi; ++i) prefetch(i);
-      }
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const int i = i0 + j;
-        if (i < nv) {
-#pragma unroll
-          for (int g = 0; g < kGroups; ++g)
-            if (has[g]) add_dy<V>(acc[g], d[j][g]);
-          if (ends_run(i)) {
-            const uint32_t k = st.key[i];
-            const int slot = slot_of(k);
-#pragma unroll
-            for (int g = 0; g < kGroups; ++g) {
-              if (!has[g]) continue;
-              if (slot < 0) {
-#pragma unroll
-                for (int v = 0; v < V; ++v) cur[j][g][v] += acc[g][v];
-                store_f<V>(a.dw + static_cast<int64_t>(k) * D + c[g], cur[j][g]);
-              } else {
-                store_f<V>(part + static_cast<int64_t>(slot) * D + c[g], acc[g]);
-              }
-#pragma unroll
-              for (int v = 0; v < V; ++v) acc[g][v] = 0.f;
-            }
+            for (int v = 0; v < V; ++v) acc[g][v] = 0.f;
           }
         }
       }
     }
-
-  }  // the register path
+  }
 
   // Arrivals. A0: the first run (slot 0), of a segment that starts in window head / win and ends
   // here or, when it is also the last run and continues, in the window of tail - 1. A1: the last
@@ -622,12 +546,7 @@ __global__ void __launch_bounds__(kDwThreads, 8) emb2_dw_kernel(const DwArgs a) 
     const int next = item + static_cast<int>(gridDim.x);
     if (next < nitems) stage_window(next, stage[buf ^ 1]);
     const int w = item / a.chunks;
-    if constexpr (kPf == kAsync && V == 4) {
-      __shared__ AsyncStage as;
-      dw_item<V, kAsync>(a, stage[buf], w, item - w * a.chunks, s_last, &as);
-    } else {
-      dw_item<V, kPf == kAsync ? 1 : kPf>(a, stage[buf], w, item - w * a.chunks, s_last);
-    }
+    dw_item<V, kPf>(a, stage[buf], w, item - w * a.chunks, s_last);
     cuda::cp_async_wait<0>();
     __syncthreads();
   }
@@ -793,31 +712,23 @@ void backward(const EmbeddingBwd& a) {
 
 const EmbeddingTable kTable16{forward, backward<16, kRankTokens>};
 const EmbeddingTable kTable16Fine{forward, backward<16, kRankTokensFine>};
-const EmbeddingTable kTable16FineNoPf{forward, backward<16, kRankTokensFine, 0>};
 const EmbeddingTable kTable16FineDyPf{forward, backward<16, kRankTokensFine, -1>};
-const EmbeddingTable kTable16Fine32{forward, backward<16, 32>};
-const EmbeddingTable kTable16FineAsync{forward, backward<16, kRankTokensFine, kAsync>};
 
 }  // namespace
 
-// cuda.v2r (window 16, 64 tokens ranked per block) is the default: on the H200 at T = 8192,
-// V = 248320, D = 4096 it took 105.9 / 104.1 us (uniform ids) and 97.9 / 96.9 us (skewed) against
-// cuda.v2's 108.7 / 107.6 and 104.0 / 104.3 in the same run (mem6's second device run; rank kernel
-// 8.6 us against 11.4). cuda.v2 (256 tokens a block) and cuda.sorted_windows (priority 10) stay
-// for A/B timing: GDN_OP_EMBEDDING=<name>.
+// cuda.v2r (window 16, 64 tokens ranked per block) was the default before cuda.v2ry: on the H200 at
+// T = 8192, V = 248320, D = 4096 it took 105.9 / 104.1 us (uniform ids) and 97.9 / 96.9 us (skewed)
+// against cuda.v2's 108.7 / 107.6 and 104.0 / 104.3 in the same run (mem6's second device run; rank
+// kernel 8.6 us against 11.4). cuda.v2 (256 tokens a block) and cuda.sorted_windows (priority 10)
+// stay for A/B timing: GDN_OP_EMBEDDING=<name>.
 GDN_REGISTER(embedding_cuda_v2) {
   Registry::global().add_impl({"embedding", "cuda.v2", Backend::Cuda, 20, nullptr, &kTable16});
   Registry::global().add_impl({"embedding", "cuda.v2r", Backend::Cuda, 21, nullptr, &kTable16Fine});
-  // A/B variants (mem7): no L2 prefetch; the dy rows only; 32 tokens ranked per block.
+  // The default since mem7: the next batch's dy rows prefetched, not its dW rows (numbers at
+  // dw_item): uniform ids 101.6 / 102.3 us against cuda.v2r's 103.5 / 103.7 in the same process
+  // (0.766 / 0.761 of copy), skewed 96.1 / 96.0 against 96.4 / 97.0 (0.688).
   Registry::global().add_impl(
-      {"embedding", "cuda.v2rn", Backend::Cuda, 19, nullptr, &kTable16FineNoPf});
-  Registry::global().add_impl(
-      {"embedding", "cuda.v2ry", Backend::Cuda, 18, nullptr, &kTable16FineDyPf});
-  Registry::global().add_impl(
-      {"embedding", "cuda.v2r32", Backend::Cuda, 17, nullptr, &kTable16Fine32});
-  // cp.async pipeline of 4 positions per thread instead of register batches + L2 prefetch.
-  Registry::global().add_impl(
-      {"embedding", "cuda.v2ra", Backend::Cuda, 16, nullptr, &kTable16FineAsync});
+      {"embedding", "cuda.v2ry", Backend::Cuda, 22, nullptr, &kTable16FineDyPf});
 }
 
 }  // namespace gdn::ops

@@ -16,8 +16,9 @@
 // Backward: a thread owns the same columns in every row, so its w packs are loaded once and its dw
 // contributions go to fp32 sums in shared memory private to it; the row groups of a block are
 // summed in group order, each block writes one fp32 partial row to scratch, and
-// column_sum_add_kernel adds the partial rows to dw in a fixed order. No float atomics: dw depends
-// only on the shapes and the device's multiprocessor count (the grid size).
+// column_sum_add_kernel adds the partial rows to dw in a fixed order (cuda.rowwise_pf, the
+// default: column_sum_add_pdl_kernel, a programmatic dependent, rmsnorm/cuda_colsum.cuh). No float
+// atomics: dw depends only on the shapes and the device's multiprocessor count (the grid size).
 //
 // Bytes moved (the floor): forward x, z, w, y, rstd; backward x, z, w, rstd, dy, dx, dz and dw read
 // and written; plus the partial rows (grid x D fp32, ~0.1 MB at D = 128).
@@ -171,19 +172,19 @@ constexpr int acc_floats() {
 }
 
 // Two blocks per multiprocessor at least (<= 128 registers).
-// kWarpRows (cuda.rowwise_p; only for tpr <= 32, where a row group never crosses a warp and the
+// kWarpRows (cuda.rowwise_pf; only for tpr <= 32, where a row group never crosses a warp and the
 // group sum holds no block barrier): rows are dealt to warps, not blocks. Warp unit u (the 32 / tpr
 // consecutive rows u * 32 / tpr ...) of sweep k goes to warp (u / grid) % 8 of block u % grid, so
 // a last partial sweep is spread over the blocks (one warp each) instead of being the whole work
 // of its first few blocks (at [262144, 128]: 31 full sweeps of 264 blocks and 256 rows left, which
 // the strided walk gives to 8 blocks that run a 32nd iteration while the others idle).
-// kPf > 0 (cuda.rowwise_pf: 2, cuda.rowwise_pf3: 3): each thread also requests the x, z, dy
-// packs of its row kPf iterations ahead towards L2 (prefetch.global.L2: no registers), so a
-// multiprocessor keeps more bytes in flight than its 2 x 256 threads at ~127 registers can hold.
-// kMinBlocks: blocks per multiprocessor the registers must allow (2: <= 128 registers; 3,
-// cuda.rowwise_pf3b: <= 80).
-template <int V, bool kWarpRows = false, int kPf = 0, int kMinBlocks = 2>
-__global__ void __launch_bounds__(kBlock, kMinBlocks)
+// kPf > 0 (cuda.rowwise_pf: 2): each thread also requests the x, z, dy packs of its row kPf
+// iterations ahead towards L2 (prefetch.global.L2: no registers), so a multiprocessor keeps more
+// bytes in flight than its 2 x 256 threads at ~127 registers can hold. Measured worse (mem7's
+// second device run, [262144, 128]): 3 iterations ahead 115.6-116.0 us against 100.5-103.0, and
+// 3 blocks per multiprocessor (80 registers, a few spills) 127.8-128.1.
+template <int V, bool kWarpRows = false, int kPf = 0>
+__global__ void __launch_bounds__(kBlock, 2)
     gated_rmsnorm_bwd_kernel(const bf16_t* __restrict__ x,    // [R, D]
                              const bf16_t* __restrict__ z,    // [R, D]
                              const bf16_t* __restrict__ w,    // [D]
@@ -388,9 +389,9 @@ void forward(const GatedRmsNormFwd& a) {
   GDN_CUDA_LAUNCH_CHECK("gated_rmsnorm_fwd_kernel");
 }
 
-// kFast (cuda.rowwise_p): rows dealt to warps when tpr <= 32 (see the kernel) and the dw sum as a
+// kFast (cuda.rowwise_pf): rows dealt to warps when tpr <= 32 (see the kernel) and the dw sum as a
 // programmatic dependent (rmsnorm/cuda_colsum.cuh).
-template <bool kFast, int kPf = 0, int kMinBlocks = 2>
+template <bool kFast, int kPf = 0>
 void backward(const GatedRmsNormBwd& a) {
   const int64_t R = a.x.size(0), D = a.x.size(1);
   if (R == 0 || D == 0) return;  // dw += 0
@@ -412,9 +413,9 @@ void backward(const GatedRmsNormBwd& a) {
   const bool warp_rows = kFast && l.tpr <= 32;
   using Kernel = void (*)(const bf16_t*, const bf16_t*, const bf16_t*, const float*, const bf16_t*,
                           bf16_t*, bf16_t*, float*, int64_t, int, int);
-  const Kernel kernel = l.vec == 8 ? (warp_rows ? gated_rmsnorm_bwd_kernel<8, true, kPf, kMinBlocks>
+  const Kernel kernel = l.vec == 8 ? (warp_rows ? gated_rmsnorm_bwd_kernel<8, true, kPf>
                                                 : gated_rmsnorm_bwd_kernel<8, false>)
-                                   : (warp_rows ? gated_rmsnorm_bwd_kernel<1, true, kPf, kMinBlocks>
+                                   : (warp_rows ? gated_rmsnorm_bwd_kernel<1, true, kPf>
                                                 : gated_rmsnorm_bwd_kernel<1, false>);
   cuda::Context& ctx = cuda::Context::get();
   int per_sm = 0;
@@ -439,25 +440,22 @@ void backward(const GatedRmsNormBwd& a) {
 
 const GatedRmsNormTable kTable{forward, backward<false>};
 const GatedRmsNormTable kTablePf{forward, backward<true, 2>};
-const GatedRmsNormTable kTablePf3{forward, backward<true, 3>};
-const GatedRmsNormTable kTablePf3b{forward, backward<true, 2, 3>};
 
 }  // namespace
 
 GDN_REGISTER(gated_rmsnorm_cuda) {
   Registry::global().add_impl(
       {"gated_rmsnorm", "cuda.rowwise", Backend::Cuda, 10, nullptr, &kTable});
-  // mem7: rows dealt to warps, the dw sum as a programmatic dependent and the rows 2 (default) or
-  // 3 iterations ahead prefetched towards L2. Device run 1 (same process, two rounds): cuda.rowwise
-  // 103.7 / 104.7 us (0.767 / 0.760 of copy), without the prefetch 100.4 / 101.2, cuda.rowwise_pf
-  // 99.0 / 99.6 (0.803 / 0.799).
+  // The default since mem7: rows dealt to warps, the dw sum as a programmatic dependent, and the
+  // rows 2 iterations ahead prefetched towards L2. [262144, 128], one process each time
+  // (`cuda_bench_ops --iters 30 --filter rmsnorm.bwd --rounds N --impls ...`): device run 1,
+  // cuda.rowwise 103.7 / 104.7 us (0.767 / 0.760 of copy), without the prefetch 100.4 / 101.2,
+  // cuda.rowwise_pf 99.0 / 99.6 (0.803 / 0.799); device run 2, cuda.rowwise 104.7 / 105.2,
+  // cuda.rowwise_pf 100.5 / 102.2 / 103.0 (0.787 / 0.773 / 0.768). ncu (cuda.rowwise): the main
+  // kernel 85.4 us at 77% of DRAM peak, the plain dw sum 4.8 us (4 blocks, 33 dependent loads a
+  // thread).
   Registry::global().add_impl(
       {"gated_rmsnorm", "cuda.rowwise_pf", Backend::Cuda, 12, nullptr, &kTablePf});
-  Registry::global().add_impl(
-      {"gated_rmsnorm", "cuda.rowwise_pf3", Backend::Cuda, 11, nullptr, &kTablePf3});
-  // + at most 80 registers, 3 blocks per multiprocessor.
-  Registry::global().add_impl(
-      {"gated_rmsnorm", "cuda.rowwise_pf3b", Backend::Cuda, 7, nullptr, &kTablePf3b});
 }
 
 }  // namespace gdn::ops

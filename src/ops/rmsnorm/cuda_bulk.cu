@@ -1,5 +1,6 @@
-// RMSNorm backward on CUDA with Hopper bulk copies ("cuda.bulk"): the same contract as
-// cuda.rowwise (op.h; bf16 x/w/dy/dx, fp32 rstd and dw), a different memory pipeline.
+// RMSNorm backward on CUDA with Hopper bulk copies ("cuda.bulk", and "cuda.bulkp2", the default:
+// see the registration): the same contract as cuda.rowwise (op.h; bf16 x/w/dy/dx, fp32 rstd and
+// dw), a different memory pipeline.
 //
 // Why: cuda.rowwise's backward reaches 0.66 of the copy rate at [8192, 4096] (PERF.md run 10),
 // with its loads issued by every thread into registers; a cp.async-staged version with deep
@@ -42,8 +43,14 @@
 // dx with 16-byte global stores and dw += dy * xhat in registers.
 // dw: at the end each group writes its sums to shared memory (the ring, now idle), the block adds
 // the groups in group order into one fp32 partial row per block, and column_sum_add_kernel
-// (memory_bound.cuh) sums the partial rows in a fixed order into dw. No float atomics: the result
-// depends only on the shapes and the device's multiprocessor count.
+// (memory_bound.cuh; cuda.bulkp2: column_sum_add_pdl_kernel, cuda_colsum.cuh, launched as a
+// programmatic dependent that waits on the multiprocessors this kernel's blocks leave) sums the
+// partial rows in a fixed order into dw. No float atomics: the result depends only on the shapes
+// and the device's multiprocessor count.
+//
+// Where the time goes (ncu, mem7, [8192, 4096], cuda.bulk): the kernel 52.4 us at 3.45 TB/s of
+// DRAM traffic (72% of peak; ~20 MB of dx still dirty in L2 when it ends, written back during
+// what follows), the dw sum 2.4 us, the rest launch gaps: 63-65 us per call in the benchmark.
 //
 // Covered: D % 8 == 0 (a row is a whole number of 16-byte units, so every row starts 16-byte
 // aligned), 16-byte aligned x, w, dy, dx, and kMinD <= D <= kMaxD (= 8 * kP * 256); the ring must
@@ -54,8 +61,9 @@
 // process per multiprocessor, 3 stages of 16 KB per group (192 KB ring + 16 KB fp32 gw + 2 KB
 // static; up to 12 rows = 192 KB requested ahead per multiprocessor: after a row's group barrier
 // its slot is refilled, so 3 rows per group are in flight or waiting while one is computed),
-// 512 threads at 124 registers, no spills (nvcc 13.0, -Xptxas -v). Every width covered gets 3 to
-// 6 stages (G * 4 D is 32-64 KB).
+// 512 threads at 128 registers, no spills (nvcc 13.0, -Xptxas -v). Every width covered gets 3 to
+// 6 stages (G * 4 D is 32-64 KB); cuda.bulkp2 uses 2 (8 rows = 128 KB ahead per multiprocessor,
+// 17 MB for the grid instead of 25 MB), measured ~0.5 us faster at [8192, 4096].
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -84,10 +92,10 @@ constexpr int kMaxWarpsPerGroup = kMaxTpr / 32;
 constexpr int kMaxStages = 8;
 constexpr int kMinD = 1024;              // narrower rows: cuda.rowwise (not measured here)
 constexpr int kMaxD = 8 * kP * kMaxTpr;  // 8192
-// Kernel flags (mem7 A/B): the grid's group order, and the first requests before the w load.
-constexpr int kInterleave = 1;
+// Flags of cuda.bulkp2 (mem7): the first rows requested before the w load (kernel), at most 2
+// ring stages (host side).
 constexpr int kEarly = 2;
-constexpr int kTwoStages = 4;  // host side only: at most 2 ring stages (fewer rows in flight)
+constexpr int kTwoStages = 4;
 
 // Sum of v over the caller's row group, bit-identical in every thread of the group. Groups of one
 // warp reduce by the xor butterfly (each partner adds the same two numbers). Wider groups: warp
@@ -136,17 +144,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int lane = static_cast<int>(threadIdx.x) % tpr;
   const int npacks = D / 8;
   const uint32_t row_bytes = static_cast<uint32_t>(D) * 2u;
-  // This group's rows: first + i * step, i < n, step = NG = gridDim.x * G: at any time the
-  // grid's groups work on nearby rows (the blocks' contiguous row ranges of mem7's first device
-  // run, 62-63 rows each, measured 5% slower: the multiprocessors then stream from 132 regions
-  // at once). Strided (cuda.bulk): group index b * G + g, so the last partial sweep (at [8192,
-  // 4096] on 132 multiprocessors: 272 of 528 rows) falls on the first blocks only (64 rows for 68
-  // blocks, 60 for the other 64, which idle for the last 4 rows' time). kInterleave: group index
-  // g * gridDim.x + b, so those rows spread over all the blocks (62 or 63 rows each).
-  const bool interleave = (flags & kInterleave) != 0;
+  // This group's rows: first + i * step, i < n (its "iterations"), so that at any time the grid's
+  // groups work on nearby rows. mem7 measured the alternatives on the H200 at [8192, 4096]:
+  // contiguous per-block row ranges (62-63 rows each) 5% slower (the multiprocessors then stream
+  // from 132 regions at once); the group order g * gridDim.x + b, which spreads the last partial
+  // sweep (272 of 528 rows) over all blocks instead of the first 68, 0.3-0.6 us faster, as fast
+  // as two ring stages but not tried together with them (device run 2).
   const int64_t step = static_cast<int64_t>(gridDim.x) * G;
-  const int64_t first = interleave ? static_cast<int64_t>(g) * gridDim.x + blockIdx.x
-                                   : static_cast<int64_t>(blockIdx.x) * G + g;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * G + g;
   const int64_t n = first < R ? (R - first + step - 1) / step : 0;
   uint64_t* bars = full + g * stages;  // [stages]
   bf16_t* ring = reinterpret_cast<bf16_t*>(smem) + static_cast<int64_t>(g) * stages * 2 * D;
@@ -333,7 +338,7 @@ bool covered(const RmsNormBwd& a) {
 void forward(const RmsNormFwd& a) { rowwise().forward(a); }
 
 // kPdl: the dw sum as a programmatic dependent (cuda_colsum.cuh) instead of a plain second
-// launch; kFlags: the kernel's kInterleave / kEarly.
+// launch; kFlags: kEarly (kernel) and kTwoStages.
 template <bool kPdl, int kFlags>
 void backward(const RmsNormBwd& a) {
   const int64_t R = a.x.size(0), D = a.x.size(1);
@@ -379,22 +384,19 @@ void backward(const RmsNormBwd& a) {
 }
 
 const RmsNormTable kTable{forward, backward<false, 0>};
-const RmsNormTable kTableP{forward, backward<true, 0>};
-const RmsNormTable kTablePE{forward, backward<true, kEarly>};
-const RmsNormTable kTablePI{forward, backward<true, kEarly | kInterleave>};
 const RmsNormTable kTableP2{forward, backward<true, kEarly | kTwoStages>};
 
 }  // namespace
 
 GDN_REGISTER(rmsnorm_cuda_bulk) {
   Registry::global().add_impl({"rmsnorm", "cuda.bulk", Backend::Cuda, 20, nullptr, &kTable});
-  // A/B variants (mem7): the dw sum as a programmatic dependent; + the first requests before the
-  // w load; + the interleaved group order.
-  Registry::global().add_impl({"rmsnorm", "cuda.bulkp", Backend::Cuda, 21, nullptr, &kTableP});
-  Registry::global().add_impl({"rmsnorm", "cuda.bulkpe", Backend::Cuda, 22, nullptr, &kTablePE});
-  Registry::global().add_impl({"rmsnorm", "cuda.bulkpi", Backend::Cuda, 23, nullptr, &kTablePI});
-  // + at most 2 ring stages (the grid otherwise requests up to 25 MB ahead at D = 4096).
-  Registry::global().add_impl({"rmsnorm", "cuda.bulkp2", Backend::Cuda, 16, nullptr, &kTableP2});
+  // The default since mem7: the dw sum as a programmatic dependent, the first rows requested
+  // before the w load, at most 2 ring stages. Device run 2 (H200, `cuda_bench_ops --iters 30
+  // --filter rmsnorm.bwd --rounds 3 --impls ...`, one process), [8192, 4096] plain / zero-centred,
+  // us: cuda.bulk 66.8 64.1 64.1 / 64.4 64.0 62.8; cuda.bulkp2 62.8 62.1 61.5 / 61.9 61.9 61.2
+  // (0.753-0.773 of the copy rate); [8192, 2048] 38.5-39.2 -> 36.8-37.2. Steps measured alone in
+  // the same process: the PDL dw sum 0-2 us, the early requests ~1 us, 2 stages ~0.5 us.
+  Registry::global().add_impl({"rmsnorm", "cuda.bulkp2", Backend::Cuda, 22, nullptr, &kTableP2});
 }
 
 }  // namespace gdn::ops
