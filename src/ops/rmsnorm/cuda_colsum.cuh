@@ -1,5 +1,5 @@
-// The dw partial-row sum of the norm backwards (rmsnorm cuda.bulkp / cuda.bulkpb, gated_rmsnorm
-// cuda.rowwise_p) launched as a programmatic dependent of the kernel that writes the partials.
+// The dw partial-row sum of the norm backwards (rmsnorm cuda.bulkp2, gated_rmsnorm
+// cuda.rowwise_pf) launched as a programmatic dependent of the kernel that writes the partials.
 //
 // Why: the plain second launch (column_sum_add_kernel, memory_bound.cuh) starts only after the
 // main kernel has drained, then pays its own launch and a chain of dependent loads (8 slices of
