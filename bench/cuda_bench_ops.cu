@@ -3,6 +3,11 @@
 // bandwidth measured in the same run.
 //
 //   cuda_bench_ops [JSON_PATH] [--iters N] [--filter SUBSTRING] [--peers DIR [--peer-steps LIST]]
+//                  [--impls A,B,... [--rounds N]]
+//
+// --impls: every case whose op has CUDA implementations of these names runs once per name and
+// round (GDN_OP_<OP> set in the process, decisions cleared), rounds alternating A, B, A, B, ...:
+// an A/B in one process, on one copy-rate measurement. Cases of other ops run as usual.
 //
 // --peers DIR: DIR holds the peers' pure-Python packages unpacked (fla, liger_kernel) and a copy of
 // ../shared/bench/peers.py (bench/stack_bench.sh says how to make it). The peers run first, in a
@@ -40,6 +45,7 @@
 #include "gdn/backend/cuda_check.h"
 #include "gdn/backend/cuda_context.h"
 #include "gdn/backend/registry.h"
+#include "gdn/core/env.h"
 #include "gdn/core/tensor.h"
 #include "ops/adamw/op.h"
 #include "ops/axpy/op.h"
@@ -1204,7 +1210,8 @@ nlohmann::json print_peers(const nlohmann::json& peers, const std::vector<Row>& 
 
 int run(int argc, char** argv) {
   std::string json_path, filter, peers_dir, peer_steps = "ceil,norms,conv,gdn,attn,flce";
-  int iters = 50;
+  int iters = 50, rounds = 1;
+  std::vector<std::string> impls;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--iters" && i + 1 < argc) {
@@ -1215,10 +1222,19 @@ int run(int argc, char** argv) {
       peers_dir = argv[++i];
     } else if (a == "--peer-steps" && i + 1 < argc) {
       peer_steps = argv[++i];
+    } else if (a == "--impls" && i + 1 < argc) {
+      const std::string list = argv[++i];
+      for (size_t p = 0; p <= list.size();) {
+        const size_t q = std::min(list.find(',', p), list.size());
+        if (q > p) impls.push_back(list.substr(p, q - p));
+        p = q + 1;
+      }
+    } else if (a == "--rounds" && i + 1 < argc) {
+      rounds = std::max(1, std::atoi(argv[++i]));
     } else if (a == "-h" || a == "--help") {
       std::printf(
           "usage: %s [JSON_PATH] [--iters N (>= 20)] [--filter SUBSTRING] [--peers DIR "
-          "[--peer-steps LIST]]\n",
+          "[--peer-steps LIST]] [--impls A,B,... [--rounds N]]\n",
           argv[0]);
       return 0;
     } else if (!a.empty() && a[0] != '-') {
@@ -1298,40 +1314,64 @@ int run(int argc, char** argv) {
   std::vector<Extra> extras;
   std::printf("%-26s %-28s %-14s %10s %12s %10s %8s\n", "op", "shape", "impl", "median us",
               "MB | GFLOP", "GB/s|TF/s", "x ceil");
+  // Forces `impl` for `op` (empty: the resolver's own choice) and forgets earlier decisions.
+  auto force = [](const std::string& op, const std::string& impl) {
+    std::string knob = "GDN_OP_" + op;
+    for (char& ch : knob) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+    if (impl.empty()) {
+      unsetenv(knob.c_str());
+    } else {
+      setenv(knob.c_str(), impl.c_str(), 1);
+    }
+    env::reset_cache_for_testing();
+    Registry::global().clear_resolutions();
+  };
   for (OpCase& c : cases) {
     if (!want(c.name)) continue;
-    Row r{"op", c.name, c.shape, "", {}, c.bytes, c.flops};
-    r.t = time_it(c.run, 5, iters);  // warm-up resolves (and probes) the op
-    r.impl = Registry::global().resolve(c.op, OpQuery{Backend::Cuda, "", {}}).impl->name;
-    const double sec = r.t.median_ms * 1e-3;
-    if (r.flops > 0) {
-      const double tf = r.flops / sec / 1e12;
-      std::printf("%-26s %-28s %-14s %10.1f %12.1f %10.1f %8.3f\n", r.name.c_str(), r.shape.c_str(),
-                  r.impl.c_str(), r.t.median_ms * 1e3, r.flops / 1e9, tf, tf / gemm_tflops);
-    } else {
-      const double gbs = r.bytes / sec / 1e9;
-      std::printf("%-26s %-28s %-14s %10.1f %12.1f %10.1f %8.3f\n", r.name.c_str(), r.shape.c_str(),
-                  r.impl.c_str(), r.t.median_ms * 1e3, r.bytes / 1e6, gbs, gbs / copy_gbs);
-      if (r.bytes < kSmallOpBytes) {
-        r.small_copy_ms = bench_small_copy(r.bytes, iters).median_ms;
-        std::printf("%-26s   a copy of the same %.1f MB takes %.1f us: %.3f x that copy's time\n",
-                    "", r.bytes / 1e6, r.small_copy_ms * 1e3, r.small_copy_ms / r.t.median_ms);
+    std::vector<std::string> runs;  // forced implementations, in round order ("" = no forcing)
+    for (int round = 0; round < rounds; ++round)
+      for (const std::string& name : impls)
+        for (const ImplDesc* d : Registry::global().impls(c.op, Backend::Cuda))
+          if (d->name == name) runs.push_back(name);
+    if (runs.empty()) runs.push_back("");
+    for (const std::string& forced : runs) {
+      if (!forced.empty()) force(c.op, forced);
+      Row r{"op", c.name, c.shape, "", {}, c.bytes, c.flops};
+      r.t = time_it(c.run, 5, iters);  // warm-up resolves (and probes) the op
+      r.impl = Registry::global().resolve(c.op, OpQuery{Backend::Cuda, "", {}}).impl->name;
+      const double sec = r.t.median_ms * 1e-3;
+      if (r.flops > 0) {
+        const double tf = r.flops / sec / 1e12;
+        std::printf("%-26s %-28s %-14s %10.1f %12.1f %10.1f %8.3f\n", r.name.c_str(),
+                    r.shape.c_str(), r.impl.c_str(), r.t.median_ms * 1e3, r.flops / 1e9, tf,
+                    tf / gemm_tflops);
+      } else {
+        const double gbs = r.bytes / sec / 1e9;
+        std::printf("%-26s %-28s %-14s %10.1f %12.1f %10.1f %8.3f\n", r.name.c_str(),
+                    r.shape.c_str(), r.impl.c_str(), r.t.median_ms * 1e3, r.bytes / 1e6, gbs,
+                    gbs / copy_gbs);
+        if (r.bytes < kSmallOpBytes) {
+          r.small_copy_ms = bench_small_copy(r.bytes, iters).median_ms;
+          std::printf("%-26s   a copy of the same %.1f MB takes %.1f us: %.3f x that copy's time\n",
+                      "", r.bytes / 1e6, r.small_copy_ms * 1e3, r.small_copy_ms / r.t.median_ms);
+        }
       }
-    }
-    rows.push_back(r);
-    if (!c.compare_to.empty() || c.extra_bytes > 0) {
-      std::string line;
-      for (const Row& o : rows)
-        if (o.kind == "op" && o.name == c.compare_to)
-          line += fmt::format("{:.3f} x {} ({:.2f} ms)", r.t.median_ms / o.t.median_ms, o.name,
-                              o.t.median_ms);
-      if (c.extra_bytes > 0)
-        line += fmt::format(
-            "{}extra memory {:.3f} GiB (workspace), {:.0f} bytes allocated by a "
-            "call",
-            line.empty() ? "" : "; ", c.extra_bytes / double(1 << 30), c.grown_bytes);
-      std::printf("%-26s   %s\n", "", line.c_str());
-      extras.push_back({rows.size() - 1, c.compare_to, c.extra_bytes, c.grown_bytes});
+      rows.push_back(r);
+      if (!c.compare_to.empty() || c.extra_bytes > 0) {
+        std::string line;
+        for (const Row& o : rows)
+          if (o.kind == "op" && o.name == c.compare_to)
+            line += fmt::format("{:.3f} x {} ({:.2f} ms)", r.t.median_ms / o.t.median_ms, o.name,
+                                o.t.median_ms);
+        if (c.extra_bytes > 0)
+          line += fmt::format(
+              "{}extra memory {:.3f} GiB (workspace), {:.0f} bytes allocated by a "
+              "call",
+              line.empty() ? "" : "; ", c.extra_bytes / double(1 << 30), c.grown_bytes);
+        std::printf("%-26s   %s\n", "", line.c_str());
+        extras.push_back({rows.size() - 1, c.compare_to, c.extra_bytes, c.grown_bytes});
+      }
+      if (!forced.empty()) force(c.op, "");
     }
   }
 

@@ -1,6 +1,6 @@
 // Embedding on CUDA (label gpu), every registered cuda implementation (cuda.sorted_windows and
-// cuda.v2, cuda.v2r): cuda vs ref over swept shapes, both id dtypes and id distributions that
-// exercise every case of the sorted-window backwards (all ids distinct, a few ids repeated
+// cuda.v2, cuda.v2r, cuda.v2ry): cuda vs ref over swept shapes, both id dtypes and id distributions
+// that exercise every case of the sorted-window backwards (all ids distinct, a few ids repeated
 // everywhere, one id over all tokens, runs of lengths around the window sizes, the 248320-token
 // vocabulary, sequences past each implementation's single-kernel sort), an exact-copy forward, dW
 // accumulated (+=) and bitwise deterministic, out-of-range device ids (NaN rows forward, dropped
@@ -25,9 +25,9 @@ constexpr ProbeError kTol = bf16_tolerance("embedding");
 class EmbeddingCuda : public CudaOpTest {};
 
 // Every cuda implementation, called through its table (the sweep checks each one, not only the
-// resolver's choice). cuda.v2r is the one the resolver picks.
-const std::vector<std::string> kImpls = {"cuda.sorted_windows", "cuda.v2", "cuda.v2r"};
-const std::string kChosen = "cuda.v2r";
+// resolver's choice). kChosen is the one the resolver picks.
+const std::vector<std::string> kImpls = {"cuda.sorted_windows", "cuda.v2", "cuda.v2r", "cuda.v2ry"};
+const std::string kChosen = "cuda.v2ry";
 
 const EmbeddingTable& table_of(const std::string& impl) {
   const EmbeddingTable* t = cuda_table<EmbeddingTable>("embedding", impl);

@@ -19,6 +19,17 @@ constexpr ProbeError kTol = bf16_tolerance("gated_rmsnorm");
 
 class GatedRmsNormCuda : public CudaOpTest {};
 
+// The implementations under test, each called through its own table (the sweep, the saturated
+// gates, the dw accumulation and determinism, the scalar path), and the resolver's choice.
+const char* const kImpls[] = {"cuda.rowwise", "cuda.rowwise_pf"};
+const char* const kChosen = "cuda.rowwise_pf";
+
+const GatedRmsNormTable& impl_table(const std::string& name) {
+  const GatedRmsNormTable* t = cuda_table<GatedRmsNormTable>("gated_rmsnorm", name);
+  GDN_CHECK(t != nullptr, "gated_rmsnorm implementation {} is not registered", name);
+  return *t;
+}
+
 // Host F64 inputs rounded to bf16: x rows of scale 10^((i % 5) - 2) with every 7th row zero,
 // gates z in [-12, 12] (both saturated ends of sigmoid and the silu minimum), w around 1.
 struct Inputs {
@@ -58,13 +69,14 @@ Dev to_device(const Inputs& in) {
           to_dev(in.dy, DType::BF16)};
 }
 
-Out run_cuda(const Dev& d, const Tensor* dw0 = nullptr) {
+Out run_cuda(const Dev& d, const std::string& impl, const Tensor* dw0 = nullptr) {
   const int64_t R = d.x.view().size(0), D = d.x.view().size(1);
   Out o{poisoned(DType::BF16, {R, D}), poisoned(DType::F32, {R}), poisoned(DType::BF16, {R, D}),
         poisoned(DType::BF16, {R, D}),
         dw0 ? to_dev(*dw0, DType::F32) : OwnedTensor::zeros(DType::F32, {D}, Device::CUDA)};
-  gated_rmsnorm_forward({d.x, d.z, d.w, o.y, o.rstd, 1e-6});
-  gated_rmsnorm_backward({d.x, d.z, d.w, o.rstd, d.dy, o.dx, o.dz, o.dw});
+  const GatedRmsNormTable& t = impl_table(impl);
+  t.forward({d.x, d.z, d.w, o.y, o.rstd, 1e-6});
+  t.backward({d.x, d.z, d.w, o.rstd, d.dy, o.dx, o.dz, o.dw});
   return o;
 }
 
@@ -112,8 +124,10 @@ TEST_P(GatedRmsNormCudaSweep, MatchesRef) {
   const Shape s = GetParam();
   Inputs in = make_inputs(s.R, s.D, 100 + static_cast<uint64_t>(s.D));
   Out ref = run_ref(in);
-  Out c = run_cuda(to_device(in));
-  compare(c, ref, in);
+  for (const std::string impl : kImpls) {
+    SCOPED_TRACE(impl);
+    compare(run_cuda(to_device(in), impl), ref, in, " (" + impl + ")");
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, GatedRmsNormCudaSweep, ::testing::ValuesIn(kShapes),
@@ -130,7 +144,8 @@ TEST_F(GatedRmsNormCuda, SaturatedGatesStayFinite) {
   for (size_t i = 0; i < zv.size(); ++i) zv[i] = i % 3 == 0 ? 100.0 : i % 3 == 1 ? -100.0 : zv[i];
   in.z = from_f64(zv, DType::F64, {R, D});
   Out ref = run_ref(in);
-  compare(run_cuda(to_device(in)), ref, in, " (saturated gates)");
+  for (const std::string impl : kImpls)
+    compare(run_cuda(to_device(in), impl), ref, in, " (saturated gates, " + impl + ")");
 }
 
 TEST_F(GatedRmsNormCuda, BackwardAccumulatesDwAndIsDeterministic) {
@@ -139,20 +154,23 @@ TEST_F(GatedRmsNormCuda, BackwardAccumulatesDwAndIsDeterministic) {
   OwnedTensor dw0 = rounded(randn({D}, 24, 5.0), DType::F32);
   Out ref = run_ref(in, &dw0.view());
   Dev d = to_device(in);
-  Out c = run_cuda(d, &dw0.view());
-  // dw = dw0 + sum: the error is measured against the added part.
-  auto got = to_f64_vector(c.dw), base = to_f64_vector(dw0), want = to_f64_vector(ref.dw);
-  double num = 0, den = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    num += (got[i] - want[i]) * (got[i] - want[i]);
-    den += (want[i] - base[i]) * (want[i] - base[i]);
-  }
-  EXPECT_LE(std::sqrt(num / den), kTol.bwd) << "dw after += (error relative to the added part)";
-  for (int rep = 0; rep < 3; ++rep) {
-    Out again = run_cuda(d, &dw0.view());
-    expect_bitwise_equal(again.dx, c.dx, "dx (rep " + std::to_string(rep) + ")");
-    expect_bitwise_equal(again.dz, c.dz, "dz (rep " + std::to_string(rep) + ")");
-    expect_bitwise_equal(again.dw, c.dw, "dw (rep " + std::to_string(rep) + ")");
+  for (const std::string impl : kImpls) {
+    SCOPED_TRACE(impl);
+    Out c = run_cuda(d, impl, &dw0.view());
+    // dw = dw0 + sum: the error is measured against the added part.
+    auto got = to_f64_vector(c.dw), base = to_f64_vector(dw0), want = to_f64_vector(ref.dw);
+    double num = 0, den = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      num += (got[i] - want[i]) * (got[i] - want[i]);
+      den += (want[i] - base[i]) * (want[i] - base[i]);
+    }
+    EXPECT_LE(std::sqrt(num / den), kTol.bwd) << "dw after += (error relative to the added part)";
+    for (int rep = 0; rep < 3; ++rep) {
+      Out again = run_cuda(d, impl, &dw0.view());
+      expect_bitwise_equal(again.dx, c.dx, "dx (rep " + std::to_string(rep) + ")");
+      expect_bitwise_equal(again.dz, c.dz, "dz (rep " + std::to_string(rep) + ")");
+      expect_bitwise_equal(again.dw, c.dw, "dw (rep " + std::to_string(rep) + ")");
+    }
   }
 }
 
@@ -164,22 +182,26 @@ TEST_F(GatedRmsNormCuda, UnalignedTensorsTakeTheScalarPath) {
   std::vector<OwnedTensor> keep;
   Tensor x = unaligned_copy(d.x, 2, keep), z = unaligned_copy(d.z, 2, keep),
          dy = unaligned_copy(d.dy, 2, keep);
-  Tensor y = unaligned_copy(poisoned(DType::BF16, {R, D}), 2, keep),
-         dx = unaligned_copy(poisoned(DType::BF16, {R, D}), 2, keep),
-         dz = unaligned_copy(poisoned(DType::BF16, {R, D}), 2, keep);
-  OwnedTensor rstd = poisoned(DType::F32, {R}),
-              dw = OwnedTensor::zeros(DType::F32, {D}, Device::CUDA);
-  gated_rmsnorm_forward({x, z, d.w, y, rstd, 1e-6});
-  gated_rmsnorm_backward({x, z, d.w, rstd, dy, dx, dz, dw});
-  expect_close(y, ref.y, kTol.fwd, "y (unaligned)");
-  expect_close(rstd, ref.rstd, kTol.fwd, "rstd (unaligned)");
-  expect_close(dx, ref.dx, kTol.bwd, "dx (unaligned)", dx_scale(in, ref));
-  expect_close(dz, ref.dz, kTol.bwd, "dz (unaligned)");
-  expect_close(dw, ref.dw, kTol.bwd, "dw (unaligned)");
+  for (const std::string impl : kImpls) {
+    SCOPED_TRACE(impl);
+    Tensor y = unaligned_copy(poisoned(DType::BF16, {R, D}), 2, keep),
+           dx = unaligned_copy(poisoned(DType::BF16, {R, D}), 2, keep),
+           dz = unaligned_copy(poisoned(DType::BF16, {R, D}), 2, keep);
+    OwnedTensor rstd = poisoned(DType::F32, {R}),
+                dw = OwnedTensor::zeros(DType::F32, {D}, Device::CUDA);
+    const GatedRmsNormTable& t = impl_table(impl);
+    t.forward({x, z, d.w, y, rstd, 1e-6});
+    t.backward({x, z, d.w, rstd, dy, dx, dz, dw});
+    expect_close(y, ref.y, kTol.fwd, "y (unaligned)");
+    expect_close(rstd, ref.rstd, kTol.fwd, "rstd (unaligned)");
+    expect_close(dx, ref.dx, kTol.bwd, "dx (unaligned)", dx_scale(in, ref));
+    expect_close(dz, ref.dz, kTol.bwd, "dz (unaligned)");
+    expect_close(dw, ref.dw, kTol.bwd, "dw (unaligned)");
+  }
 }
 
 TEST_F(GatedRmsNormCuda, ResolverChoosesCudaAndItPassesItsProbe) {
-  expect_resolves_to_cuda("gated_rmsnorm", "cuda.rowwise", kTol, true, true);
+  expect_resolves_to_cuda("gated_rmsnorm", kChosen, kTol, true, true);
 }
 
 // Deliberately wrong CUDA implementations built from the real one: x and z swapped (normalising
@@ -206,7 +228,7 @@ const GatedRmsNormTable kWrongBwd{real_forward, lost_dw_backward};
 
 TEST_F(GatedRmsNormCuda, ProbeRejectsWrongCudaKernels) {
   ASSERT_NE(real_table(), nullptr) << "cuda.rowwise is not registered";
-  expect_probe_rejects("gated_rmsnorm", "cuda.rowwise",
+  expect_probe_rejects("gated_rmsnorm", kChosen,
                        {{"cuda.wrong_xz", &kWrongFwd}, {"cuda.wrong_dw", &kWrongBwd}});
 }
 
@@ -222,7 +244,7 @@ TEST_F(GatedRmsNormCuda, OpsRunOnCudaBackend) {
                     {"w", w},
                     {"dy", dy.view().reshape({T, H, D})}},
                    true);
-  EXPECT_EQ(run.result().impl, "cuda.rowwise");
+  EXPECT_EQ(run.result().impl, kChosen);
   expect_close(run.load("y"), ref.y, kTol.fwd, "y (ops run)");
   expect_close(run.load("rstd"), ref.rstd, kTol.fwd, "rstd (ops run)");
   expect_close(run.load("dx"), ref.dx, kTol.bwd, "dx (ops run)", dx_scale(in, ref));

@@ -1,5 +1,6 @@
-// Embedding on CUDA, second version ("cuda.v2", and "cuda.v2r", the default: the same with 64
-// tokens ranked per block; see the registration): the forward of cuda.sorted_windows and a
+// Embedding on CUDA, second version ("cuda.v2"; "cuda.v2r", the same with 64 tokens ranked per
+// block; "cuda.v2ry", the default, v2r prefetching only the dy rows: see the registration; all
+// three bitwise equal): the forward of cuda.sorted_windows and a
 // backward rebuilt around where that one spends its time (op.h has the contract; cuda.cu keeps the
 // first version for A/B timing).
 //
@@ -376,7 +377,16 @@ __device__ __forceinline__ void combine(const DwArgs& a, uint32_t k, int w0, int
 
 // One item: window w (sorted positions [s, e)), column chunk `chunk`. Every thread of the block
 // calls it (it holds barriers); `st` is the staged window.
-template <int V>
+// kPf: what each thread prefetches towards L2 while it loads a batch (1: the next batch's dy and
+// dW rows, cuda.v2 / cuda.v2r; -1: its dy rows only, cuda.v2ry, the default). The kernel runs at
+// ~85% of the L2's throughput (ncu, mem7) and every prefetch is one more L2 request: measured on
+// the H200 (uniform / skewed ids, us, one process), 3 batches ahead 127 / 113 against cuda.v2r's
+// 105 / 98 (device run 1); no prefetch 102.6, 102.0 / 97.5, 96.8, the dy rows only 101.6, 102.3
+// / 96.1, 96.0 against 103.5, 103.7 / 96.4, 97.0 (device run 2). Also run 2: a per-thread
+// cp.async ring of 4 positions in shared memory instead of register batches and prefetch, 102.7,
+// 102.6 / 96.7, 97.5 (not kept); 32 tokens ranked per block instead of 64, 107.9, 106.7 / 99.7,
+// 99.5.
+template <int V, int kPf = 1>
 __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w, int chunk,
                                         int* s_last) {
   const int D = a.D;
@@ -429,24 +439,24 @@ __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w,
         }
       }
     }
-    // The next batch's rows towards L2 meanwhile: twice the bytes in flight per thread for no
-    // registers (the loads above hold 96 bytes per thread, 1024 threads per multiprocessor).
+    // The next batch's rows (kPf = -1: its dy rows only) towards L2 meanwhile: more bytes in
+    // flight per thread for no registers (the loads above hold 96 bytes per thread, 1024 threads
+    // per multiprocessor).
+    auto prefetch = [&](int i) {
+      const int64_t t = st.tok[i];
+      const uint32_t k = st.key[i];
+      const bool direct = kPf > 0 && ends_run(i) && slot_of(k) < 0;
 #pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      const int i = i0 + kBatch + j;
-      if (i < nv) {
-        const int64_t t = st.tok[i];
-        const uint32_t k = st.key[i];
-        const bool direct = ends_run(i) && slot_of(k) < 0;
-#pragma unroll
-        for (int g = 0; g < kGroups; ++g) {
-          if (has[g]) {
-            prefetch_l2(a.dy + t * D + c[g]);
-            if (direct) prefetch_l2(a.dw + static_cast<int64_t>(k) * D + c[g]);
-          }
+      for (int g = 0; g < kGroups; ++g) {
+        if (has[g]) {
+          prefetch_l2(a.dy + t * D + c[g]);
+          if (direct) prefetch_l2(a.dw + static_cast<int64_t>(k) * D + c[g]);
         }
       }
-    }
+    };
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j)
+      if (i0 + kBatch + j < nv) prefetch(i0 + kBatch + j);
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
       const int i = i0 + j;
@@ -506,7 +516,7 @@ __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w,
 }
 
 // Persistent grid over items (window-major: item = w * chunks + chunk); kDwThreads threads.
-template <int V>
+template <int V, int kPf = 1>
 __global__ void __launch_bounds__(kDwThreads, 8) emb2_dw_kernel(const DwArgs a) {
   pdl_wait();  // step 1's ranks and zeroed counters
   __shared__ Stage stage[2];
@@ -536,7 +546,7 @@ __global__ void __launch_bounds__(kDwThreads, 8) emb2_dw_kernel(const DwArgs a) 
     const int next = item + static_cast<int>(gridDim.x);
     if (next < nitems) stage_window(next, stage[buf ^ 1]);
     const int w = item / a.chunks;
-    dw_item<V>(a, stage[buf], w, item - w * a.chunks, s_last);
+    dw_item<V, kPf>(a, stage[buf], w, item - w * a.chunks, s_last);
     cuda::cp_async_wait<0>();
     __syncthreads();
   }
@@ -568,11 +578,11 @@ void rank_opt_in(size_t limit) {
   });
 }
 
-template <int V>
+template <int V, int kPf>
 void launch_dw(const DwArgs& args, cudaStream_t s) {
   int per_sm = 0;
-  GDN_CUDA_CHECK(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, emb2_dw_kernel<V>, kDwThreads, 0));
+  GDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, emb2_dw_kernel<V, kPf>,
+                                                               kDwThreads, 0));
   const int64_t items = static_cast<int64_t>(args.nwin) * args.chunks;
   const auto grid = static_cast<unsigned>(std::min<int64_t>(
       items, static_cast<int64_t>(cuda::Context::get().sm_count()) * std::max(per_sm, 1)));
@@ -586,11 +596,11 @@ void launch_dw(const DwArgs& args, cudaStream_t s) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  GDN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, emb2_dw_kernel<V>, args));
+  GDN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, emb2_dw_kernel<V, kPf>, args));
   GDN_CUDA_LAUNCH_CHECK("emb2_dw_kernel");
 }
 
-template <int kWin, int kPerBlock>
+template <int kWin, int kPerBlock, int kPf = 1>
 void backward(const EmbeddingBwd& a) {
   // Staging: 16-byte pieces of the window (kWin % 4 == 0), at most 16 per array.
   static_assert(kWin >= 4 && kWin % 4 == 0 && kWin <= kMaxWin && kMaxWin <= 64);
@@ -694,25 +704,31 @@ void backward(const EmbeddingBwd& a) {
               chunks,
               static_cast<uint32_t>(vocab)};
   if (V == 4) {
-    launch_dw<4>(args, s);
+    launch_dw<4, kPf>(args, s);
   } else {
-    launch_dw<1>(args, s);
+    launch_dw<1, kPf>(args, s);
   }
 }
 
 const EmbeddingTable kTable16{forward, backward<16, kRankTokens>};
 const EmbeddingTable kTable16Fine{forward, backward<16, kRankTokensFine>};
+const EmbeddingTable kTable16FineDyPf{forward, backward<16, kRankTokensFine, -1>};
 
 }  // namespace
 
-// cuda.v2r (window 16, 64 tokens ranked per block) is the default: on the H200 at T = 8192,
-// V = 248320, D = 4096 it took 105.9 / 104.1 us (uniform ids) and 97.9 / 96.9 us (skewed) against
-// cuda.v2's 108.7 / 107.6 and 104.0 / 104.3 in the same run (mem6's second device run; rank kernel
-// 8.6 us against 11.4). cuda.v2 (256 tokens a block) and cuda.sorted_windows (priority 10) stay
-// for A/B timing: GDN_OP_EMBEDDING=<name>.
+// cuda.v2r (window 16, 64 tokens ranked per block) was the default before cuda.v2ry: on the H200 at
+// T = 8192, V = 248320, D = 4096 it took 105.9 / 104.1 us (uniform ids) and 97.9 / 96.9 us (skewed)
+// against cuda.v2's 108.7 / 107.6 and 104.0 / 104.3 in the same run (mem6's second device run; rank
+// kernel 8.6 us against 11.4). cuda.v2 (256 tokens a block) and cuda.sorted_windows (priority 10)
+// stay for A/B timing: GDN_OP_EMBEDDING=<name>.
 GDN_REGISTER(embedding_cuda_v2) {
   Registry::global().add_impl({"embedding", "cuda.v2", Backend::Cuda, 20, nullptr, &kTable16});
   Registry::global().add_impl({"embedding", "cuda.v2r", Backend::Cuda, 21, nullptr, &kTable16Fine});
+  // The default since mem7: the next batch's dy rows prefetched, not its dW rows (numbers at
+  // dw_item): uniform ids 101.6 / 102.3 us against cuda.v2r's 103.5 / 103.7 in the same process
+  // (0.766 / 0.761 of copy), skewed 96.1 / 96.0 against 96.4 / 97.0 (0.688).
+  Registry::global().add_impl(
+      {"embedding", "cuda.v2ry", Backend::Cuda, 22, nullptr, &kTable16FineDyPf});
 }
 
 }  // namespace gdn::ops

@@ -16,8 +16,9 @@
 // Backward: a thread owns the same columns in every row, so its w packs are loaded once and its dw
 // contributions go to fp32 sums in shared memory private to it; the row groups of a block are
 // summed in group order, each block writes one fp32 partial row to scratch, and
-// column_sum_add_kernel adds the partial rows to dw in a fixed order. No float atomics: dw depends
-// only on the shapes and the device's multiprocessor count (the grid size).
+// column_sum_add_kernel adds the partial rows to dw in a fixed order (cuda.rowwise_pf, the
+// default: column_sum_add_pdl_kernel, a programmatic dependent, rmsnorm/cuda_colsum.cuh). No float
+// atomics: dw depends only on the shapes and the device's multiprocessor count (the grid size).
 //
 // Bytes moved (the floor): forward x, z, w, y, rstd; backward x, z, w, rstd, dy, dx, dz and dw read
 // and written; plus the partial rows (grid x D fp32, ~0.1 MB at D = 128).
@@ -29,6 +30,7 @@
 #include "gdn/backend/cuda_check.h"
 #include "gdn/backend/registry.h"
 #include "ops/gated_rmsnorm/op.h"
+#include "ops/rmsnorm/cuda_colsum.cuh"
 
 namespace gdn::ops {
 
@@ -170,7 +172,18 @@ constexpr int acc_floats() {
 }
 
 // Two blocks per multiprocessor at least (<= 128 registers).
-template <int V>
+// kWarpRows (cuda.rowwise_pf; only for tpr <= 32, where a row group never crosses a warp and the
+// group sum holds no block barrier): rows are dealt to warps, not blocks. Warp unit u (the 32 / tpr
+// consecutive rows u * 32 / tpr ...) of sweep k goes to warp (u / grid) % 8 of block u % grid, so
+// a last partial sweep is spread over the blocks (one warp each) instead of being the whole work
+// of its first few blocks (at [262144, 128]: 31 full sweeps of 264 blocks and 256 rows left, which
+// the strided walk gives to 8 blocks that run a 32nd iteration while the others idle).
+// kPf > 0 (cuda.rowwise_pf: 2): each thread also requests the x, z, dy packs of its row kPf
+// iterations ahead towards L2 (prefetch.global.L2: no registers), so a multiprocessor keeps more
+// bytes in flight than its 2 x 256 threads at ~127 registers can hold. Measured worse (mem7's
+// second device run, [262144, 128]): 3 iterations ahead 115.6-116.0 us against 100.5-103.0, and
+// 3 blocks per multiprocessor (80 registers, a few spills) 127.8-128.1.
+template <int V, bool kWarpRows = false, int kPf = 0>
 __global__ void __launch_bounds__(kBlock, 2)
     gated_rmsnorm_bwd_kernel(const bf16_t* __restrict__ x,    // [R, D]
                              const bf16_t* __restrict__ z,    // [R, D]
@@ -223,11 +236,35 @@ __global__ void __launch_bounds__(kBlock, 2)
     rn = act ? rstd[row] : 0.f;
   };
 
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * rpb;
-  fetch(static_cast<int64_t>(blockIdx.x) * rpb + g);
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * rpb; base < R; base += stride) {
-    // `base` is uniform over the block: every thread meets the barriers of group_allreduce_sum.
-    const int64_t row = base + g;
+  // Strided walk: row = base + g, base = blockIdx.x * rpb + k * stride (uniform over the block:
+  // every thread meets the barriers of group_allreduce_sum). kWarpRows: row = base + g % rpw,
+  // base = (warp * grid + blockIdx.x + k * 8 * grid) * rpw (uniform over the warp; tpr <= 32).
+  const int rpw = kWarpRows ? 32 / tpr : 0;  // rows per warp
+  const int64_t stride = kWarpRows ? static_cast<int64_t>(gridDim.x) * kBlock / tpr
+                                   : static_cast<int64_t>(gridDim.x) * rpb;
+  const int64_t base0 = kWarpRows ? (static_cast<int64_t>(tid >> 5) * gridDim.x + blockIdx.x) * rpw
+                                  : static_cast<int64_t>(blockIdx.x) * rpb;
+  const int gi = kWarpRows ? g % rpw : g;  // the row's index in its base
+  // The row `row`'s packs towards L2 (kPf).
+  auto prefetch = [&](int64_t row) {
+    if (row >= R) return;
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const int c = lane + k * tpr;
+      if (c < npacks) {
+        const int64_t o = row * D + static_cast<int64_t>(c) * V;
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(x + o));
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(z + o));
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(dy + o));
+      }
+    }
+  };
+  if constexpr (kWarpRows) norm_pdl::pdl_launch_dependents();
+  fetch(base0 + gi);
+  if constexpr (kPf > 0)
+    for (int j = 2; j <= kPf; ++j) prefetch(base0 + gi + (j - 1) * stride);
+  for (int64_t base = base0; base < R; base += stride) {
+    const int64_t row = base + gi;
     const bool active = row < R;
     const int64_t off = active ? row * D : 0;
     Pack<V> xc[P], zc[P], dyc[P];
@@ -235,6 +272,7 @@ __global__ void __launch_bounds__(kBlock, 2)
     for (int k = 0; k < P; ++k) xc[k] = xn[k], zc[k] = zn[k], dyc[k] = dn[k];
     const float r = rn;
     fetch(row + stride);
+    if constexpr (kPf > 0) prefetch(row + kPf * stride);
 
     float dot = 0.f;  // sum(dy' * w * x) over the row
     auto dot_terms = [&](const Pack<V>& xp, const Pack<V>& zp, const Pack<V>& dp,
@@ -351,6 +389,9 @@ void forward(const GatedRmsNormFwd& a) {
   GDN_CUDA_LAUNCH_CHECK("gated_rmsnorm_fwd_kernel");
 }
 
+// kFast (cuda.rowwise_pf): rows dealt to warps when tpr <= 32 (see the kernel) and the dw sum as a
+// programmatic dependent (rmsnorm/cuda_colsum.cuh).
+template <bool kFast, int kPf = 0>
 void backward(const GatedRmsNormBwd& a) {
   const int64_t R = a.x.size(0), D = a.x.size(1);
   if (R == 0 || D == 0) return;  // dw += 0
@@ -369,8 +410,13 @@ void backward(const GatedRmsNormBwd& a) {
   // The dw sums: P * V fp32 per thread, 16 KB (8 KB with scalar packs).
   const size_t smem =
       static_cast<size_t>(l.vec == 8 ? acc_floats<8>() : acc_floats<1>()) * sizeof(float);
-  const void* kernel = l.vec == 8 ? reinterpret_cast<const void*>(&gated_rmsnorm_bwd_kernel<8>)
-                                  : reinterpret_cast<const void*>(&gated_rmsnorm_bwd_kernel<1>);
+  const bool warp_rows = kFast && l.tpr <= 32;
+  using Kernel = void (*)(const bf16_t*, const bf16_t*, const bf16_t*, const float*, const bf16_t*,
+                          bf16_t*, bf16_t*, float*, int64_t, int, int);
+  const Kernel kernel = l.vec == 8 ? (warp_rows ? gated_rmsnorm_bwd_kernel<8, true, kPf>
+                                                : gated_rmsnorm_bwd_kernel<8, false>)
+                                   : (warp_rows ? gated_rmsnorm_bwd_kernel<1, true, kPf>
+                                                : gated_rmsnorm_bwd_kernel<1, false>);
   cuda::Context& ctx = cuda::Context::get();
   int per_sm = 0;
   GDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlock, smem));
@@ -380,26 +426,36 @@ void backward(const GatedRmsNormBwd& a) {
   float* partial = static_cast<float*>(  // [grid, D]
       ctx.scratch(static_cast<size_t>(grid) * static_cast<size_t>(D) * sizeof(float)));
   cudaStream_t s = ctx.stream();
-  if (l.vec == 8) {
-    gated_rmsnorm_bwd_kernel<8><<<grid, kBlock, smem, s>>>(x, z, w, rstd, dy, dx, dz, partial, R,
-                                                           static_cast<int>(D), l.tpr);
-  } else {
-    gated_rmsnorm_bwd_kernel<1><<<grid, kBlock, smem, s>>>(x, z, w, rstd, dy, dx, dz, partial, R,
-                                                           static_cast<int>(D), l.tpr);
-  }
+  kernel<<<grid, kBlock, smem, s>>>(x, z, w, rstd, dy, dx, dz, partial, R, static_cast<int>(D),
+                                    l.tpr);
   GDN_CUDA_LAUNCH_CHECK("gated_rmsnorm_bwd_kernel");
-  cuda::column_sum_add_kernel<>
-      <<<static_cast<unsigned>((D + 31) / 32), 256, 0, s>>>(partial, dw, grid, static_cast<int>(D));
-  GDN_CUDA_LAUNCH_CHECK("column_sum_add_kernel");
+  if (warp_rows) {
+    norm_pdl::launch_column_sum_add_pdl(partial, dw, grid, static_cast<int>(D), s);
+  } else {
+    cuda::column_sum_add_kernel<><<<static_cast<unsigned>((D + 31) / 32), 256, 0, s>>>(
+        partial, dw, grid, static_cast<int>(D));
+    GDN_CUDA_LAUNCH_CHECK("column_sum_add_kernel");
+  }
 }
 
-const GatedRmsNormTable kTable{forward, backward};
+const GatedRmsNormTable kTable{forward, backward<false>};
+const GatedRmsNormTable kTablePf{forward, backward<true, 2>};
 
 }  // namespace
 
 GDN_REGISTER(gated_rmsnorm_cuda) {
   Registry::global().add_impl(
       {"gated_rmsnorm", "cuda.rowwise", Backend::Cuda, 10, nullptr, &kTable});
+  // The default since mem7: rows dealt to warps, the dw sum as a programmatic dependent, and the
+  // rows 2 iterations ahead prefetched towards L2. [262144, 128], one process each time
+  // (`cuda_bench_ops --iters 30 --filter rmsnorm.bwd --rounds N --impls ...`): device run 1,
+  // cuda.rowwise 103.7 / 104.7 us (0.767 / 0.760 of copy), without the prefetch 100.4 / 101.2,
+  // cuda.rowwise_pf 99.0 / 99.6 (0.803 / 0.799); device run 2, cuda.rowwise 104.7 / 105.2,
+  // cuda.rowwise_pf 100.5 / 102.2 / 103.0 (0.787 / 0.773 / 0.768). ncu (cuda.rowwise): the main
+  // kernel 85.4 us at 77% of DRAM peak, the plain dw sum 4.8 us (4 blocks, 33 dependent loads a
+  // thread).
+  Registry::global().add_impl(
+      {"gated_rmsnorm", "cuda.rowwise_pf", Backend::Cuda, 12, nullptr, &kTablePf});
 }
 
 }  // namespace gdn::ops

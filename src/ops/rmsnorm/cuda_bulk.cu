@@ -1,5 +1,6 @@
-// RMSNorm backward on CUDA with Hopper bulk copies ("cuda.bulk"): the same contract as
-// cuda.rowwise (op.h; bf16 x/w/dy/dx, fp32 rstd and dw), a different memory pipeline.
+// RMSNorm backward on CUDA with Hopper bulk copies ("cuda.bulk", and "cuda.bulkp2", the default:
+// see the registration): the same contract as cuda.rowwise (op.h; bf16 x/w/dy/dx, fp32 rstd and
+// dw), a different memory pipeline.
 //
 // Why: cuda.rowwise's backward reaches 0.66 of the copy rate at [8192, 4096] (PERF.md run 10),
 // with its loads issued by every thread into registers; a cp.async-staged version with deep
@@ -42,8 +43,14 @@
 // dx with 16-byte global stores and dw += dy * xhat in registers.
 // dw: at the end each group writes its sums to shared memory (the ring, now idle), the block adds
 // the groups in group order into one fp32 partial row per block, and column_sum_add_kernel
-// (memory_bound.cuh) sums the partial rows in a fixed order into dw. No float atomics: the result
-// depends only on the shapes and the device's multiprocessor count.
+// (memory_bound.cuh; cuda.bulkp2: column_sum_add_pdl_kernel, cuda_colsum.cuh, launched as a
+// programmatic dependent that waits on the multiprocessors this kernel's blocks leave) sums the
+// partial rows in a fixed order into dw. No float atomics: the result depends only on the shapes
+// and the device's multiprocessor count.
+//
+// Where the time goes (ncu, mem7, [8192, 4096], cuda.bulk): the kernel 52.4 us at 3.45 TB/s of
+// DRAM traffic (72% of peak; ~20 MB of dx still dirty in L2 when it ends, written back during
+// what follows), the dw sum 2.4 us, the rest launch gaps: 63-65 us per call in the benchmark.
 //
 // Covered: D % 8 == 0 (a row is a whole number of 16-byte units, so every row starts 16-byte
 // aligned), 16-byte aligned x, w, dy, dx, and kMinD <= D <= kMaxD (= 8 * kP * 256); the ring must
@@ -54,8 +61,9 @@
 // process per multiprocessor, 3 stages of 16 KB per group (192 KB ring + 16 KB fp32 gw + 2 KB
 // static; up to 12 rows = 192 KB requested ahead per multiprocessor: after a row's group barrier
 // its slot is refilled, so 3 rows per group are in flight or waiting while one is computed),
-// 512 threads at 124 registers, no spills (nvcc 13.0, -Xptxas -v). Every width covered gets 3 to
-// 6 stages (G * 4 D is 32-64 KB).
+// 512 threads at 128 registers, no spills (nvcc 13.0, -Xptxas -v). Every width covered gets 3 to
+// 6 stages (G * 4 D is 32-64 KB); cuda.bulkp2 uses 2 (8 rows = 128 KB ahead per multiprocessor,
+// 17 MB for the grid instead of 25 MB), measured ~0.5 us faster at [8192, 4096].
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -66,6 +74,7 @@
 #include "gdn/backend/cuda_check.h"
 #include "gdn/backend/cuda_context.h"
 #include "gdn/backend/registry.h"
+#include "ops/rmsnorm/cuda_colsum.cuh"
 #include "ops/rmsnorm/op.h"
 
 namespace gdn::ops {
@@ -83,6 +92,10 @@ constexpr int kMaxWarpsPerGroup = kMaxTpr / 32;
 constexpr int kMaxStages = 8;
 constexpr int kMinD = 1024;              // narrower rows: cuda.rowwise (not measured here)
 constexpr int kMaxD = 8 * kP * kMaxTpr;  // 8192
+// Flags of cuda.bulkp2 (mem7): the first rows requested before the w load (kernel), at most 2
+// ring stages (host side).
+constexpr int kEarly = 2;
+constexpr int kTwoStages = 4;
 
 // Sum of v over the caller's row group, bit-identical in every thread of the group. Groups of one
 // warp reduce by the xor butterfly (each partner adds the same two numbers). Wider groups: warp
@@ -120,7 +133,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                             const bf16_t* __restrict__ dy,   // [R, D]
                             bf16_t* __restrict__ dx,         // [R, D]
                             float* __restrict__ partial,     // [gridDim.x, D] dw partial rows
-                            int64_t R, int D, int tpr, int stages, float shift) {
+                            int64_t R, int D, int tpr, int stages, float shift, int flags) {
   // Dynamic shared memory: the ring [G][stages][2][D] bf16, then gw as float4 [2][D / 8].
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ uint64_t full[kMaxGroups * kMaxStages];  // [G][stages] mbarriers
@@ -131,11 +144,41 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int lane = static_cast<int>(threadIdx.x) % tpr;
   const int npacks = D / 8;
   const uint32_t row_bytes = static_cast<uint32_t>(D) * 2u;
-  const int64_t NG = static_cast<int64_t>(gridDim.x) * G;
+  // This group's rows: first + i * step, i < n (its "iterations"), so that at any time the grid's
+  // groups work on nearby rows. mem7 measured the alternatives on the H200 at [8192, 4096]:
+  // contiguous per-block row ranges (62-63 rows each) 5% slower (the multiprocessors then stream
+  // from 132 regions at once); the group order g * gridDim.x + b, which spreads the last partial
+  // sweep (272 of 528 rows) over all blocks instead of the first 68, 0.3-0.6 us faster, as fast
+  // as two ring stages but not tried together with them (device run 2).
+  const int64_t step = static_cast<int64_t>(gridDim.x) * G;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * G + g;
-  const int64_t n = first < R ? (R - first + NG - 1) / NG : 0;  // this group's rows
-  uint64_t* bars = full + g * stages;                           // [stages]
+  const int64_t n = first < R ? (R - first + step - 1) / step : 0;
+  uint64_t* bars = full + g * stages;  // [stages]
   bf16_t* ring = reinterpret_cast<bf16_t*>(smem) + static_cast<int64_t>(g) * stages * 2 * D;
+
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < G * stages; ++i) cuda::mbar_init(&full[i], 1);
+    cuda::mbar_init_fence();
+  }
+  __syncthreads();
+  // A dw sum launched as a programmatic dependent (cuda_colsum.cuh) may be created now; it waits
+  // for this grid's end. No effect on an ordinary launch after this kernel.
+  norm_pdl::pdl_launch_dependents();
+
+  // Requests iteration i's row into slot s = i % stages (producer only; i < n).
+  auto request = [&](int64_t i, int s) {
+    const int64_t off = (first + i * step) * D;
+    bf16_t* slot = ring + static_cast<int64_t>(s) * 2 * D;  // [2][D]
+    cuda::mbar_arrive_expect_tx(&bars[s], 2u * row_bytes);
+    cuda::cp_async_bulk_g2s(slot, x + off, row_bytes, &bars[s]);
+    cuda::cp_async_bulk_g2s(slot + D, dy + off, row_bytes, &bars[s]);
+  };
+  const bool producer = lane == 0;
+  // kEarly: the first rows are requested before w is read (the ring and sgw are disjoint), so the
+  // w round trip overlaps the first rows' instead of preceding them.
+  const bool early = (flags & kEarly) != 0;
+  if (producer && early)
+    for (int i = 0; i < n && i < stages; ++i) request(i, i);
 
   // gw = w or 1 + w (formed in fp32) of pack c: sgw[c] (elements 0-3) and sgw[npacks + c] (4-7),
   // so that a warp's 16-byte reads of consecutive packs are conflict-free. In shared memory
@@ -147,22 +190,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     sgw[c] = make_float4(shift + f[0], shift + f[1], shift + f[2], shift + f[3]);
     sgw[npacks + c] = make_float4(shift + f[4], shift + f[5], shift + f[6], shift + f[7]);
   }
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < G * stages; ++i) cuda::mbar_init(&full[i], 1);
-    cuda::mbar_init_fence();
-  }
-  __syncthreads();
-
-  // Requests iteration i's row into slot s = i % stages (producer only; i < n).
-  auto request = [&](int64_t i, int s) {
-    const int64_t off = (first + i * NG) * D;
-    bf16_t* slot = ring + static_cast<int64_t>(s) * 2 * D;  // [2][D]
-    cuda::mbar_arrive_expect_tx(&bars[s], 2u * row_bytes);
-    cuda::cp_async_bulk_g2s(slot, x + off, row_bytes, &bars[s]);
-    cuda::cp_async_bulk_g2s(slot + D, dy + off, row_bytes, &bars[s]);
-  };
-  const bool producer = lane == 0;
-  if (producer)
+  __syncthreads();  // sgw complete
+  if (producer && !early)
     for (int i = 0; i < n && i < stages; ++i) request(i, i);
 
   // This thread's dw sums (its columns are fixed over the rows).
@@ -175,7 +204,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   int s = 0;           // slot of iteration i
   uint32_t phase = 0;  // parity of the use of slot s that iteration i waits for
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t row = first + i * NG;
+    const int64_t row = first + i * step;
     const int64_t off = row * D;
     const float r = __ldg(rstd + row);
     cuda::mbar_wait_parity(&bars[s], phase);
@@ -308,6 +337,9 @@ bool covered(const RmsNormBwd& a) {
 
 void forward(const RmsNormFwd& a) { rowwise().forward(a); }
 
+// kPdl: the dw sum as a programmatic dependent (cuda_colsum.cuh) instead of a plain second
+// launch; kFlags: kEarly (kernel) and kTwoStages.
+template <bool kPdl, int kFlags>
 void backward(const RmsNormBwd& a) {
   const int64_t R = a.x.size(0), D = a.x.size(1);
   if (R == 0 || D == 0) return;  // dw += 0
@@ -321,7 +353,9 @@ void backward(const RmsNormBwd& a) {
   const bf16_t* dy = reinterpret_cast<const bf16_t*>(a.dy.ptr<bf16>());  // [R, D]
   bf16_t* dx = reinterpret_cast<bf16_t*>(a.dx.ptr<bf16>());              // [R, D]
   float* dw = a.dw.ptr<float>();                                         // [D]
-  const int tpr = tpr_for(D), G = kThreads / tpr, stages = stages_for(D, tpr);
+  const int tpr = tpr_for(D), G = kThreads / tpr;
+  const int stages =
+      (kFlags & kTwoStages) != 0 ? std::min(2, stages_for(D, tpr)) : stages_for(D, tpr);
   const size_t smem = (static_cast<size_t>(stages) * G + 1) * 4 * static_cast<size_t>(D);
   cuda::Context& ctx = cuda::Context::get();
   static const int per_sm = [] {
@@ -337,20 +371,32 @@ void backward(const RmsNormBwd& a) {
       ctx.scratch(static_cast<size_t>(grid) * static_cast<size_t>(D) * sizeof(float)));
   const float shift = a.zero_centred ? 1.f : 0.f;
   cudaStream_t s = ctx.stream();
-  rmsnorm_bulk_bwd_kernel<<<grid, kThreads, smem, s>>>(x, w, rstd, dy, dx, partial, R,
-                                                       static_cast<int>(D), tpr, stages, shift);
+  rmsnorm_bulk_bwd_kernel<<<grid, kThreads, smem, s>>>(
+      x, w, rstd, dy, dx, partial, R, static_cast<int>(D), tpr, stages, shift, kFlags);
   GDN_CUDA_LAUNCH_CHECK("rmsnorm_bulk_bwd_kernel");
-  cuda::column_sum_add_kernel<>
-      <<<static_cast<unsigned>((D + 31) / 32), 256, 0, s>>>(partial, dw, grid, static_cast<int>(D));
-  GDN_CUDA_LAUNCH_CHECK("column_sum_add_kernel");
+  if constexpr (kPdl) {
+    norm_pdl::launch_column_sum_add_pdl(partial, dw, grid, static_cast<int>(D), s);
+  } else {
+    cuda::column_sum_add_kernel<><<<static_cast<unsigned>((D + 31) / 32), 256, 0, s>>>(
+        partial, dw, grid, static_cast<int>(D));
+    GDN_CUDA_LAUNCH_CHECK("column_sum_add_kernel");
+  }
 }
 
-const RmsNormTable kTable{forward, backward};
+const RmsNormTable kTable{forward, backward<false, 0>};
+const RmsNormTable kTableP2{forward, backward<true, kEarly | kTwoStages>};
 
 }  // namespace
 
 GDN_REGISTER(rmsnorm_cuda_bulk) {
   Registry::global().add_impl({"rmsnorm", "cuda.bulk", Backend::Cuda, 20, nullptr, &kTable});
+  // The default since mem7: the dw sum as a programmatic dependent, the first rows requested
+  // before the w load, at most 2 ring stages. Device run 2 (H200, `cuda_bench_ops --iters 30
+  // --filter rmsnorm.bwd --rounds 3 --impls ...`, one process), [8192, 4096] plain / zero-centred,
+  // us: cuda.bulk 66.8 64.1 64.1 / 64.4 64.0 62.8; cuda.bulkp2 62.8 62.1 61.5 / 61.9 61.9 61.2
+  // (0.753-0.773 of the copy rate); [8192, 2048] 38.5-39.2 -> 36.8-37.2. Steps measured alone in
+  // the same process: the PDL dw sum 0-2 us, the early requests ~1 us, 2 stages ~0.5 us.
+  Registry::global().add_impl({"rmsnorm", "cuda.bulkp2", Backend::Cuda, 22, nullptr, &kTableP2});
 }
 
 }  // namespace gdn::ops
