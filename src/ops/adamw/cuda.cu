@@ -132,12 +132,18 @@ __device__ __forceinline__ void split2(float a, float b, uint32_t& hi, uint32_t&
 // Where a tensor's master weights live, read and written 4 elements (16-byte groups of the fp32
 // streams) or 1 at a time: an F32 master with an optional bf16 copy written from it, or a split
 // master (lo [n] int16, hi [n] bf16: the copy is the high half).
+// load4 returns the raw 16-byte group and value4 turns it into the four fp32 values: the unit
+// issues every load of a thread before the first value4 (a join right after its own load stalled
+// the warp there, one group in flight, in the split path's SASS: adamw.step_split at 0.71 of copy
+// in run J against the F32 step's 0.94).
 struct F32Master {
+  using Raw = float4;
   float* p;    // [n]
   bf16_t* pb;  // [n] or null
-  __device__ __forceinline__ float4 load4(int64_t j) const {
+  __device__ __forceinline__ Raw load4(int64_t j) const {
     return __ldcs(reinterpret_cast<const float4*>(p + j));
   }
+  __device__ __forceinline__ float4 value4(const Raw& r) const { return r; }
   __device__ __forceinline__ void store4(int64_t j, float4 x) const {
     __stcs(reinterpret_cast<float4*>(p + j), x);
     if (pb != nullptr) __stcs(reinterpret_cast<uint2*>(pb + j), pack4_bf16(x.x, x.y, x.z, x.w));
@@ -149,12 +155,16 @@ struct F32Master {
   }
 };
 struct SplitMaster {
-  int16_t* lo;  // [n]
-  bf16_t* hi;   // [n]
-  __device__ __forceinline__ float4 load4(int64_t j) const {
+  using Raw = uint4;  // hi pair, hi pair, lo pair, lo pair
+  int16_t* lo;        // [n]
+  bf16_t* hi;         // [n]
+  __device__ __forceinline__ Raw load4(int64_t j) const {
     const uint2 h = __ldcs(reinterpret_cast<const uint2*>(hi + j));
     const uint2 l = __ldcs(reinterpret_cast<const uint2*>(lo + j));
-    const float2 a = join2(h.x, l.x), b = join2(h.y, l.y);
+    return make_uint4(h.x, h.y, l.x, l.y);
+  }
+  __device__ __forceinline__ float4 value4(const Raw& r) const {
+    const float2 a = join2(r.x, r.z), b = join2(r.y, r.w);
     return make_float4(a.x, a.y, b.x, b.y);
   }
   __device__ __forceinline__ void store4(int64_t j, float4 x) const {
@@ -193,12 +203,13 @@ __device__ __forceinline__ void adamw_unit(const Master& mst, const float* g, fl
     for (int64_t j = begin + threadIdx.x; j < end; j += kThreads) scalar(j);
     return;
   }
-  float4 pv[kGroups], gv[kGroups], mv[kGroups], vv[kGroups];
+  typename Master::Raw pr[kGroups];
+  float4 gv[kGroups], mv[kGroups], vv[kGroups];
 #pragma unroll
   for (int k = 0; k < kGroups; ++k) {
     const int64_t j = begin + (static_cast<int64_t>(k) * kThreads + threadIdx.x) * 4;
     if (j + 4 <= end) {
-      pv[k] = mst.load4(j);
+      pr[k] = mst.load4(j);
       gv[k] = __ldcs(reinterpret_cast<const float4*>(g + j));
       mv[k] = __ldcs(reinterpret_cast<const float4*>(m + j));
       vv[k] = __ldcs(reinterpret_cast<const float4*>(v + j));
@@ -208,11 +219,12 @@ __device__ __forceinline__ void adamw_unit(const Master& mst, const float* g, fl
   for (int k = 0; k < kGroups; ++k) {
     const int64_t j = begin + (static_cast<int64_t>(k) * kThreads + threadIdx.x) * 4;
     if (j + 4 <= end) {
-      adamw_elem(pv[k].x, gv[k].x, mv[k].x, vv[k].x, sc, df);
-      adamw_elem(pv[k].y, gv[k].y, mv[k].y, vv[k].y, sc, df);
-      adamw_elem(pv[k].z, gv[k].z, mv[k].z, vv[k].z, sc, df);
-      adamw_elem(pv[k].w, gv[k].w, mv[k].w, vv[k].w, sc, df);
-      mst.store4(j, pv[k]);
+      float4 pv = mst.value4(pr[k]);
+      adamw_elem(pv.x, gv[k].x, mv[k].x, vv[k].x, sc, df);
+      adamw_elem(pv.y, gv[k].y, mv[k].y, vv[k].y, sc, df);
+      adamw_elem(pv.z, gv[k].z, mv[k].z, vv[k].z, sc, df);
+      adamw_elem(pv.w, gv[k].w, mv[k].w, vv[k].w, sc, df);
+      mst.store4(j, pv);
       __stcs(reinterpret_cast<float4*>(m + j), mv[k]);
       __stcs(reinterpret_cast<float4*>(v + j), vv[k]);
     }
