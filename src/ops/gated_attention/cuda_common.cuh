@@ -207,4 +207,38 @@ __device__ __forceinline__ void load_tile_async(bf16_t* dst, const bf16_t* src, 
 
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 
+// The forward kernels' epilogue (cuda_fwd.cuh, sm90_pipe.cuh, sm90_tma.cuh): this thread's two
+// rows t0, t1 (m16n8 C layout: column 8 nt + 2c + (e & 1), row t0 for e < 2, t1 otherwise),
+// normalised by their softmax sums, written as attn (before the gate) and o = attn * sigmoid(gate)
+// for the columns < hd, and each row's lse (natural log), for the rows inside the document (t <
+// q_end). acc(nt, e) reads the O accumulator.
+template <int HD, class Acc>
+__device__ __forceinline__ void fwd_epilogue(const FwdParams& p, const Acc& acc,
+                                             const float (&m_run)[2], const float (&l_run)[2],
+                                             int t0, int t1, int q_end, int h, int c) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int t = r == 0 ? t0 : t1;
+    const float l = quad_sum(l_run[r]);
+    if (t >= q_end) continue;
+    const float inv = 1.0f / l;
+    const size_t row = static_cast<size_t>(t) * p.Hq + h;
+    const bf16_t* gate = p.qg + row * 2 * p.hd + p.hd;  // [hd]
+    bf16_t* at = p.attn + row * p.hd;                   // [hd]
+    bf16_t* o = p.o + row * p.hd;                       // [hd]
+#pragma unroll
+    for (int nt = 0; nt < HD / 8; ++nt) {
+      const int col = nt * 8 + 2 * c;
+      if (col < p.hd) {
+        const float a0 = acc(nt, 2 * r) * inv, a1 = acc(nt, 2 * r + 1) * inv;
+        const uint32_t gw = *reinterpret_cast<const uint32_t*>(gate + col);
+        *reinterpret_cast<uint32_t*>(at + col) = pack_bf16x2(a0, a1);
+        *reinterpret_cast<uint32_t*>(o + col) =
+            pack_bf16x2(a0 * sigmoidf_(bf16x2_lo(gw)), a1 * sigmoidf_(bf16x2_hi(gw)));
+      }
+    }
+    if (c == 0) p.lse[row] = (m_run[r] + log2f(l)) * kLn2;
+  }
+}
+
 }  // namespace gdn::ops::attn

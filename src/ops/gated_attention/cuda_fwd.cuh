@@ -161,29 +161,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_fwd_kernel(const FwdParams p
   }
 
   // Epilogue: normalise, gate, write the rows inside the document.
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int t = r == 0 ? t0 : t1;
-    const float l = quad_sum(l_run[r]);
-    if (t >= q_end) continue;
-    const float inv = 1.0f / l;
-    const size_t row = static_cast<size_t>(t) * p.Hq + h;
-    const bf16_t* gate = p.qg + row * 2 * p.hd + p.hd;  // [hd]
-    bf16_t* at = p.attn + row * p.hd;                   // [hd]
-    bf16_t* o = p.o + row * p.hd;                       // [hd]
-#pragma unroll
-    for (int nt = 0; nt < HD / 8; ++nt) {
-      const int col = nt * 8 + 2 * c;
-      if (col < p.hd) {
-        const float a0 = acc[nt][2 * r] * inv, a1 = acc[nt][2 * r + 1] * inv;
-        const uint32_t gw = *reinterpret_cast<const uint32_t*>(gate + col);
-        *reinterpret_cast<uint32_t*>(at + col) = pack_bf16x2(a0, a1);
-        *reinterpret_cast<uint32_t*>(o + col) =
-            pack_bf16x2(a0 * sigmoidf_(bf16x2_lo(gw)), a1 * sigmoidf_(bf16x2_hi(gw)));
-      }
-    }
-    if (c == 0) p.lse[row] = (m_run[r] + log2f(l)) * kLn2;
-  }
+  fwd_epilogue<HD>(
+      p, [&](int nt, int e) { return acc[nt][e]; }, m_run, l_run, t0, t1, q_end, h, c);
 }
 
 }  // namespace gdn::ops::attn
