@@ -58,6 +58,47 @@ static_assert(fwd_pipe_smem_bytes<256>() <= 227 * 1024 && dq_pipe_smem_bytes<256
                   dkdv_pipe_smem_bytes<256>() <= 227 * 1024,
               "a kernel's shared memory exceeds the 227 KiB an sm_90 block may have");
 
+// One key tile of the forward's online softmax (attn_fwd_pipe_kernel and attn_fwd_tma_kernel):
+// x holds this thread's scores of the tile (m64nBN C layout: column k0 + 8 nt + 2c + (e & 1), row
+// t0 for e < 2, t1 otherwise); they are scaled into the log2 domain, masked causally when the tile
+// reaches past the block's first query (diag), and replaced by P = 2^(x - m); the running maxima m
+// and sums l move on, and alpha is each row's rescale factor 2^(m_old - m_new) for O.
+template <int BN>
+__device__ __forceinline__ void online_softmax_tile(float (&x)[BN / 2], float scale_log2, bool diag,
+                                                    int k0, int c, int t0, int t1,
+                                                    float (&m_run)[2], float (&l_run)[2],
+                                                    float (&alpha)[2]) {
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float v = x[4 * nt + e] * scale_log2;
+      const int u = k0 + nt * 8 + 2 * c + (e & 1);
+      if (diag && u > (e < 2 ? t0 : t1)) v = -INFINITY;
+      x[4 * nt + e] = v;
+      mx[e >> 1] = fmaxf(mx[e >> 1], v);
+    }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float m_new = fmaxf(m_run[r], quad_max(mx[r]));
+    // A row with no visible key yet keeps m = −inf; exponentiate against 0 then (all terms 0).
+    const float base = m_new == -INFINITY ? 0.f : m_new;
+    alpha[r] = ex2(m_run[r] - base);
+    m_run[r] = m_new;
+    mx[r] = base;
+  }
+  float sum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) {
+    const float pv = ex2(x[i] - mx[(i >> 1) & 1]);
+    x[i] = pv;
+    sum[(i >> 1) & 1] += pv;
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + sum[r];
+}
+
 // Forward. Iteration j (0 <= j < nk) issues S_j = Q K_jᵀ and then O += P_{j-1} V_{j-1} (j > 0)
 // as two wgmma groups, waits for the first, does the softmax of S_j while the second runs,
 // waits for it, rescales O to the new running max and keeps P_j (bf16 A fragments) for the next
@@ -156,37 +197,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_fwd_pipe_kernel(const FwdPar
     // Scale, causal mask (only tiles reaching past the first query), online softmax.
     // The scores live in x, not in s: s are the accumulators of this stage's first wgmma group,
     // and redefining them while the second group runs would serialize the groups (C7513).
-    const bool diag = k0 + BN - 1 > q0;
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float v = x[4 * nt + e] * p.scale_log2;
-        const int u = k0 + nt * 8 + 2 * c + (e & 1);
-        if (diag && u > (e < 2 ? t0 : t1)) v = -INFINITY;
-        x[4 * nt + e] = v;
-        mx[e >> 1] = fmaxf(mx[e >> 1], v);
-      }
     float alpha[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float m_new = fmaxf(m_run[r], quad_max(mx[r]));
-      // A row with no visible key yet keeps m = −inf; exponentiate against 0 then (all terms 0).
-      const float base = m_new == -INFINITY ? 0.f : m_new;
-      alpha[r] = ex2(m_run[r] - base);
-      m_run[r] = m_new;
-      mx[r] = base;
-    }
-    float sum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) {
-      const float pv = ex2(x[i] - mx[(i >> 1) & 1]);
-      x[i] = pv;
-      sum[(i >> 1) & 1] += pv;
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + sum[r];
+    online_softmax_tile<BN>(x, p.scale_log2, k0 + BN - 1 > q0, k0, c, t0, t1, m_run, l_run, alpha);
 
     // O += P_{jt-1} V_{jt-1} is done: O may be rescaled, pa rewritten. Unconditional (a no-op
     // at jt = 0): behind `if (jt > 0)` ptxas cannot tell that no group is pending on the other

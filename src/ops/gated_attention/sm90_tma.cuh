@@ -239,38 +239,9 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     take_acc(s, x);
     if (lane == 0) mbar_arrive(empty_k + (jt & 1));  // this warp is done with K_jt
 
-    // Scale, causal mask (only tiles reaching past the first query), online softmax; as in
-    // attn_fwd_pipe_kernel.
-    const bool diag = k0 + BN - 1 > q0;
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float v = x[4 * nt + e] * p.scale_log2;
-        const int u = k0 + nt * 8 + 2 * c + (e & 1);
-        if (diag && u > (e < 2 ? t0 : t1)) v = -INFINITY;
-        x[4 * nt + e] = v;
-        mx[e >> 1] = fmaxf(mx[e >> 1], v);
-      }
+    // Scale, causal mask (only tiles reaching past the first query), online softmax.
     float alpha[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float m_new = fmaxf(m_run[r], quad_max(mx[r]));
-      const float base = m_new == -INFINITY ? 0.f : m_new;
-      alpha[r] = ex2(m_run[r] - base);
-      m_run[r] = m_new;
-      mx[r] = base;
-    }
-    float sum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) {
-      const float pv = ex2(x[i] - mx[(i >> 1) & 1]);
-      x[i] = pv;
-      sum[(i >> 1) & 1] += pv;
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + sum[r];
+    online_softmax_tile<BN>(x, p.scale_log2, k0 + BN - 1 > q0, k0, c, t0, t1, m_run, l_run, alpha);
 
     wgmma_wait<0>();  // O += P_{jt-1} V_{jt-1} is done (unconditional: see sm90_pipe.cuh)
     reg_fence(acc);
