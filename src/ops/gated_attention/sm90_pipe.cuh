@@ -383,6 +383,69 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_pipe_kernel(const Bwd
   }
 }
 
+// The two products of one dk/dv item, shared by attn_bwd_dkdv_pipe_kernel and
+// attn_bwd_dkdv_tma_kernel (sm90_tma.cuh); BM = BN = kSmallTile, LN their tile layout.
+// First: Sᵀ = K Qᵀ (warpgroup 0) or dPᵀ = V dAᵀ (warpgroup 1), 64 keys x 64 queries, of the item
+// whose Q / dA tiles are Qi / Ai, into st as one wgmma group. Descriptors advance by adding to
+// their address field (bytes / 16): no carry can leave it, shared addresses are below 2^18.
+template <int BM, int HD, class LN>
+__device__ __forceinline__ void dkdv_first_product(float (&st)[BM / 2], int wg,
+                                                   const unsigned char* Kt, const unsigned char* Vt,
+                                                   const bf16_t* Qi, const bf16_t* Ai) {
+#pragma unroll
+  for (int i = 0; i < BM / 2; ++i) st[i] = 0.f;
+  reg_fence(st);
+  wgmma_fence();
+  const uint64_t da = LN::desc_k(wg == 0 ? Kt : Vt);
+  const uint64_t db = LN::desc_k(wg == 0 ? reinterpret_cast<const unsigned char*>(Qi)
+                                         : reinterpret_cast<const unsigned char*>(Ai));
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk)
+    wgmma_ss<BM, 0>(st, da + LN::k_step(kk), db + LN::k_step(kk), 1);
+  wgmma_commit();
+}
+
+// Second: from st, Pᵀ (warpgroup 0, handed to warpgroup 1 through P [BN·BM / 128][128] in
+// register order, on named barrier `bar`) or dSᵀ = Pᵀ ⊙ (dPᵀ − D) (warpgroup 1), as bf16 A
+// fragments pa; then dV += Pᵀ dA or dK += dSᵀ Q into acc, issued as one wgmma group (not waited
+// for). L, Dv: the item's lse·log2e and D; qs its first query; u0, u1 this thread's key rows.
+template <int BM, int BN, int HD, class LN>
+__device__ __forceinline__ void dkdv_second_product(float (&st)[BM / 2], float (&acc)[HD / 2],
+                                                    uint32_t (&pa)[BM / 16][4], int wg, int c,
+                                                    int wtid, int k0, int u0, int u1, int qs,
+                                                    float scale_log2, const bf16_t* Qi,
+                                                    const bf16_t* Ai, const float* L,
+                                                    const float* Dv, float* P, int bar) {
+  const unsigned char* Q = reinterpret_cast<const unsigned char*>(Qi);
+  const unsigned char* A = reinterpret_cast<const unsigned char*>(Ai);
+  const bool diag = k0 + BN - 1 > qs;  // some key of the tile lies after some query
+  if (wg == 0) {
+#pragma unroll
+    for (int i = 0; i < BM / 2; ++i) {
+      const int q = (i >> 2) * 8 + 2 * c + (i & 1);  // query column in the item
+      float x = st[i] * scale_log2 - L[q];
+      if (diag && ((i & 2) ? u1 : u0) > qs + q) x = -INFINITY;
+      st[i] = ex2(x);
+      P[i * 128 + wtid] = st[i];
+    }
+    named_bar_arrive(bar, kThreads);
+  } else {
+    named_bar_sync(bar, kThreads);
+#pragma unroll
+    for (int i = 0; i < BM / 2; ++i) {
+      const int q = (i >> 2) * 8 + 2 * c + (i & 1);
+      st[i] = P[i * 128 + wtid] * (st[i] - Dv[q]);
+    }
+  }
+  acc_to_a<BM>(st, pa);
+  const uint64_t db2 = LN::desc_mn(wg == 0 ? A : Q);
+  reg_fence_u(pa);
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < BM / 16; ++ks) wgmma_rs<HD, 1>(acc, pa[ks], db2 + LN::mn_step(ks), 1);
+  wgmma_commit();
+}
+
 // dk/dv. One block per (document, kSmallTile keys, kv head), walking the items (query head of the
 // group, 64-query tile) as cuda_bwd.cuh's kernel does, with Q, dA, lse and D of the next item
 // copied during the current one. Per item:
@@ -481,59 +544,15 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dkdv_pipe_kernel(const B
 #pragma unroll
   for (int i = 0; i < HD / 2; ++i) acc[i] = 0.f;
 
-  // Sᵀ = K Qᵀ (warpgroup 0) or dPᵀ = V dAᵀ (warpgroup 1), 64 keys x 64 queries, of the item in slot
-  // sb, as one wgmma group. Descriptors advance by adding to their address field (bytes / 16): no
-  // carry can leave it, shared addresses are below 2^18.
+  // The item in slot sb: its first product, then its second (dkdv_first/second_product).
   float st[BM / 2];
   auto issue_first = [&](int sb) {
-#pragma unroll
-    for (int i = 0; i < BM / 2; ++i) st[i] = 0.f;
-    reg_fence(st);
-    wgmma_fence();
-    const uint64_t da = LN::desc_k(wg == 0 ? Kt : Vt);
-    const uint64_t db =
-        LN::desc_k(wg == 0 ? reinterpret_cast<const unsigned char*>(sQ + sb * BM * HD)
-                           : reinterpret_cast<const unsigned char*>(sA + sb * BM * HD));
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk)
-      wgmma_ss<BM, 0>(st, da + LN::k_step(kk), db + LN::k_step(kk), 1);
-    wgmma_commit();
+    dkdv_first_product<BM, HD, LN>(st, wg, Kt, Vt, sQ + sb * BM * HD, sA + sb * BM * HD);
   };
-  // From st: Pᵀ (warpgroup 0, handed to warpgroup 1 through sP) or dSᵀ = Pᵀ ⊙ (dPᵀ − D) (warpgroup
-  // 1), as bf16 A fragments pa; then dV += Pᵀ dA or dK += dSᵀ Q of the item in slot sb, issued as
-  // one wgmma group (not waited for).
   auto issue_second = [&](int sb, int it, uint32_t(&pa)[BM / 16][4]) {
-    const unsigned char* Q = reinterpret_cast<const unsigned char*>(sQ + sb * BM * HD);
-    const unsigned char* A = reinterpret_cast<const unsigned char*>(sA + sb * BM * HD);
-    const float* L = sL + sb * BM;
-    const float* Dv = sD + sb * BM;
-    const int qs = d.b + (m_first + it % n_m) * BM;
-    const bool diag = k0 + BN - 1 > qs;  // some key of the tile lies after some query
-    if (wg == 0) {
-#pragma unroll
-      for (int i = 0; i < BM / 2; ++i) {
-        const int q = (i >> 2) * 8 + 2 * c + (i & 1);  // query column in the item
-        float x = st[i] * p.scale_log2 - L[q];
-        if (diag && ((i & 2) ? u1 : u0) > qs + q) x = -INFINITY;
-        st[i] = ex2(x);
-        sP[i * 128 + wtid] = st[i];
-      }
-      named_bar_arrive(kBarP, kThreads);
-    } else {
-      named_bar_sync(kBarP, kThreads);
-#pragma unroll
-      for (int i = 0; i < BM / 2; ++i) {
-        const int q = (i >> 2) * 8 + 2 * c + (i & 1);
-        st[i] = sP[i * 128 + wtid] * (st[i] - Dv[q]);
-      }
-    }
-    acc_to_a<BM>(st, pa);
-    const uint64_t db2 = LN::desc_mn(wg == 0 ? A : Q);
-    reg_fence_u(pa);
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < BM / 16; ++ks) wgmma_rs<HD, 1>(acc, pa[ks], db2 + LN::mn_step(ks), 1);
-    wgmma_commit();
+    dkdv_second_product<BM, BN, HD, LN>(
+        st, acc, pa, wg, c, wtid, k0, u0, u1, d.b + (m_first + it % n_m) * BM, p.scale_log2,
+        sQ + sb * BM * HD, sA + sb * BM * HD, sL + sb * BM, sD + sb * BM, sP, kBarP);
   };
 
   if constexpr (XI) {

@@ -384,54 +384,17 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
 #pragma unroll
   for (int i = 0; i < HD / 2; ++i) acc[i] = 0.f;
 
+  // The item in slot sb (dkdv_first/second_product, sm90_pipe.cuh); Pᵀ in slot sb's own buffer
+  // and named barrier 1 + sb, so item it+1's hand-over never waits for item it's readers.
   float st[BM / 2];
   auto issue_first = [&](int sb) {
-#pragma unroll
-    for (int i = 0; i < BM / 2; ++i) st[i] = 0.f;
-    reg_fence(st);
-    wgmma_fence();
-    const uint64_t da = LN::desc_k(wg == 0 ? Kt : Vt);
-    const uint64_t db =
-        LN::desc_k(wg == 0 ? reinterpret_cast<const unsigned char*>(sQ + sb * BM * HD)
-                           : reinterpret_cast<const unsigned char*>(sA + sb * BM * HD));
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk)
-      wgmma_ss<BM, 0>(st, da + LN::k_step(kk), db + LN::k_step(kk), 1);
-    wgmma_commit();
+    dkdv_first_product<BM, HD, LN>(st, wg, Kt, Vt, sQ + sb * BM * HD, sA + sb * BM * HD);
   };
   auto issue_second = [&](int sb, int it, uint32_t(&pa)[BM / 16][4]) {
-    const unsigned char* Q = reinterpret_cast<const unsigned char*>(sQ + sb * BM * HD);
-    const unsigned char* A = reinterpret_cast<const unsigned char*>(sA + sb * BM * HD);
-    const float* L = sL + sb * BM;
-    const float* Dv = sD + sb * BM;
-    float* P = sP + sb * BN * BM;
-    const int qs = d.b + (m_first + it % n_m) * BM;
-    const bool diag = k0 + BN - 1 > qs;  // some key of the tile lies after some query
-    if (wg == 0) {
-#pragma unroll
-      for (int i = 0; i < BM / 2; ++i) {
-        const int q = (i >> 2) * 8 + 2 * c + (i & 1);  // query column in the item
-        float x = st[i] * p.scale_log2 - L[q];
-        if (diag && ((i & 2) ? u1 : u0) > qs + q) x = -INFINITY;
-        st[i] = ex2(x);
-        P[i * 128 + wtid] = st[i];
-      }
-      named_bar_arrive(1 + sb, kThreads);
-    } else {
-      named_bar_sync(1 + sb, kThreads);
-#pragma unroll
-      for (int i = 0; i < BM / 2; ++i) {
-        const int q = (i >> 2) * 8 + 2 * c + (i & 1);
-        st[i] = P[i * 128 + wtid] * (st[i] - Dv[q]);
-      }
-    }
-    acc_to_a<BM>(st, pa);
-    const uint64_t db2 = LN::desc_mn(wg == 0 ? A : Q);
-    reg_fence_u(pa);
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < BM / 16; ++ks) wgmma_rs<HD, 1>(acc, pa[ks], db2 + LN::mn_step(ks), 1);
-    wgmma_commit();
+    dkdv_second_product<BM, BN, HD, LN>(st, acc, pa, wg, c, wtid, k0, u0, u1,
+                                        d.b + (m_first + it % n_m) * BM, p.scale_log2,
+                                        sQ + sb * BM * HD, sA + sb * BM * HD, sL + sb * BM,
+                                        sD + sb * BM, sP + sb * BN * BM, 1 + sb);
   };
 
   mbar_wait(full_kv, 0);
