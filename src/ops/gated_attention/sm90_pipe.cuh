@@ -99,6 +99,39 @@ __device__ __forceinline__ void online_softmax_tile(float (&x)[BN / 2], float sc
   for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + sum[r];
 }
 
+// Key tile jt of the forward (attn_fwd_pipe_kernel and attn_fwd_tma_kernel): S_jt = Q K_jtᵀ into
+// s, then (after the first tile, `pv`) O += P_{jt-1} V_{jt-1} from the A fragments pa, as two
+// wgmma groups; returns once S_jt is done, the second group possibly still running.
+template <int BN, int HD, class LB, class LN>
+__device__ __forceinline__ void fwd_tile_products(float (&s)[BN / 2], float (&acc)[HD / 2],
+                                                  uint32_t (&pa)[BN / 16][4],
+                                                  const unsigned char* qrows,
+                                                  const unsigned char* K, const unsigned char* Vp,
+                                                  bool pv) {
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
+  uint64_t vdesc[BN / 16];  // formed before the first wgmma of the stage (C7513)
+#pragma unroll
+  for (int ks = 0; ks < BN / 16; ++ks) vdesc[ks] = LN::desc_mn(Vp) + LN::mn_step(ks);
+  reg_fence(s);
+  reg_fence_u(pa);
+  reg_fence(acc);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk)
+    wgmma_ss<BN, 0>(s, LB::desc_k(qrows) + LB::k_step(kk), LN::desc_k(K) + LN::k_step(kk), 1);
+  wgmma_commit();
+  if (pv) {
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < BN / 16; ++ks) wgmma_rs<HD, 1>(acc, pa[ks], vdesc[ks], 1);
+    wgmma_commit();
+    wgmma_wait<1>();  // S_jt is done; P_{jt-1} V_{jt-1} may still run
+  } else {
+    wgmma_wait<0>();
+  }
+}
+
 // Forward. Iteration j (0 <= j < nk) issues S_j = Q K_jᵀ and then O += P_{j-1} V_{j-1} (j > 0)
 // as two wgmma groups, waits for the first, does the softmax of S_j while the second runs,
 // waits for it, rescales O to the new running max and keeps P_j (bf16 A fragments) for the next
@@ -169,28 +202,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_fwd_pipe_kernel(const FwdPar
     const unsigned char* K = reinterpret_cast<const unsigned char*>(sK + (jt & 1) * BN * HD);
     const int k0 = d.b + jt * BN;
     float s[BN / 2];
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
-    uint64_t vdesc[BN / 16];  // formed before the first wgmma of the stage (C7513)
-#pragma unroll
-    for (int ks = 0; ks < BN / 16; ++ks) vdesc[ks] = LN::desc_mn(Vp) + LN::mn_step(ks);
-    reg_fence(s);
-    reg_fence_u(pa);
-    reg_fence(acc);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk)
-      wgmma_ss<BN, 0>(s, LB::desc_k(qrows) + LB::k_step(kk), LN::desc_k(K) + LN::k_step(kk), 1);
-    wgmma_commit();
-    if (jt > 0) {
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < BN / 16; ++ks) wgmma_rs<HD, 1>(acc, pa[ks], vdesc[ks], 1);
-      wgmma_commit();
-      wgmma_wait<1>();  // S_jt is done; P_{jt-1} V_{jt-1} may still run
-    } else {
-      wgmma_wait<0>();
-    }
+    fwd_tile_products<BN, HD, LB, LN>(s, acc, pa, qrows, K, Vp, jt > 0);
     float x[BN / 2];
     take_acc(s, x);
 

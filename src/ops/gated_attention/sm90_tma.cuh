@@ -213,28 +213,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     const unsigned char* K = reinterpret_cast<const unsigned char*>(sK + (jt & 1) * BN * HD);
     const int k0 = d.b + jt * BN;
     float s[BN / 2];
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
-    uint64_t vdesc[BN / 16];  // formed before the first wgmma of the stage (C7513)
-#pragma unroll
-    for (int ks = 0; ks < BN / 16; ++ks) vdesc[ks] = LN::desc_mn(Vp) + LN::mn_step(ks);
-    reg_fence(s);
-    reg_fence_u(pa);
-    reg_fence(acc);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk)
-      wgmma_ss<BN, 0>(s, LB::desc_k(qrows) + LB::k_step(kk), LN::desc_k(K) + LN::k_step(kk), 1);
-    wgmma_commit();
-    if (jt > 0) {
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < BN / 16; ++ks) wgmma_rs<HD, 1>(acc, pa[ks], vdesc[ks], 1);
-      wgmma_commit();
-      wgmma_wait<1>();  // S_jt is done; P_{jt-1} V_{jt-1} may still run
-    } else {
-      wgmma_wait<0>();
-    }
+    fwd_tile_products<BN, HD, LB, LN>(s, acc, pa, qrows, K, Vp, jt > 0);
     float x[BN / 2];
     take_acc(s, x);
     if (lane == 0) mbar_arrive(empty_k + (jt & 1));  // this warp is done with K_jt
