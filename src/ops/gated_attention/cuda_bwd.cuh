@@ -139,19 +139,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_kernel(const BwdParam
     }
   }
 
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int t = r == 0 ? t0 : t1;
-    if (t >= q_end) continue;
-    float* out = p.dq_hat + (static_cast<size_t>(t) * p.Hq + h) * p.hd;  // [hd]
-#pragma unroll
-    for (int nt = 0; nt < HD / 8; ++nt) {
-      const int col = nt * 8 + 2 * c;
-      if (col < p.hd)
-        *reinterpret_cast<float2*>(out + col) =
-            make_float2(acc[nt][2 * r] * p.scale, acc[nt][2 * r + 1] * p.scale);
-    }
-  }
+  dq_epilogue<HD>(
+      p, [&](int nt, int e) { return acc[nt][e]; }, t0, t1, q_end, h, c);
 }
 
 // dk/dv kernel: one block per (document, kSmallTile keys, kv head). It walks items (query head h

@@ -241,4 +241,25 @@ __device__ __forceinline__ void fwd_epilogue(const FwdParams& p, const Acc& acc,
   }
 }
 
+// The dq kernels' epilogue (cuda_bwd.cuh, sm90_pipe.cuh, sm90_tma.cuh): dq_hat = scale · dQ for
+// this thread's two rows t0, t1 inside the document (t < q_end), fp32, columns < hd; acc(nt, e)
+// reads the dQ accumulator (m16n8 C layout, as in fwd_epilogue).
+template <int HD, class Acc>
+__device__ __forceinline__ void dq_epilogue(const BwdParams& p, const Acc& acc, int t0, int t1,
+                                            int q_end, int h, int c) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int t = r == 0 ? t0 : t1;
+    if (t >= q_end) continue;
+    float* out = p.dq_hat + (static_cast<size_t>(t) * p.Hq + h) * p.hd;  // [hd]
+#pragma unroll
+    for (int nt = 0; nt < HD / 8; ++nt) {
+      const int col = nt * 8 + 2 * c;
+      if (col < p.hd)
+        *reinterpret_cast<float2*>(out + col) =
+            make_float2(acc(nt, 2 * r) * p.scale, acc(nt, 2 * r + 1) * p.scale);
+    }
+  }
+}
+
 }  // namespace gdn::ops::attn

@@ -248,6 +248,38 @@ __global__ void __launch_bounds__(kThreads, 1) attn_fwd_pipe_kernel(const FwdPar
       p, [&](int nt, int e) { return acc[4 * nt + e]; }, m_run, l_run, t0, t1, q_end, h, c);
 }
 
+// One key tile of the dq kernels (attn_bwd_dq_pipe_kernel and attn_bwd_dq_tma_kernel), after
+// S = Q Kᵀ (s) and dP = dA Vᵀ (dp) are done: P = 2^(S·scale·log2e − lse·log2e) (masked causally
+// when the tile reaches past the first query, diag) and dS = P ⊙ (dP − D), in place of s; then
+// dQ += dS K into acc, waited for. lse2, Dr: this thread's two rows' lse·log2e and D.
+template <int BN, int HD, class LN>
+__device__ __forceinline__ void dq_tile_update(float (&s)[BN / 2], const float (&dp)[BN / 2],
+                                               float (&acc)[HD / 2], const unsigned char* K,
+                                               const float (&lse2)[2], const float (&Dr)[2],
+                                               float scale_log2, bool diag, int k0, int c, int t0,
+                                               int t1) {
+#pragma unroll
+  for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float x = s[4 * nt + e] * scale_log2 - lse2[e >> 1];
+      const int u = k0 + nt * 8 + 2 * c + (e & 1);
+      if (diag && u > (e < 2 ? t0 : t1)) x = -INFINITY;
+      s[4 * nt + e] = ex2(x) * (dp[4 * nt + e] - Dr[e >> 1]);
+    }
+  uint32_t pa[BN / 16][4];
+  acc_to_a<BN>(s, pa);
+  reg_fence_u(pa);
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < BN / 16; ++ks)
+    wgmma_rs<HD, 1>(acc, pa[ks], LN::desc_mn(K) + LN::mn_step(ks), 1);
+  wgmma_commit();
+  wgmma_wait<0>();
+  reg_fence(acc);
+  reg_fence_u(pa);
+}
+
 // dq. One block per (document, kBigTile query rows, query head), warpgroup w owning rows
 // 64w .. 64w+63 and their dQ accumulator. Per key step j (64 keys): S = Q Kᵀ (wgmma group 1),
 // [barrier: V_j visible] dP = dA Vᵀ (group 2), dS = P ⊙ (dP − D) in registers,
@@ -353,46 +385,13 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_pipe_kernel(const Bwd
     }
     cp_async_commit();  // {V_{jt+1}}
 
-    // P and dS = P ⊙ (dP − D), in place of s.
-    const bool diag = k0 + BN - 1 > q0;
-#pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[4 * nt + e] * p.scale_log2 - lse2[e >> 1];
-        const int u = k0 + nt * 8 + 2 * c + (e & 1);
-        if (diag && u > (e < 2 ? t0 : t1)) x = -INFINITY;
-        s[4 * nt + e] = ex2(x) * (dp[4 * nt + e] - Dr[e >> 1]);
-      }
-
-    // dQ += dS K
-    uint32_t pa[BN / 16][4];
-    acc_to_a<BN>(s, pa);
-    reg_fence_u(pa);
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < BN / 16; ++ks)
-      wgmma_rs<HD, 1>(acc, pa[ks], LN::desc_mn(K) + LN::mn_step(ks), 1);
-    wgmma_commit();
-    wgmma_wait<0>();
-    reg_fence(acc);
-    reg_fence_u(pa);
+    dq_tile_update<BN, HD, LN>(s, dp, acc, K, lse2, Dr, p.scale_log2, k0 + BN - 1 > q0, k0, c, t0,
+                               t1);
   }
   cp_async_wait<0>();  // no copy may outlive the block (the last groups are empty)
 
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int t = r == 0 ? t0 : t1;
-    if (t >= q_end) continue;
-    float* out = p.dq_hat + (static_cast<size_t>(t) * p.Hq + h) * p.hd;  // [hd]
-#pragma unroll
-    for (int nt = 0; nt < HD / 8; ++nt) {
-      const int col = nt * 8 + 2 * c;
-      if (col < p.hd)
-        *reinterpret_cast<float2*>(out + col) =
-            make_float2(acc[4 * nt + 2 * r] * p.scale, acc[4 * nt + 2 * r + 1] * p.scale);
-    }
-  }
+  dq_epilogue<HD>(
+      p, [&](int nt, int e) { return acc[4 * nt + e]; }, t0, t1, q_end, h, c);
 }
 
 // The two products of one dk/dv item, shared by attn_bwd_dkdv_pipe_kernel and

@@ -557,46 +557,13 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     reg_fence(dp);
     if (lane == 0) mbar_arrive(empty_v);  // this warp is done with V_jt
 
-    // P and dS = P ⊙ (dP − D), in place of s.
-    const bool diag = k0 + BN - 1 > q0;
-#pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[4 * nt + e] * p.scale_log2 - lse2[e >> 1];
-        const int u = k0 + nt * 8 + 2 * c + (e & 1);
-        if (diag && u > (e < 2 ? t0 : t1)) x = -INFINITY;
-        s[4 * nt + e] = ex2(x) * (dp[4 * nt + e] - Dr[e >> 1]);
-      }
-
-    // dQ += dS K
-    uint32_t pa[BN / 16][4];
-    acc_to_a<BN>(s, pa);
-    reg_fence_u(pa);
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < BN / 16; ++ks)
-      wgmma_rs<HD, 1>(acc, pa[ks], LN::desc_mn(K) + LN::mn_step(ks), 1);
-    wgmma_commit();
-    wgmma_wait<0>();
-    reg_fence(acc);
-    reg_fence_u(pa);
+    dq_tile_update<BN, HD, LN>(s, dp, acc, K, lse2, Dr, p.scale_log2, k0 + BN - 1 > q0, k0, c, t0,
+                               t1);
     if (lane == 0) mbar_arrive(empty_k + (jt & 1));  // this warp is done with K_jt
   }
 
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int t = r == 0 ? t0 : t1;
-    if (t >= q_end) continue;
-    float* out = p.dq_hat + (static_cast<size_t>(t) * p.Hq + h) * p.hd;  // [hd]
-#pragma unroll
-    for (int nt = 0; nt < HD / 8; ++nt) {
-      const int col = nt * 8 + 2 * c;
-      if (col < p.hd)
-        *reinterpret_cast<float2*>(out + col) =
-            make_float2(acc[4 * nt + 2 * r] * p.scale, acc[4 * nt + 2 * r + 1] * p.scale);
-    }
-  }
+  dq_epilogue<HD>(
+      p, [&](int nt, int e) { return acc[4 * nt + e]; }, t0, t1, q_end, h, c);
 }
 
 }  // namespace gdn::ops::attn
