@@ -11,6 +11,7 @@
 
 #include "gdn/backend/cuda_check.h"
 #include "gdn/core/error.h"
+#include "ops/gated_attention/launch_hd.cuh"
 #include "ops/gated_attention/sm90_tma.cuh"
 
 namespace gdn::ops::attn {
@@ -51,37 +52,13 @@ CUtensorMap head_map(const bf16_t* base, int T, int heads, int hd, int rows, int
   return m;
 }
 
-// Launches kernel_of(hd)<<<blocks, kTmaThreads, smem_of(hd)>>>(p, maps) for hd = hd_class (see
-// launch_hd.cuh's launch_hd_class, which this follows).
+// Launches kernel_of(hd)<<<blocks, kTmaThreads, smem_of(hd)>>>(p, maps) for hd = hd_class
+// (launch_hd.cuh).
 template <class Params, class Maps, class KernelOf, class SmemOf>
 void launch_tma_hd_class(const Params& p, const Maps& maps, int hd_class, unsigned blocks,
                          cudaStream_t stream, const char* what, KernelOf kernel_of,
                          SmemOf smem_of) {
-  auto go = [&](auto hd) {
-    const auto kernel = kernel_of(hd);
-    const size_t smem = smem_of(hd);
-    static const bool opted_in = [&] {
-      GDN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(smem)));
-      return true;
-    }();
-    (void)opted_in;
-    kernel<<<blocks, kTmaThreads, smem, stream>>>(p, maps);
-    GDN_CUDA_LAUNCH_CHECK(what);
-  };
-  switch (hd_class) {
-    case 64:
-      go(std::integral_constant<int, 64>{});
-      break;
-    case 128:
-      go(std::integral_constant<int, 128>{});
-      break;
-    case 256:
-      go(std::integral_constant<int, 256>{});
-      break;
-    default:
-      GDN_FAIL("gated_attention (cuda.tma): internal: no {} for head-dim class {}", what, hd_class);
-  }
+  launch_hd_class_with(hd_class, blocks, kTmaThreads, stream, what, kernel_of, smem_of, p, maps);
 }
 
 }  // namespace
