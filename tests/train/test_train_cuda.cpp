@@ -78,8 +78,8 @@ TEST(TrainCuda, TracksTheCpuRunFromTheSameInitialisation) {
   // unrounded run has not reached by step 200 (-81% at steps 181-200). The GPU rounds activations
   // and its weight copy to bf16 at every step, so its distance from the CPU run grows the same way
   // (seen 2026-11-29: 3.0% to 6.4% at steps 41-100), and that is chaos, not a defect. Steps 1-20
-  // must agree to 0.5% (seen: 0.02%, and -0.01% in session 6's run J); steps 21-40 to 3%: they
-  // were 0.05% in session 5 and 1.52% in run J (commit 3994692), after changes that only move
+  // must agree to 0.5% (seen: 0.02%, and -0.01% in docs/PERF.md run 18); steps 21-40 to 3%: they
+  // were 0.05% in session 5 and 1.52% in run 18 (commit 3994692), after changes that only move
   // last bits (the compute copy rounds exact ties away from zero with split masters, and the
   // norms' weight-gradient sums run in another order), which is about twice the CPU's own 0.7%
   // from one bf16 rounding of the weights. Past step 40 both runs must keep learning.

@@ -135,7 +135,7 @@ __device__ __forceinline__ void split2(float a, float b, uint32_t& hi, uint32_t&
 // load4 returns the raw 16-byte group and value4 turns it into the four fp32 values: the unit
 // issues every load of a thread before the first value4 (a join right after its own load stalled
 // the warp there, one group in flight, in the split path's SASS: adamw.step_split at 0.71 of copy
-// in run J against the F32 step's 0.94).
+// against the F32 step's 0.94, docs/PERF.md run 18; the reordered version has not run yet).
 struct F32Master {
   using Raw = float4;
   float* p;    // [n]

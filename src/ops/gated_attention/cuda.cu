@@ -66,7 +66,8 @@
 // forward + backward 4.56 ms (four documents of 2048: 2.00 -> 1.65 ms). torch SDPA in the same
 // machine session: 4.54 / 1.55 ms forward + backward (cuda_bench_ops --peers; with cuda.tma_kv, the
 // TMA forward and dk/dv only, that bench measured 5.115 ms against SDPA's 4.738 in one process,
-// 1.08x, four documents 1.729 vs 1.568, 1.10x, from 1.31x / 1.29x with cuda.pipe_xi). In the
+// 1.08x, four documents 1.729 vs 1.568, 1.10x, from 1.31x / 1.29x with cuda.pipe_xi; merged, with
+// cuda.tma_all, docs/PERF.md run 18: 4.812 vs 4.597 ms, 1.047x, and 1.643 vs 1.546, 1.063x). In the
 // cp.async kernels a third of dk/dv's stall cycles were at the two block barriers per item (Nsight
 // Compute; 30% L2, 39% SM): every thread spent issue slots and registers on copies, and the
 // warpgroups waited for each other at every step. What remains, in order of size:
