@@ -5,7 +5,8 @@
 # machine without a GPU: what cannot be re-run on the device can still be shown to be the same code.
 #
 #   scripts/sass_diff.sh OLD_REV src/ops/<op>/<file>.cu [NEW_REV]   (NEW_REV: the working tree)
-# SASS_DIFF_SHOW=N also prints the first N lines of each differing kernel's unified diff.
+# SASS_DIFF_SHOW=N also prints the first N lines of each differing kernel's unified diff;
+# SASS_DIFF_RENAMED="OLD=NEW,..." compares kernels the change renamed (name substrings).
 #
 # Needs a configured cuda preset (cmake --preset cuda) and cuobjdump (CUOBJDUMP, default: on PATH
 # or in the CUDA toolkit's bin). Exit status 0 when the instructions are identical, 1 when they
@@ -50,7 +51,7 @@ sass "$NEWROOT" "$WORK/new.txt" || exit 2
 echo "$FILE: $OLD $(grep -c 'Function' "$WORK/old.txt") kernels, ${NEW:-working tree} $(grep -c 'Function' "$WORK/new.txt") kernels"
 # Kernel by kernel, matched by name: the anonymous namespace's per-compilation hash is dropped from
 # the names, and kernels only one side has (added or removed code) are listed, not diffed.
-python3 - "$WORK/old.txt" "$WORK/new.txt" "${SASS_DIFF_SHOW:-}" <<'PY'
+python3 - "$WORK/old.txt" "$WORK/new.txt" "${SASS_DIFF_SHOW:-}" "${SASS_DIFF_RENAMED:-}" <<'PY'
 import re, sys
 def kernels(path):
     out, name = {}, None
@@ -66,6 +67,15 @@ def kernels(path):
     return out
 old, new = kernels(sys.argv[1]), kernels(sys.argv[2])
 show = int(sys.argv[3]) if len(sys.argv) > 3 and sys.argv[3] else 0
+# SASS_DIFF_RENAMED="OLD_SUBSTRING=NEW_SUBSTRING,...": a kernel renamed by the change is compared
+# under its old name (the first old kernel containing OLD_SUBSTRING, the first new one NEW_...).
+for pair in filter(None, (sys.argv[4] if len(sys.argv) > 4 else "").split(",")):
+    a, b = pair.split("=", 1)
+    ko = next((k for k in sorted(old) if a in k), None)
+    kn = next((k for k in sorted(new) if b in k and k not in old), None)
+    if ko is not None and kn is not None:
+        print(f"renamed: {kn} compared as {ko}")
+        new[ko] = new.pop(kn)
 only_old = sorted(set(old) - set(new)); only_new = sorted(set(new) - set(old))
 differ = sorted(k for k in set(old) & set(new) if old[k] != new[k])
 same = len(set(old) & set(new)) - len(differ)

@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "backend/cuda/vec.cuh"
+#include "gdn/backend/cuda_check.h"
 
 namespace gdn::cuda {
 
@@ -83,12 +84,31 @@ __device__ __forceinline__ float group_allreduce_sum(float v, int tpr, float* re
   return s;
 }
 
+// Programmatic dependent launch (sm_90): a kernel launched with programmatic stream serialisation
+// may have its blocks created while the previous kernel in the stream (the primary) still runs;
+// pdl_wait (griddepcontrol.wait) returns once the primary grid has completed and its memory is
+// visible, and the primary's pdl_launch_dependents lets the dependent's blocks be created early
+// (without it they are created as the primary's blocks end). Without the launch attribute the wait
+// returns at once. Used by embedding cuda.v2* (the dW kernel after the ranks) and by the norms' dw
+// sum (launch_column_sum_add_pdl).
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // out[col] += sum over p < P of partial[p, col], in a fixed order: kSlices slices of p per column
-// (each in increasing p), then the slice sums in slice order. Block 256 threads = 32 columns x
-// 8 slices; grid (ceil(D / 32), planes). Plane 1 (blockIdx.y = 1, when out1 is given) sums
-// partial[P + p, col] into out1: two [P, D] partial sets reduced in one launch. Template only so
-// that the header can define it.
-template <int kSlices = 8>
+// (each in increasing p), then the slice sums in slice order. Block 32 x kSlices threads = 32
+// columns x kSlices slices; grid (ceil(D / 32), planes). Plane 1 (blockIdx.y = 1, when out1 is
+// given) sums partial[P + p, col] into out1: two [P, D] partial sets reduced in one launch. kPdl:
+// launched as a programmatic dependent of the kernel writing the partials (waits for it first;
+// launch_column_sum_add_pdl). Template only so that the header can define it.
+template <int kSlices = 8, bool kPdl = false>
 __global__ void __launch_bounds__(32 * kSlices)
     column_sum_add_kernel(const float* __restrict__ partial,                   // [planes, P, D]
                           float* __restrict__ out,                             // [D]
@@ -96,7 +116,9 @@ __global__ void __launch_bounds__(32 * kSlices)
   __shared__ float s[kSlices][33];
   const int tx = static_cast<int>(threadIdx.x) & 31, ty = static_cast<int>(threadIdx.x) >> 5;
   const int col = static_cast<int>(blockIdx.x) * 32 + tx;
-  const float* src = partial + static_cast<int64_t>(blockIdx.y) * P * D;
+  if constexpr (kPdl) pdl_wait();  // the partial rows of the primary grid
+  // One plane only with kPdl (its launcher's grid).
+  const float* src = kPdl ? partial : partial + static_cast<int64_t>(blockIdx.y) * P * D;
   float acc = 0.f;
   if (col < D) {
 #pragma unroll 8
@@ -108,8 +130,34 @@ __global__ void __launch_bounds__(32 * kSlices)
     float t = 0.f;
 #pragma unroll
     for (int j = 0; j < kSlices; ++j) t += s[j][tx];
-    (blockIdx.y == 0 ? out : out1)[col] += t;
+    (kPdl || blockIdx.y == 0 ? out : out1)[col] += t;
   }
+}
+
+// The norm backwards' dw sum (rmsnorm cuda.bulkp2, gated_rmsnorm cuda.rowwise_pf) as a
+// programmatic dependent of the kernel that wrote the partials, on `s`: its blocks sit on the
+// multiprocessors the main kernel's blocks have left and start the moment the last one ends,
+// instead of after a drain and a launch (0-2 µs of a ~62 µs backward in helper mem7's
+// same-process A/B on the H200, session 6). 32 slices a column (1024 threads a block): about 4
+// loads a thread at P = 132, all issued before their first use. The main kernel should call
+// pdl_launch_dependents() early.
+// (A template only so that a unit instantiates the kernel when it calls this.)
+template <int kSlices = 32>
+void launch_column_sum_add_pdl(const float* partial, float* out, int P, int D, cudaStream_t s) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>((D + 31) / 32));
+  cfg.blockDim = dim3(32 * kSlices);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  float* no_second_plane = nullptr;
+  GDN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, column_sum_add_kernel<kSlices, true>, partial, out, P, D,
+                                    no_second_plane));
+  GDN_CUDA_LAUNCH_CHECK("column_sum_add_kernel (programmatic dependent)");
 }
 
 // --- elementwise -------------------------------------------------------------------------------

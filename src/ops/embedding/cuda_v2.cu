@@ -80,19 +80,9 @@ constexpr int kGroups = 2;   // column groups per thread, kDwThreads * V apart
 constexpr int kBatch = 2;    // positions whose loads are issued together
 constexpr int kMaxWin = 64;  // window sizes accepted (shared-memory staging arrays)
 
-// Programmatic dependent launch (sm_90): the dependent kernel's blocks may start before the
-// primary grid ends; griddepcontrol.wait returns once the primary grids have completed and their
-// memory is visible. Without the launch attribute the wait returns at once.
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
+// Programmatic dependent launch (memory_bound.cuh): the dW kernel waits for the ranks.
+using cuda::pdl_launch_dependents;
+using cuda::pdl_wait;
 
 // --- step 1: ranks ---------------------------------------------------------------------------
 

@@ -17,8 +17,9 @@
 // contributions go to fp32 sums in shared memory private to it; the row groups of a block are
 // summed in group order, each block writes one fp32 partial row to scratch, and
 // column_sum_add_kernel adds the partial rows to dw in a fixed order (cuda.rowwise_pf, the
-// default: column_sum_add_pdl_kernel, a programmatic dependent, rmsnorm/cuda_colsum.cuh). No float
-// atomics: dw depends only on the shapes and the device's multiprocessor count (the grid size).
+// default: column_sum_add_kernel as a programmatic dependent, launch_column_sum_add_pdl in
+// memory_bound.cuh). No float atomics: dw depends only on the shapes and the device's
+// multiprocessor count (the grid size).
 //
 // Bytes moved (the floor): forward x, z, w, y, rstd; backward x, z, w, rstd, dy, dx, dz and dw read
 // and written; plus the partial rows (grid x D fp32, ~0.1 MB at D = 128).
@@ -30,7 +31,6 @@
 #include "gdn/backend/cuda_check.h"
 #include "gdn/backend/registry.h"
 #include "ops/gated_rmsnorm/op.h"
-#include "ops/rmsnorm/cuda_colsum.cuh"
 
 namespace gdn::ops {
 
@@ -259,7 +259,7 @@ __global__ void __launch_bounds__(kBlock, 2)
       }
     }
   };
-  if constexpr (kWarpRows) norm_pdl::pdl_launch_dependents();
+  if constexpr (kWarpRows) cuda::pdl_launch_dependents();
   fetch(base0 + gi);
   if constexpr (kPf > 0)
     for (int j = 2; j <= kPf; ++j) prefetch(base0 + gi + (j - 1) * stride);
@@ -390,7 +390,7 @@ void forward(const GatedRmsNormFwd& a) {
 }
 
 // kFast (cuda.rowwise_pf): rows dealt to warps when tpr <= 32 (see the kernel) and the dw sum as a
-// programmatic dependent (rmsnorm/cuda_colsum.cuh).
+// programmatic dependent (launch_column_sum_add_pdl, memory_bound.cuh).
 template <bool kFast, int kPf = 0>
 void backward(const GatedRmsNormBwd& a) {
   const int64_t R = a.x.size(0), D = a.x.size(1);
@@ -430,7 +430,7 @@ void backward(const GatedRmsNormBwd& a) {
                                     l.tpr);
   GDN_CUDA_LAUNCH_CHECK("gated_rmsnorm_bwd_kernel");
   if (warp_rows) {
-    norm_pdl::launch_column_sum_add_pdl(partial, dw, grid, static_cast<int>(D), s);
+    cuda::launch_column_sum_add_pdl(partial, dw, grid, static_cast<int>(D), s);
   } else {
     cuda::column_sum_add_kernel<><<<static_cast<unsigned>((D + 31) / 32), 256, 0, s>>>(
         partial, dw, grid, static_cast<int>(D));

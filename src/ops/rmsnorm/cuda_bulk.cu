@@ -43,8 +43,8 @@
 // dx with 16-byte global stores and dw += dy * xhat in registers.
 // dw: at the end each group writes its sums to shared memory (the ring, now idle), the block adds
 // the groups in group order into one fp32 partial row per block, and column_sum_add_kernel
-// (memory_bound.cuh; cuda.bulkp2: column_sum_add_pdl_kernel, cuda_colsum.cuh, launched as a
-// programmatic dependent that waits on the multiprocessors this kernel's blocks leave) sums the
+// (memory_bound.cuh; cuda.bulkp2: its 32-slice form through launch_column_sum_add_pdl, launched as
+// a programmatic dependent that waits on the multiprocessors this kernel's blocks leave) sums the
 // partial rows in a fixed order into dw. No float atomics: the result depends only on the shapes
 // and the device's multiprocessor count.
 //
@@ -74,7 +74,6 @@
 #include "gdn/backend/cuda_check.h"
 #include "gdn/backend/cuda_context.h"
 #include "gdn/backend/registry.h"
-#include "ops/rmsnorm/cuda_colsum.cuh"
 #include "ops/rmsnorm/op.h"
 
 namespace gdn::ops {
@@ -161,9 +160,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     cuda::mbar_init_fence();
   }
   __syncthreads();
-  // A dw sum launched as a programmatic dependent (cuda_colsum.cuh) may be created now; it waits
+  // A dw sum launched as a programmatic dependent (memory_bound.cuh) may be created now; it waits
   // for this grid's end. No effect on an ordinary launch after this kernel.
-  norm_pdl::pdl_launch_dependents();
+  cuda::pdl_launch_dependents();
 
   // Requests iteration i's row into slot s = i % stages (producer only; i < n).
   auto request = [&](int64_t i, int s) {
@@ -337,8 +336,8 @@ bool covered(const RmsNormBwd& a) {
 
 void forward(const RmsNormFwd& a) { rowwise().forward(a); }
 
-// kPdl: the dw sum as a programmatic dependent (cuda_colsum.cuh) instead of a plain second
-// launch; kFlags: kEarly (kernel) and kTwoStages.
+// kPdl: the dw sum as a programmatic dependent (launch_column_sum_add_pdl, memory_bound.cuh)
+// instead of a plain second launch; kFlags: kEarly (kernel) and kTwoStages.
 template <bool kPdl, int kFlags>
 void backward(const RmsNormBwd& a) {
   const int64_t R = a.x.size(0), D = a.x.size(1);
@@ -375,7 +374,7 @@ void backward(const RmsNormBwd& a) {
       x, w, rstd, dy, dx, partial, R, static_cast<int>(D), tpr, stages, shift, kFlags);
   GDN_CUDA_LAUNCH_CHECK("rmsnorm_bulk_bwd_kernel");
   if constexpr (kPdl) {
-    norm_pdl::launch_column_sum_add_pdl(partial, dw, grid, static_cast<int>(D), s);
+    cuda::launch_column_sum_add_pdl(partial, dw, grid, static_cast<int>(D), s);
   } else {
     cuda::column_sum_add_kernel<><<<static_cast<unsigned>((D + 31) / 32), 256, 0, s>>>(
         partial, dw, grid, static_cast<int>(D));
