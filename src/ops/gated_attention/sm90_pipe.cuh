@@ -457,6 +457,33 @@ __device__ __forceinline__ void dkdv_second_product(float (&st)[BM / 2], float (
   wgmma_commit();
 }
 
+// The wgmma / TMA dk/dv kernels' epilogue: warpgroup 0 writes dv (bf16) from its dV accumulator,
+// warpgroup 1 dk_hat = scale · dK (fp32 scratch), for this thread's key rows u0, u1 inside the
+// document (u < k_end) of kv head j.
+template <int HD>
+__device__ __forceinline__ void dkdv_epilogue(const BwdParams& p, const float (&acc)[HD / 2],
+                                              int wg, int u0, int u1, int k_end, int j, int c) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int u = r == 0 ? u0 : u1;
+    if (u >= k_end) continue;
+    const size_t row = static_cast<size_t>(u) * p.Hkv + j;
+#pragma unroll
+    for (int nt = 0; nt < HD / 8; ++nt) {
+      const int col = nt * 8 + 2 * c;
+      if (col < p.hd) {
+        if (wg == 0) {
+          *reinterpret_cast<uint32_t*>(p.dv + row * p.hd + col) =
+              pack_bf16x2(acc[4 * nt + 2 * r], acc[4 * nt + 2 * r + 1]);
+        } else {
+          *reinterpret_cast<float2*>(p.dk_hat + row * p.hd + col) =
+              make_float2(acc[4 * nt + 2 * r] * p.scale, acc[4 * nt + 2 * r + 1] * p.scale);
+        }
+      }
+    }
+  }
+}
+
 // dk/dv. One block per (document, kSmallTile keys, kv head), walking the items (query head of the
 // group, 64-query tile) as cuda_bwd.cuh's kernel does, with Q, dA, lse and D of the next item
 // copied during the current one. Per item:
@@ -637,25 +664,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dkdv_pipe_kernel(const B
     }
   }
 
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int u = r == 0 ? u0 : u1;
-    if (u >= k_end) continue;
-    const size_t row = static_cast<size_t>(u) * p.Hkv + j;
-#pragma unroll
-    for (int nt = 0; nt < HD / 8; ++nt) {
-      const int col = nt * 8 + 2 * c;
-      if (col < p.hd) {
-        if (wg == 0) {
-          *reinterpret_cast<uint32_t*>(p.dv + row * p.hd + col) =
-              pack_bf16x2(acc[4 * nt + 2 * r], acc[4 * nt + 2 * r + 1]);
-        } else {
-          *reinterpret_cast<float2*>(p.dk_hat + row * p.hd + col) =
-              make_float2(acc[4 * nt + 2 * r] * p.scale, acc[4 * nt + 2 * r + 1] * p.scale);
-        }
-      }
-    }
-  }
+  dkdv_epilogue<HD>(p, acc, wg, u0, u1, k_end, j, c);
 }
 
 }  // namespace gdn::ops::attn

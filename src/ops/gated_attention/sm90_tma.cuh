@@ -402,25 +402,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     }
   }
 
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int u = r == 0 ? u0 : u1;
-    if (u >= k_end) continue;
-    const size_t row = static_cast<size_t>(u) * p.Hkv + j;
-#pragma unroll
-    for (int nt = 0; nt < HD / 8; ++nt) {
-      const int col = nt * 8 + 2 * c;
-      if (col < p.hd) {
-        if (wg == 0) {
-          *reinterpret_cast<uint32_t*>(p.dv + row * p.hd + col) =
-              pack_bf16x2(acc[4 * nt + 2 * r], acc[4 * nt + 2 * r + 1]);
-        } else {
-          *reinterpret_cast<float2*>(p.dk_hat + row * p.hd + col) =
-              make_float2(acc[4 * nt + 2 * r] * p.scale, acc[4 * nt + 2 * r + 1] * p.scale);
-        }
-      }
-    }
-  }
+  dkdv_epilogue<HD>(p, acc, wg, u0, u1, k_end, j, c);
 }
 
 // The dq kernel's tensor maps: q_hat and dA [T, Hq, ·] in boxes of kBigTile rows, k_hat and v
