@@ -170,6 +170,34 @@ __device__ __forceinline__ int find_doc(const int32_t* ts, int N, int tile) {
   return lo;
 }
 
+// The query tile of a forward or dq block (cuda_fwd.cuh, cuda_bwd.cuh, sm90_pipe.cuh,
+// sm90_tma.cuh): block -> (query head h, tile), heads fastest (the heads of a kv group run side by
+// side and share K/V through L2), tiles in reverse order so the last (longest) tiles start first;
+// tiles of BM queries from each document's start (p.ts: the documents' first tile numbers).
+// False when the block has no tile (the grid covers the worst case; inconsistent cu_seqlens).
+// j: the kv head, q0 .. q_end: the tile's queries, nk: the key tiles of BN keys in [d.b, q_end).
+struct QueryTile {
+  int h, j, q0, q_end, nk;
+  Doc d;
+};
+template <int BM, int BN, class Params>
+__device__ __forceinline__ bool query_tile(const Params& p, QueryTile& t) {
+  t.h = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.Hq));
+  const int rev = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.Hq));
+  const int total = p.ts[p.N];
+  if (rev >= total) return false;
+  const int tile = total - 1 - rev;
+  const int n = find_doc(p.ts, p.N, tile);
+  t.d = doc_bounds(p.cu, n, p.T);
+  const int64_t q0l = t.d.b + static_cast<int64_t>(tile - p.ts[n]) * BM;
+  if (q0l >= t.d.e) return false;
+  t.q0 = static_cast<int>(q0l);
+  t.q_end = imin(t.q0 + BM, t.d.e);
+  t.j = t.h / p.group;
+  t.nk = (t.q_end - t.d.b + BN - 1) / BN;
+  return true;
+}
+
 // Position of token t in its document: t minus the start of the last document starting at or
 // before t (empty documents share that start). Never negative.
 __device__ __forceinline__ int position_of(const int32_t* cu, int N, int T, int t) {

@@ -148,18 +148,10 @@ __global__ void __launch_bounds__(kThreads, 1) attn_fwd_pipe_kernel(const FwdPar
   bf16_t* sV = sK + 2 * BN * HD;                          // [2][BN x HD]
 
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-  const int h = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.Hq));
-  const int rev = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.Hq));
-  const int total = p.ts[p.N];
-  if (rev >= total) return;
-  const int tile = total - 1 - rev;  // longest tiles first
-  const int n = find_doc(p.ts, p.N, tile);
-  const Doc d = doc_bounds(p.cu, n, p.T);
-  const int64_t q0l = d.b + static_cast<int64_t>(tile - p.ts[n]) * BM;
-  if (q0l >= d.e) return;
-  const int q0 = static_cast<int>(q0l), q_end = imin(q0 + BM, d.e);
-  const int j = h / p.group;
-  const int nk = (q_end - d.b + BN - 1) / BN;  // key tiles [d.b, q_end)
+  QueryTile qt;  // block -> (query head, tile), longest tiles first
+  if (!query_tile<BM, BN>(p, qt)) return;
+  const int h = qt.h, j = qt.j, q0 = qt.q0, q_end = qt.q_end, nk = qt.nk;
+  const Doc d = qt.d;
 
   const size_t ldq = static_cast<size_t>(p.Hq) * p.hd, ldkv = static_cast<size_t>(p.Hkv) * p.hd;
   const bf16_t* gQ = p.q_hat + static_cast<size_t>(h) * p.hd;  // row t at + t·ldq
@@ -297,18 +289,10 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_pipe_kernel(const Bwd
   bf16_t* sKV = sA + BM * HD;                             // [3][BN x HD]: K, K, V
 
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-  const int h = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.Hq));
-  const int rev = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.Hq));
-  const int total = p.ts[p.N];
-  if (rev >= total) return;
-  const int tile = total - 1 - rev;  // longest tiles first
-  const int n = find_doc(p.ts, p.N, tile);
-  const Doc d = doc_bounds(p.cu, n, p.T);
-  const int64_t q0l = d.b + static_cast<int64_t>(tile - p.ts[n]) * BM;
-  if (q0l >= d.e) return;
-  const int q0 = static_cast<int>(q0l), q_end = imin(q0 + BM, d.e);
-  const int j = h / p.group;
-  const int nk = (q_end - d.b + BN - 1) / BN;
+  QueryTile qt;  // block -> (query head, tile), longest tiles first
+  if (!query_tile<BM, BN>(p, qt)) return;
+  const int h = qt.h, j = qt.j, q0 = qt.q0, q_end = qt.q_end, nk = qt.nk;
+  const Doc d = qt.d;
 
   const size_t ldq = static_cast<size_t>(p.Hq) * p.hd, ldkv = static_cast<size_t>(p.Hkv) * p.hd;
   const size_t lda = static_cast<size_t>(p.Hq) * p.a_stride;      // row stride of dA

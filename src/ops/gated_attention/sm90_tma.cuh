@@ -147,18 +147,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   uint64_t* empty_v = bars + 7;  // [2] V slot read by every consumer warp
 
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-  const int h = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.Hq));
-  const int rev = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.Hq));
-  const int total = p.ts[p.N];
-  if (rev >= total) return;
-  const int tile = total - 1 - rev;  // longest tiles first
-  const int n = find_doc(p.ts, p.N, tile);
-  const Doc d = doc_bounds(p.cu, n, p.T);
-  const int64_t q0l = d.b + static_cast<int64_t>(tile - p.ts[n]) * BM;
-  if (q0l >= d.e) return;
-  const int q0 = static_cast<int>(q0l), q_end = imin(q0 + BM, d.e);
-  const int j = h / p.group;
-  const int nk = (q_end - d.b + BN - 1) / BN;  // key tiles [d.b, q_end)
+  QueryTile qt;  // block -> (query head, tile), longest tiles first
+  if (!query_tile<BM, BN>(p, qt)) return;
+  const int h = qt.h, j = qt.j, q0 = qt.q0, q_end = qt.q_end, nk = qt.nk;
+  const Doc d = qt.d;
 
   if (tid == 0) {
     mbar_init(full_q, 1);
@@ -443,18 +435,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   uint64_t* empty_v = full_qa + 6;
 
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-  const int h = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.Hq));
-  const int rev = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.Hq));
-  const int total = p.ts[p.N];
-  if (rev >= total) return;
-  const int tile = total - 1 - rev;  // longest tiles first
-  const int n = find_doc(p.ts, p.N, tile);
-  const Doc d = doc_bounds(p.cu, n, p.T);
-  const int64_t q0l = d.b + static_cast<int64_t>(tile - p.ts[n]) * BM;
-  if (q0l >= d.e) return;
-  const int q0 = static_cast<int>(q0l), q_end = imin(q0 + BM, d.e);
-  const int j = h / p.group;
-  const int nk = (q_end - d.b + BN - 1) / BN;
+  QueryTile qt;  // block -> (query head, tile), longest tiles first
+  if (!query_tile<BM, BN>(p, qt)) return;
+  const int h = qt.h, j = qt.j, q0 = qt.q0, q_end = qt.q_end, nk = qt.nk;
+  const Doc d = qt.d;
 
   if (tid == 0) {
     mbar_init(full_qa, 1);
