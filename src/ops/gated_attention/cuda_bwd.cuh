@@ -158,21 +158,11 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dkdv_kernel(const BwdPar
   float* sD = sL + 2 * BM;                               // [2][BM] D
 
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-  // Block -> (kv head, key tile): tiles in natural order, the first key tiles of a document (seen
-  // by every later query, the longest walks) start first.
-  const int j = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.Hkv));
-  const int tile = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.Hkv));
-  const int total = p.ts[p.N];
-  if (tile >= total) return;
-  const int n = find_doc(p.ts, p.N, tile);
-  const Doc d = doc_bounds(p.cu, n, p.T);
-  const int64_t k0l = d.b + static_cast<int64_t>(tile - p.ts[n]) * BN;
-  if (k0l >= d.e) return;
-  const int k0 = static_cast<int>(k0l), k_end = imin(k0 + BN, d.e);
-  // Query tiles are aligned to the document start like the key tiles (BM == BN): tile m_first
-  // holds the key tile's own tokens, every later one sees all of its keys.
-  const int m_first = (k0 - d.b) / BM, n_m = (d.e - d.b + BM - 1) / BM - m_first;
-  const int n_items = p.group * n_m;
+  KeyTile kt;  // block -> (kv head, key tile)
+  if (!key_tile<BM, BN>(p, kt)) return;
+  const int j = kt.j, k0 = kt.k0, k_end = kt.k_end, m_first = kt.m_first, n_m = kt.n_m,
+            n_items = kt.n_items;
+  const Doc d = kt.d;
 
   const size_t ldq = static_cast<size_t>(p.Hq) * p.hd, ldkv = static_cast<size_t>(p.Hkv) * p.hd;
   const size_t lda = static_cast<size_t>(p.Hq) * p.a_stride;

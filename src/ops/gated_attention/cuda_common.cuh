@@ -198,6 +198,35 @@ __device__ __forceinline__ bool query_tile(const Params& p, QueryTile& t) {
   return true;
 }
 
+// The key tile of a dk/dv block (cuda_bwd.cuh, sm90_pipe.cuh, sm90_tma.cuh): block -> (kv head j,
+// key tile), heads fastest, tiles in natural order (the first key tiles of a document, seen by
+// every later query, have the longest walks and start first); tiles of BN keys from each
+// document's start. False when the block has no tile. k0 .. k_end: the tile's keys; the query tiles
+// (BM == BN, aligned to the document start like the key tiles) m_first .. m_first + n_m - 1 see
+// them (m_first holds the key tile's own tokens), n_items = group x n_m (query head, query tile)
+// items.
+struct KeyTile {
+  int j, k0, k_end, m_first, n_m, n_items;
+  Doc d;
+};
+template <int BM, int BN, class Params>
+__device__ __forceinline__ bool key_tile(const Params& p, KeyTile& t) {
+  t.j = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.Hkv));
+  const int tile = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.Hkv));
+  const int total = p.ts[p.N];
+  if (tile >= total) return false;
+  const int n = find_doc(p.ts, p.N, tile);
+  t.d = doc_bounds(p.cu, n, p.T);
+  const int64_t k0l = t.d.b + static_cast<int64_t>(tile - p.ts[n]) * BN;
+  if (k0l >= t.d.e) return false;
+  t.k0 = static_cast<int>(k0l);
+  t.k_end = imin(t.k0 + BN, t.d.e);
+  t.m_first = (t.k0 - t.d.b) / BM;
+  t.n_m = (t.d.e - t.d.b + BM - 1) / BM - t.m_first;
+  t.n_items = p.group * t.n_m;
+  return true;
+}
+
 // Position of token t in its document: t minus the start of the last document starting at or
 // before t (empty documents share that start). Never negative.
 __device__ __forceinline__ int position_of(const int32_t* cu, int N, int T, int t) {

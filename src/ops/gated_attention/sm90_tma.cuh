@@ -284,17 +284,11 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   uint64_t* empty = full_kv + 3;                                 // [2] item slot released
 
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-  const int j = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.Hkv));
-  const int tile = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.Hkv));
-  const int total = p.ts[p.N];
-  if (tile >= total) return;
-  const int n = find_doc(p.ts, p.N, tile);
-  const Doc d = doc_bounds(p.cu, n, p.T);
-  const int64_t k0l = d.b + static_cast<int64_t>(tile - p.ts[n]) * BN;
-  if (k0l >= d.e) return;
-  const int k0 = static_cast<int>(k0l), k_end = imin(k0 + BN, d.e);
-  const int m_first = (k0 - d.b) / BM, n_m = (d.e - d.b + BM - 1) / BM - m_first;
-  const int n_items = p.group * n_m;
+  KeyTile kt;  // block -> (kv head, key tile)
+  if (!key_tile<BM, BN>(p, kt)) return;
+  const int j = kt.j, k0 = kt.k0, k_end = kt.k_end, m_first = kt.m_first, n_m = kt.n_m,
+            n_items = kt.n_items;
+  const Doc d = kt.d;
 
   if (tid == 0) {
     mbar_init(full_kv, 1);
