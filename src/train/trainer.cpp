@@ -596,8 +596,9 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
       if (split_master && m.param(i).dtype() == DType::BF16) split_hi[i] = m.param(i);
     dev = DeviceOptimizer(specs, std::move(split_hi));
     // The compute copy from the device master weights: bf16 in one refresh pass, fp32 copied.
-    // A fresh split master is drawn in fp32 into its gradient buffer (free until the first step
-    // zeroes it) and split from there; an uploaded one arrives split.
+    // A fresh split master is drawn in fp32 into its gradient buffer and split from there (the
+    // buffer is free: every step zeroes the gradients before its backward); an uploaded one
+    // arrives split.
     std::vector<ops::Bf16Copy> copies;
     for (size_t i = 0; i < specs.size(); ++i) {
       if (device_init)
@@ -612,7 +613,6 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
     for (size_t i = 0; i < specs.size(); ++i)
       if (m.param(i).dtype() != DType::BF16) copy_into(m.param(i), dev.master[i]);
     ops::adamw_refresh_bf16(copies);
-    if (device_init && dev.num_split() > 0) m.zero_grads();
   } else {
     m.load_params(master);
   }
