@@ -1,4 +1,5 @@
 // AdamW on CUDA (label gpu): the multi-tensor step against ref over several steps and many tensors
+// and bit for bit against the cpu step
 // (more than one kernel-argument list, sizes around the 4096-element unit and the 16-byte groups,
 // empty tensors, decay on and off, clipping on and off, zero gradients), the fused bf16 copy equal
 // bit for bit to the masters rounded to nearest even, tensors that are not 16-byte aligned, the
@@ -9,6 +10,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+
+#include <fmt/format.h>
 
 #include "backend/tolerances.h"
 #include "gdn/core/rng.h"
@@ -179,6 +182,52 @@ TEST_F(AdamWCuda, UnalignedTensorsMatchRef) {
   for (int k = 0; k < 8; ++k)
     md.add(4097 + 3 * k, k % 2 == 0, true, 90 + static_cast<uint64_t>(k), k % 2 == 0 ? 4 : 0);
   run_steps(md, false, " (unaligned)");
+}
+
+// The cuda step rounds every operation of the update explicitly (cuda.cu, adamw_elem), as the
+// cpu step computes it in fp32 without contraction, so the two give the same bits: p, m, v and the
+// bf16 copy, over three steps with clipping, through the 16-byte path (aligned) and the
+// per-element one (4 bytes off).
+TEST_F(AdamWCuda, StepIsBitwiseTheCpuStep) {
+  for (int offset : {0, 4}) {
+    Model md;  // its device slots; the cpu twins below hold the same values on the host
+    std::vector<OwnedTensor> hp, hg, hm, hv, hb;
+    std::vector<AdamWParam> cpu;
+    const int64_t sizes[] = {1, 7, 4096, 4101, 30011};
+    for (int k = 0; k < 5; ++k) {
+      md.add(sizes[k], k % 2 == 0, true, 300 + static_cast<uint64_t>(k), offset);
+      const int64_t n = sizes[k];
+      hp.push_back(from_f64(md.slots.back().p0, DType::F32, {n}));
+      hg.push_back(OwnedTensor::zeros(DType::F32, {n}));
+      hm.push_back(OwnedTensor::zeros(DType::F32, {n}));
+      hv.push_back(OwnedTensor::zeros(DType::F32, {n}));
+      hb.push_back(OwnedTensor::zeros(DType::BF16, {n}));
+    }
+    for (size_t k = 0; k < hp.size(); ++k)
+      cpu.push_back({hp[k].view(),
+                     hg[k].view(),
+                     hm[k].view(),
+                     hv[k].view(),
+                     hb[k].view(),
+                     md.slots[k].decay,
+                     {}});
+    const std::vector<AdamWParam> cp = md.cuda_params();
+    for (int64_t t = 1; t <= 3; ++t) {
+      md.set_grads(4000 * static_cast<uint64_t>(t), 0.2 * static_cast<double>(t));
+      for (size_t k = 0; k < hg.size(); ++k) copy_into(hg[k].view(), md.slots[k].g);
+      const AdamWHyper h{3e-2, 0.9, 0.95, 1e-8, 0.1, t, t == 2 ? 0.37 : 1.0};
+      adamw_step(cpu, h);
+      adamw_step(cp, h);
+    }
+    for (size_t k = 0; k < hp.size(); ++k) {
+      const std::string tag =
+          fmt::format(" of the {}-element tensor, offset {}", md.slots[k].n, offset);
+      expect_bitwise_equal(md.slots[k].p, hp[k].view(), "p" + tag);
+      expect_bitwise_equal(md.slots[k].m, hm[k].view(), "m" + tag);
+      expect_bitwise_equal(md.slots[k].v, hv[k].view(), "v" + tag);
+      expect_bitwise_equal(md.slots[k].pb, hb[k].view(), "p_bf16" + tag);
+    }
+  }
 }
 
 TEST_F(AdamWCuda, GlobalNormIsBitwiseReproducible) {

@@ -100,14 +100,19 @@ struct AdamWScalars {
   float decay_factor;        // 1 - lr * weight_decay (tensors with decay)
 };
 
-// One element of the step, in place (the cpu formula, op.h).
+// One element of the step, in place: the cpu formula (op.h), operation by operation, each rounded
+// to nearest (__f*_rn), so nvcc cannot contract a multiply-add. With plain operators it contracted
+// them differently in the 16-byte and per-element paths and in the F32 and split instantiations of
+// adamw_unit (last-bit differences; after the split path's loads were reordered the probe's split
+// twins no longer matched their F32 masters: docs/PERF.md run 19). Memory-bound: the extra
+// instructions cost nothing measurable.
 __device__ __forceinline__ void adamw_elem(float& p, float g, float& m, float& v,
                                            const AdamWScalars& sc, float df) {
-  const float gi = sc.scale * g;
-  m = sc.b1 * m + sc.omb1 * gi;
-  v = sc.b2 * v + sc.omb2 * gi * gi;
-  const float denom = sqrtf(v) / sc.bc2_sqrt + sc.eps;
-  p = p * df - sc.step_size * m / denom;
+  const float gi = __fmul_rn(sc.scale, g);
+  m = __fadd_rn(__fmul_rn(sc.b1, m), __fmul_rn(sc.omb1, gi));
+  v = __fadd_rn(__fmul_rn(sc.b2, v), __fmul_rn(__fmul_rn(sc.omb2, gi), gi));
+  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), sc.bc2_sqrt), sc.eps);
+  p = __fsub_rn(__fmul_rn(p, df), __fdiv_rn(__fmul_rn(sc.step_size, m), denom));
 }
 
 __device__ __forceinline__ uint2 pack4_bf16(float a, float b, float c, float d) {

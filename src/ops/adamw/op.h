@@ -29,12 +29,11 @@
 // Split masters (cpu and cuda): an entry whose p is I16 keeps its fp32 master weights as two
 // halves, p_bf16 (required) the high one and p the low one (gdn/core/split_f32.h: the master's
 // bits are split_join(p_bf16, p)). The step joins them, applies the fp32 update above (the same
-// bits as with an F32 p holding the joined value; on cuda, as an F32 p of the same alignment
-// class: its 16-byte and per-element paths may contract multiply-adds differently, a last-bit
-// difference between aligned and unaligned tensors) and splits the result back: the compute copy is
-// then the master rounded to nearest with ties away from zero (split_hi) instead of ties to even.
-// 4 bytes a parameter for master and compute copy together instead of 6. One call may mix split
-// and F32 entries; g, m and v are F32 in both.
+// bits as with an F32 p holding the joined value, aligned or not: cuda rounds every operation
+// of the update explicitly, so no path contracts a multiply-add) and splits the result back: the
+// compute copy is then the master rounded to nearest with ties away from zero (split_hi) instead of
+// ties to even. 4 bytes a parameter for master and compute copy together instead of 6. One call may
+// mix split and F32 entries; g, m and v are F32 in both.
 //
 // Shapes: p, g, m, v (and p_bf16) of one entry share one shape (any rank); entries may differ.
 // Outputs: p, m, v updated in place (=); p_bf16 written (=). g is read only.
