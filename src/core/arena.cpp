@@ -65,6 +65,17 @@ Tensor Arena::alloc_tensor(DType dtype, std::span<const int64_t> shape) {
   return Tensor(p, dtype, shape, device_);
 }
 
+Tensor Arena::view_at(size_t offset, DType dtype, std::span<const int64_t> shape) const {
+  Tensor probe(nullptr, dtype, shape, device_);
+  const size_t bytes = static_cast<size_t>(probe.nbytes());
+  GDN_CHECK(!planning_, "arena '{}': view_at on a planning arena", name_);
+  GDN_CHECK(offset % 256 == 0 && offset <= capacity_ && bytes <= capacity_ - offset,
+            "arena '{}': a view of {} at offset {} does not fit its capacity {}", name_,
+            format_bytes(static_cast<double>(bytes)), offset,
+            format_bytes(static_cast<double>(capacity_)));
+  return Tensor(base_ + offset, dtype, shape, device_);
+}
+
 void Arena::release_to(size_t mark) {
   GDN_CHECK(mark <= used_, "arena '{}': release to {} beyond the used {}", name_, mark, used_);
   used_ = mark;

@@ -88,6 +88,13 @@ constexpr Knob kKnobs[] = {
      "gated_delta_rule on CUDA, fast route's state passes (A/B): chunk buffers of the staging "
      "ring, 2..4 (at most what fits); 0 chooses. Scheduling-only: same results.",
      true, nullptr},
+    {"GDN_GRADS_IN_ACTIVATIONS", KnobType::Bool, "1",
+     "Training with one micro-batch per step (train.grad_accum 1): 1 places the fp32 parameter "
+     "gradients in activation memory the backward has already consumed (layer l's over the "
+     "activations of layers above it), so they cost about one layer's and the LM head's "
+     "gradients instead of all of them; 0 (A/B) gives them an arena of their own. "
+     "Scheduling-only: the same gradients bitwise.",
+     false, nullptr},
     {"GDN_LOG_LEVEL", KnobType::Choice, "info", "Lowest log level printed.", false,
      "debug|info|warn|error"},
     {"GDN_NUM_THREADS", KnobType::Int, "0",

@@ -93,12 +93,13 @@ std::string FusedRoutes::describe() const {
 }
 
 Qwen35Model::Qwen35Model(Qwen35Config cfg, Backend backend, int64_t max_tokens, int64_t max_docs,
-                         Recompute recompute)
+                         Recompute recompute, GradMemory grad_memory)
     : cfg_(std::move(cfg)),
       backend_(backend),
       max_tokens_(max_tokens),
       max_docs_(max_docs),
-      recompute_(recompute) {
+      recompute_(recompute),
+      grad_memory_(grad_memory) {
   validate(cfg_);
   GDN_CHECK(max_tokens_ >= 1 && max_docs_ >= 1 && max_docs_ <= max_tokens_,
             "model: max_tokens {} and max_docs {} must satisfy 1 <= max_docs <= max_tokens",
@@ -112,11 +113,12 @@ Qwen35Model::Qwen35Model(Qwen35Config cfg, Backend backend, int64_t max_tokens, 
     pbytes += align256(bytes_of(s, param_compute_dtype(s, backend_)));
     gbytes += align256(bytes_of(s, gdt));
   }
+  const bool shared = grad_memory_ == GradMemory::InActivations;
   param_arena_ = Arena("parameters", dev, pbytes);
-  grad_arena_ = Arena("gradients", dev, gbytes);
+  if (!shared) grad_arena_ = Arena("gradients", dev, gbytes);
   for (const auto& s : specs_) {
     params_.push_back(param_arena_.alloc_tensor(param_compute_dtype(s, backend_), s.shape));
-    grads_.push_back(grad_arena_.alloc_tensor(gdt, s.shape));
+    if (!shared) grads_.push_back(grad_arena_.alloc_tensor(gdt, s.shape));
   }
   zero_grads();
   // The fused kernel routes (qwen35.h): read once here, logged once per distinct setting.
@@ -157,13 +159,76 @@ Qwen35Model::Qwen35Model(Qwen35Config cfg, Backend backend, int64_t max_tokens, 
       in_stage_[i] = HostStaging(static_cast<size_t>(2 * max_tokens_ + max_docs_ + 1) * 4, dev);
       in_fence_[i] = StreamFence(dev);
     }
-  // Size the activation arena by replaying a step of the largest micro-batch in planning mode.
+  // Size the activation arenas by replaying a step of the largest micro-batch in planning mode.
   Arena plan = Arena::planning("activations", dev);
   Arena tmp_plan = Arena::planning("recompute scratch", dev);
+  Arena bwd_plan = Arena::planning("loss and backward scratch", dev);
   StepOptions opt;
-  run(plan, tmp_plan, nullptr, opt, nullptr);
-  act_arena_ = Arena("activations", dev, plan.peak());
+  run(plan, tmp_plan, bwd_plan, nullptr, opt, nullptr);
   tmp_arena_ = Arena("recompute scratch", dev, tmp_plan.peak());
+  bwd_arena_ = Arena("loss and backward scratch", dev, bwd_plan.peak());
+  if (shared) {
+    place_grads_in_activations(plan.peak());
+  } else {
+    act_arena_ = Arena("activations", dev, plan.peak());
+  }
+}
+
+// The layout of GradMemory::InActivations (qwen35.h): the groups go down from the arena's top in
+// the order the backward first writes them: the head (written by the LM head loss, right after the
+// forward), layers L-1 ... 0, an untied embedding (written last). A group first written while the
+// activations below byte E are still live must start at or above E: the head above the whole
+// forward, layer l above layer l's forward (plan_layer_end_[l]), the embedding above the inputs
+// (the embedding backward reads the token ids). The capacity is the smallest that satisfies every
+// group, and at least the forward's peak.
+void Qwen35Model::place_grads_in_activations(size_t forward_peak) {
+  const int64_t L = cfg_.num_hidden_layers;
+  const DType gdt = backend_ == Backend::Ref ? DType::F64 : DType::F32;
+  std::vector<int64_t> group_of(specs_.size(), -1);
+  for (int64_t l = 0; l < L; ++l) {
+    const LayerParamIds& w = ids_.layers[static_cast<size_t>(l)];
+    for (int64_t id :
+         {w.input_norm, w.post_norm, w.mlp_gate, w.mlp_up,  w.mlp_down, w.in_proj_qkv, w.in_proj_z,
+          w.in_proj_b,  w.in_proj_a, w.conv1d,   w.dt_bias, w.a_log,    w.gated_norm,  w.out_proj,
+          w.q_proj,     w.k_proj,    w.v_proj,   w.o_proj,  w.q_norm,   w.k_norm})
+      if (id >= 0) group_of[static_cast<size_t>(id)] = l;
+  }
+  group_of[static_cast<size_t>(ids_.final_norm)] = L;
+  group_of[static_cast<size_t>(ids_.embed)] = ids_.lm_head >= 0 ? L + 1 : L;
+  if (ids_.lm_head >= 0) group_of[static_cast<size_t>(ids_.lm_head)] = L;
+  std::vector<size_t> bytes(static_cast<size_t>(L + 2), 0);
+  for (size_t i = 0; i < specs_.size(); ++i) {
+    GDN_CHECK(group_of[i] >= 0, "model: parameter '{}' belongs to no gradient group",
+              specs_[i].name);
+    bytes[static_cast<size_t>(group_of[i])] += align256(bytes_of(specs_[i], gdt));
+  }
+  // Top-down order and each group's live-activation floor.
+  std::vector<std::pair<int64_t, size_t>> order{{L, forward_peak}};
+  for (int64_t l = L - 1; l >= 0; --l)
+    order.push_back({l, plan_layer_end_[static_cast<size_t>(l)]});
+  order.push_back({L + 1, plan_inputs_end_});
+  size_t above = 0, capacity = forward_peak;
+  for (const auto& [g, floor] : order) {
+    above += bytes[static_cast<size_t>(g)];
+    capacity = std::max(capacity, align256(floor) + above);
+  }
+  act_arena_ = Arena("activations and gradients", backend_device(backend_), capacity);
+  grad_group_.assign(static_cast<size_t>(L + 2), Tensor());
+  std::vector<size_t> next(grad_group_.size());
+  size_t top = capacity;
+  for (const auto& [g, floor] : order) {
+    const size_t b = bytes[static_cast<size_t>(g)];
+    top -= b;
+    next[static_cast<size_t>(g)] = top;
+    if (b > 0)
+      grad_group_[static_cast<size_t>(g)] =
+          act_arena_.view_at(top, DType::I32, std::array<int64_t, 1>{static_cast<int64_t>(b / 4)});
+  }
+  for (size_t i = 0; i < specs_.size(); ++i) {
+    size_t& at = next[static_cast<size_t>(group_of[i])];
+    grads_.push_back(act_arena_.view_at(at, gdt, specs_[i].shape));
+    at += align256(bytes_of(specs_[i], gdt));
+  }
 }
 
 void Qwen35Model::load_params(const ParamStore& master) {
@@ -179,6 +244,7 @@ void Qwen35Model::load_params(const ParamStore& master) {
 void Qwen35Model::read_grad(size_t i, const Tensor& out) const { copy_into(out, grads_.at(i)); }
 
 void Qwen35Model::zero_grads() {
+  if (grad_memory_ == GradMemory::InActivations) return;  // each backward zeroes its groups
   zero_bytes(grad_arena_.capacity() ? grads_.front().data() : nullptr, backend_device(backend_),
              grad_arena_.used());
 }
@@ -186,14 +252,21 @@ void Qwen35Model::zero_grads() {
 std::string Qwen35Model::memory_plan() const {
   const bool all_fused =
       fused_.conv && fused_.qk_l2norm && fused_.swiglu && fused_.zc_norm && fused_.lm_head;
+  size_t grad_total = 0;
+  for (const Tensor& g : grads_) grad_total += static_cast<size_t>(g.nbytes());
+  const bool shared = grad_memory_ == GradMemory::InActivations;
   return fmt::format(
              "memory plan ({} backend, micro-batch up to {} tokens / {} documents, recompute {}): "
-             "parameters {}, gradients {}, activations {} (+ {} per-layer scratch); total {}",
+             "parameters {}, gradients {}{}, activations {}{} (+ {} per-layer scratch, {} loss "
+             "and backward scratch); total {}",
              backend_name(backend_), max_tokens_, max_docs_, recompute_name(recompute_),
              format_bytes(static_cast<double>(param_bytes())),
-             format_bytes(static_cast<double>(grad_bytes())),
+             format_bytes(static_cast<double>(grad_total)),
+             shared ? " (in activation memory the backward has consumed)" : "",
              format_bytes(static_cast<double>(act_arena_.capacity())),
+             shared ? " with the gradients" : "",
              format_bytes(static_cast<double>(tmp_arena_.capacity())),
+             format_bytes(static_cast<double>(bwd_arena_.capacity())),
              format_bytes(static_cast<double>(param_bytes() + grad_bytes() + activation_bytes()))) +
          (gdr_saved_plan_ == 0
               ? std::string()
@@ -223,7 +296,8 @@ StepStats Qwen35Model::step(const MicroBatch& mb, const StepOptions& opt) {
   StepStats stats;
   act_arena_.reset();
   tmp_arena_.reset();
-  run(act_arena_, tmp_arena_, &mb, opt, &stats);
+  bwd_arena_.reset();
+  run(act_arena_, tmp_arena_, bwd_arena_, &mb, opt, &stats);
   return stats;
 }
 
@@ -277,7 +351,8 @@ Tensor block_of(const Tensor& planar, const QkvBlock& b) {  // planar [T, C] -> 
 
 struct Qwen35Model::Pass {
   const Qwen35Model& m;
-  Arena& A;
+  Arena& A;  // the forward's activations
+  Arena& B;  // what is made after the forward: loss, LM head workspace, backward temporaries
   bool live;
   int64_t T, N;
   DType act, stat;
@@ -286,14 +361,25 @@ struct Qwen35Model::Pass {
   Tensor G(int64_t id) const { return m.grads_.at(static_cast<size_t>(id)); }
   Tensor alloc(DType dt, std::initializer_list<int64_t> shape) { return A.alloc_tensor(dt, shape); }
   Tensor alloc_act(std::initializer_list<int64_t> shape) { return A.alloc_tensor(act, shape); }
+  Tensor balloc(DType dt, std::initializer_list<int64_t> shape) {
+    return B.alloc_tensor(dt, shape);
+  }
+  Tensor balloc_act(std::initializer_list<int64_t> shape) { return B.alloc_tensor(act, shape); }
+  // GradMemory::InActivations: zeroes gradient group g (qwen35.h) before its first write.
+  void zero_group(size_t g) const {
+    if (!live || m.grad_memory_ != GradMemory::InActivations) return;
+    const Tensor& t = m.grad_group_.at(g);
+    if (t.defined()) zero_bytes(t.data(), dev, static_cast<size_t>(t.nbytes()));
+  }
 };
 
-void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const StepOptions& opt,
-                      StepStats* stats) {
+void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb,
+                      const StepOptions& opt, StepStats* stats) {
   const Qwen35Config& c = cfg_;
   const bool live = !arena.is_planning();
   Pass p{*this,
          arena,
+         bwd,
          live,
          live ? mb->num_tokens() : max_tokens_,
          live ? mb->num_segments() : max_docs_,
@@ -373,6 +459,8 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
     }
   }
   auto NW = [&](int64_t id) { return zc ? P(id) : zc_w.at(id); };
+
+  if (!live) plan_inputs_end_ = arena.used();  // the embedding backward reads ids (above)
 
   // Residual stream: H[l] is the input of layer l, H[L] the input of the final norm.
   std::vector<Tensor> H(static_cast<size_t>(L + 1));
@@ -556,31 +644,47 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
       gemm({s.act, P(w.mlp_down), h_out, false, true, 1.0, 1.0});
     }
   };
+  if (!live) plan_layer_end_.assign(static_cast<size_t>(L), 0);
   for (int64_t l = 0; l < L; ++l) try {
       H[static_cast<size_t>(l + 1)] = p.alloc_act({T, D});
       layer_forward(l, false);
+      // GradMemory::InActivations places layer l's gradients above this planned end: a live step
+      // must stay below it (its sizes are at most the plan's, so it does).
+      if (!live) {
+        plan_layer_end_[static_cast<size_t>(l)] = arena.used();
+      } else {
+        GDN_CHECK(grad_memory_ != GradMemory::InActivations ||
+                      arena.used() <= plan_layer_end_[static_cast<size_t>(l)],
+                  "model: layer {}'s activations end at byte {}, past the planned {}", l,
+                  arena.used(), plan_layer_end_[static_cast<size_t>(l)]);
+      }
     } catch (const NonFiniteError& e) {
       rethrow_in_layer(e, l, "forward", c);
     }
 
   // Final norm and the LM head loss.
-  Tensor hn = p.alloc_act({T, D});
-  Tensor hn_rstd = p.alloc(p.stat, {T});
+  // From here on everything is made in `bwd` (Pass::B): first what lives to the end of the step
+  // (the loss, its statistics, dhn for the final norm's backward), then, up to lm_mark, what only
+  // the LM head uses (its input, workspace or logits chunk), released before the layers' backward.
   const int64_t head = ids_.lm_head >= 0 ? ids_.lm_head : ids_.embed;
-  // The fused route's workspace, or (GDN_FUSED_LM_HEAD=0) the unfused route's logits chunk
-  // [lm_chunk_rows_, V] and per-row losses.
   const bool lm_fused = fused_.lm_head;
+  Tensor hn_rstd = p.balloc(p.stat, {T});
+  Tensor row_loss = lm_fused ? Tensor() : p.balloc(p.stat, {T});
+  Tensor row_z = lm_fused ? Tensor() : p.balloc(p.stat, {T});
+  Tensor loss = p.balloc(p.stat, {1});
+  Tensor lse = p.balloc(p.stat, {T});
+  Tensor zl = p.balloc(p.stat, {1});
+  Tensor dhn = p.balloc_act({T, D});
+  Tensor tl_lse = p.balloc(p.stat, {T});  // per-token lse / z-loss when token_loss is asked for
+  Tensor tl_z = p.balloc(p.stat, {T});
+  const size_t lm_mark = bwd.used();
+  Tensor hn = p.balloc_act({T, D});
+  // The fused route's workspace, or (GDN_FUSED_LM_HEAD=0) the unfused route's logits chunk
+  // [lm_chunk_rows_, V].
   const int64_t ws_bytes = lm_fused ? linear_cross_entropy_workspace_bytes(max_tokens_, V, 0) : 0;
-  Tensor ws = lm_fused ? p.alloc(DType::F32, {(ws_bytes + 3) / 4}) : Tensor();
-  Tensor logits_chunk = lm_fused ? Tensor() : p.alloc_act({lm_chunk_rows_, V});
-  Tensor row_loss = lm_fused ? Tensor() : p.alloc(p.stat, {T});
-  Tensor row_z = lm_fused ? Tensor() : p.alloc(p.stat, {T});
-  Tensor loss = p.alloc(p.stat, {1});
-  Tensor lse = p.alloc(p.stat, {T});
-  Tensor zl = p.alloc(p.stat, {1});
-  Tensor dhn = p.alloc_act({T, D});
-  Tensor tl_lse = p.alloc(p.stat, {T});  // per-token lse / z-loss when token_loss is asked for
-  Tensor tl_z = p.alloc(p.stat, {T});
+  Tensor ws = lm_fused ? p.balloc(DType::F32, {(ws_bytes + 3) / 4}) : Tensor();
+  Tensor logits_chunk = lm_fused ? Tensor() : p.balloc_act({lm_chunk_rows_, V});
+  if (backward) p.zero_group(static_cast<size_t>(L));  // the head's gradients
   int64_t targets = 0;
   if (live) {
     for (int32_t lab : mb->labels) targets += lab != -100;
@@ -674,10 +778,11 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
     stats->z_loss_dev = zl;
   }
   if (!backward && live) return;
+  bwd.release_to(lm_mark);
 
   // ---------------------------------------------------------------- backward
-  Tensor dh = p.alloc_act({T, D});  // gradient of the residual stream, carried down the layers
-  Tensor dtmp = p.alloc_act({T, D});
+  Tensor dh = p.balloc_act({T, D});  // gradient of the residual stream, carried down the layers
+  Tensor dtmp = p.balloc_act({T, D});
   if (live) {
     ProfileRange pr("rmsnorm.bwd");
     rmsnorm_backward(
@@ -686,11 +791,12 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
   for (int64_t l = L - 1; l >= 0; --l) try {
       const LayerParamIds& w = ids_.layers[static_cast<size_t>(l)];
       const LayerActs& s = acts[static_cast<size_t>(l)];
-      const size_t mark = arena.used();
+      const size_t mark = bwd.used();
+      p.zero_group(static_cast<size_t>(l));
       if (recompute_ != Recompute::None) layer_forward(l, true);
       // MLP: h_out = h_mid + act·W_downᵀ.
-      Tensor dact = p.alloc_act({T, I}), dgate = p.alloc_act({T, I}), dup = p.alloc_act({T, I});
-      Tensor dxn2 = p.alloc_act({T, D});
+      Tensor dact = p.balloc_act({T, I}), dgate = p.balloc_act({T, I}), dup = p.balloc_act({T, I});
+      Tensor dxn2 = p.balloc_act({T, D});
       if (live) {
         {
           ProfileRange pr("mlp.down.bwd");
@@ -720,19 +826,19 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
         rmsnorm_backward({s.h_mid, NW(w.post_norm), s.rstd_post, dxn2, dtmp, G(w.post_norm), zc});
         axpy({dtmp, dh, 1.0});  // dh = d h_mid
       }
-      Tensor dxn = p.alloc_act({T, D});
-      Tensor dy = p.alloc_act({T, s.y.numel() / std::max<int64_t>(p.T, 1)});
+      Tensor dxn = p.balloc_act({T, D});
+      Tensor dy = p.balloc_act({T, s.y.numel() / std::max<int64_t>(p.T, 1)});
       if (w.type == LayerType::Linear) {
-        Tensor dz = p.alloc_act({T, VD}), d_o = p.alloc_act({T, Hv, dv});
-        Tensor dq = p.alloc_act({T, Hk, dk}), dkk = p.alloc_act({T, Hk, dk}),
-               dvv = p.alloc_act({T, Hv, dv});
-        Tensor dg = p.alloc(p.stat, {T, Hv}), dbeta = p.alloc(p.stat, {T, Hv});
-        Tensor da = p.alloc_act({T, Hv}), db = p.alloc_act({T, Hv});
-        Tensor dqkv = p.alloc_act({T, C});  // planar (block_of)
+        Tensor dz = p.balloc_act({T, VD}), d_o = p.balloc_act({T, Hv, dv});
+        Tensor dq = p.balloc_act({T, Hk, dk}), dkk = p.balloc_act({T, Hk, dk}),
+               dvv = p.balloc_act({T, Hv, dv});
+        Tensor dg = p.balloc(p.stat, {T, Hv}), dbeta = p.balloc(p.stat, {T, Hv});
+        Tensor da = p.balloc_act({T, Hv}), db = p.balloc_act({T, Hv});
+        Tensor dqkv = p.balloc_act({T, C});  // planar (block_of)
         const bool qk_fused = fused_.qk_l2norm;
         // GDN_FUSED_QK_L2NORM=0: the gated delta rule's gradients of the normalised q, k.
-        Tensor dqn = qk_fused ? Tensor() : p.alloc_act({T, Hk, dk});
-        Tensor dkn = qk_fused ? Tensor() : p.alloc_act({T, Hk, dk});
+        Tensor dqn = qk_fused ? Tensor() : p.balloc_act({T, Hk, dk});
+        Tensor dkn = qk_fused ? Tensor() : p.balloc_act({T, Hk, dk});
         if (live) {
           {
             ProfileRange pr("out_proj.bwd");
@@ -789,8 +895,8 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
           linear_backward({s.xn, P(w.in_proj_a), da, dxn, G(w.in_proj_a), true});
         }
       } else {
-        Tensor dqg = p.alloc_act({T, Hq, 2 * hd}), dk = p.alloc_act({T, Hkv, hd}),
-               dv2 = p.alloc_act({T, Hkv, hd});
+        Tensor dqg = p.balloc_act({T, Hq, 2 * hd}), dk = p.balloc_act({T, Hkv, hd}),
+               dv2 = p.balloc_act({T, Hkv, hd});
         if (live) {
           Tensor y2 = s.y.reshape({T, Hq * hd});
           ProfileRange pr("out_proj.bwd");
@@ -829,10 +935,11 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, const MicroBatch* mb, const Step
         rmsnorm_backward({s.h_in, NW(w.input_norm), s.rstd_in, dxn, dtmp, G(w.input_norm), zc});
         axpy({dtmp, dh, 1.0});  // dh = d h_in
       }
-      arena.release_to(mark);
+      bwd.release_to(mark);
     } catch (const NonFiniteError& e) {
       rethrow_in_layer(e, l, "backward", c);
     }
+  p.zero_group(static_cast<size_t>(L + 1));  // an untied embedding's gradient
   if (live) {
     ProfileRange pr("embedding.bwd");
     embedding_backward({ids, dh, G(ids_.embed)});

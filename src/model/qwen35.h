@@ -74,6 +74,23 @@ enum class Recompute : uint8_t { None, Full, Selective };
 std::string_view recompute_name(Recompute r);
 Recompute recompute_from_name(std::string_view name);  // throws naming the bad value
 
+// Where the parameter gradients live (issue 8).
+//   separate:        an arena of their own; backward steps accumulate (+=) into them until
+//                    zero_grads(), so several micro-batches can make one optimizer step.
+//   in_activations:  the top of the activation arena, over activations the backward has already
+//                    consumed. The backward walks the layers down, so layer l's gradients are
+//                    placed above the last byte of layer l's forward activations: they overwrite
+//                    only activations of layers > l, dead once those layers' backward has run. The
+//                    LM head's (and final norm's) gradients sit above all activations and an untied
+//                    embedding's, written last, below the layers'. The arena then needs about one
+//                    layer's and the head's gradients more than the activations instead of all of
+//                    them (4B: about 13 GiB less). Each group's gradients are zeroed just before
+//                    its first write, so every backward step writes (=) its own micro-batch's
+//                    gradients, valid until the next step() (a step without backward overwrites
+//                    them); zero_grads() does nothing. One micro-batch per optimizer step.
+// Both give bitwise the same gradients for one micro-batch (the same ops in the same order).
+enum class GradMemory : uint8_t { Separate, InActivations };
+
 // Fused kernel routes and their unfused A/B counterparts (issue 8), one GDN_FUSED_* environment
 // knob each (default 1 = fused), read once at model construction (docs/TRAINING.md lists them):
 //   conv:    causal_conv1d with SiLU fused | conv without SiLU, then the silu op (the backward
@@ -96,7 +113,7 @@ struct FusedRoutes {
 class Qwen35Model {
  public:
   Qwen35Model(Qwen35Config cfg, Backend backend, int64_t max_tokens, int64_t max_docs,
-              Recompute recompute = Recompute::None);
+              Recompute recompute = Recompute::None, GradMemory grad_memory = GradMemory::Separate);
 
   const Qwen35Config& config() const { return cfg_; }
   Backend backend() const { return backend_; }
@@ -111,6 +128,7 @@ class Qwen35Model {
   void load_params(const ParamStore& master);
   // Copies gradient i into an F32 host tensor of the same shape.
   void read_grad(size_t i, const Tensor& out_f32_host) const;
+  // Zeroes the gradients (GradMemory::Separate; InActivations: nothing to do, see there).
   void zero_grads();
 
   // Forward (and backward) of one micro-batch. Throws if it exceeds the planned sizes.
@@ -118,18 +136,29 @@ class Qwen35Model {
 
   // Bytes planned per arena, as printed at start-up.
   size_t param_bytes() const { return param_arena_.capacity(); }
+  // The separate gradient arena (0 with GradMemory::InActivations: they are in the activations').
   size_t grad_bytes() const { return grad_arena_.capacity(); }
-  // Activations kept across the step plus the per-layer scratch (dropped/recomputed ones).
-  size_t activation_bytes() const { return act_arena_.capacity() + tmp_arena_.capacity(); }
+  // Activations kept across the step (with GradMemory::InActivations, the gradients on top), the
+  // per-layer scratch (dropped/recomputed ones) and the loss and backward scratch.
+  size_t activation_bytes() const {
+    return act_arena_.capacity() + tmp_arena_.capacity() + bwd_arena_.capacity();
+  }
   Recompute recompute() const { return recompute_; }
+  GradMemory grad_memory() const { return grad_memory_; }
   const FusedRoutes& fused() const { return fused_; }
   size_t activation_peak() const { return act_arena_.peak(); }
   std::string memory_plan() const;
 
  private:
   struct Pass;  // the per-step state (implementation detail)
-  void run(Arena& arena, Arena& tmp, const MicroBatch* mb, const StepOptions& opt,
+  // `arena`: the forward's activations (and gradients placed there); `tmp`: the per-layer
+  // recompute scratch; `bwd`: everything made after the forward (loss, LM head workspace, the
+  // backward's per-layer temporaries), kept apart so the activation arena's top is free for
+  // gradients.
+  void run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb, const StepOptions& opt,
            StepStats* stats);
+  // GradMemory::InActivations: places the gradients in act_arena_ from the planned ends.
+  void place_grads_in_activations(size_t forward_peak);
 
   Qwen35Config cfg_;
   Backend backend_;
@@ -137,6 +166,15 @@ class Qwen35Model {
   std::vector<ParamSpec> specs_;
   ModelParamIds ids_;
   Recompute recompute_ = Recompute::None;
+  GradMemory grad_memory_ = GradMemory::Separate;
+  // Recorded by the planning run: act_arena_'s used() after the inputs and after each layer's
+  // forward (a live step never goes past them: its sizes are at most the planned ones).
+  size_t plan_inputs_end_ = 0;
+  std::vector<size_t> plan_layer_end_;
+  // GradMemory::InActivations: each gradient group's bytes in act_arena_ (an I32 view), zeroed
+  // before its first write: [0, L) the layers, [L] the head (final norm and LM head, or the tied
+  // embedding), [L + 1] an untied embedding (undefined when tied).
+  std::vector<Tensor> grad_group_;
   // The gated delta rule's optional `saved` per GDN layer (Recompute::None on cuda, run() has the
   // policy): elements planned for each layer (0: none) and the documents per batch that fit them.
   int64_t gdr_saved_plan_ = 0, gdr_saved_docs_ = 0;
@@ -145,7 +183,7 @@ class Qwen35Model {
   int64_t lm_chunk_rows_ = 0;
   FusedRoutes fused_;
   OwnedTensor ones_;  // [D] compute dtype: the 1 of the unfused zero-centred norms' 1 + w
-  Arena param_arena_, grad_arena_, act_arena_, tmp_arena_;
+  Arena param_arena_, grad_arena_, act_arena_, tmp_arena_, bwd_arena_;
   std::vector<Tensor> params_, grads_;
   // A micro-batch's inputs (ids, labels, cu_seqlens) go to the device through page-locked
   // staging, two slots in turn: the copy out of a slot is issued without waiting, and the slot is

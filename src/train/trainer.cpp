@@ -526,8 +526,13 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
                   "data.kind '{}' is not a data source", kind);
   }
 
+  // One micro-batch per step: its gradients can live in activation memory the backward has
+  // consumed (qwen35.h, GradMemory); with several they must accumulate in an arena of their own.
+  const model::GradMemory grad_memory = accum == 1 && env::get_bool("GDN_GRADS_IN_ACTIVATIONS")
+                                            ? model::GradMemory::InActivations
+                                            : model::GradMemory::Separate;
   model::Qwen35Model m(mcfg, backend, data->max_tokens(), data->max_docs(),
-                       model::recompute_from_name(cfg.get_string("train.recompute")));
+                       model::recompute_from_name(cfg.get_string("train.recompute")), grad_memory);
   const double t_model = since_launch();
   Optimizer opt;  // host Adam moments (cpu: the live ones; cuda: staging for checkpoints)
   // The host stores, made on first use (a device run needs them only to write a checkpoint).

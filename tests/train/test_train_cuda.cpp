@@ -275,6 +275,31 @@ TEST(TrainCuda, GdrSavedStatesLeaveTheLossesBitwiseUnchanged) {
   env::reset_cache_for_testing();
 }
 
+// GDN_GRADS_IN_ACTIVATIONS (the gradients in activation memory the backward has consumed, one
+// micro-batch a step) is scheduling-only on the GPU too: under recompute none (the GDR saved
+// states among the activations) and full, the losses of three steps are bitwise those with the
+// gradients in an arena of their own.
+TEST(TrainCuda, GradsInActivationsLeaveTheLossesBitwiseUnchanged) {
+  TrainOptions quiet;
+  quiet.quiet = true;
+  for (const char* policy : {"none", "full"}) {
+    std::vector<std::vector<double>> runs;
+    for (const char* knob : {"1", "0"}) {
+      setenv("GDN_GRADS_IN_ACTIVATIONS", knob, 1);
+      env::reset_cache_for_testing();
+      auto cfg = tiny(fmt::format("gia_{}_{}", policy, knob), "cuda", 3);
+      cfg.set(fmt::format("train.recompute=\"{}\"", policy));
+      runs.push_back(run_training(cfg, quiet).losses);
+    }
+    ASSERT_EQ(runs[0].size(), 3u);
+    ASSERT_EQ(runs[1].size(), 3u);
+    for (size_t i = 0; i < 3; ++i)
+      EXPECT_EQ(runs[0][i], runs[1][i]) << "recompute " << policy << ", step " << i + 1;
+  }
+  unsetenv("GDN_GRADS_IN_ACTIVATIONS");
+  env::reset_cache_for_testing();
+}
+
 // --profile-step on the GPU: CUDA-event ranges for every op group of the step, summing to no more
 // than the synchronised step's wall time.
 TEST(TrainCuda, ProfileStepTimesTheOpsWithCudaEvents) {

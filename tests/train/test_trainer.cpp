@@ -1,6 +1,6 @@
 // The trainer end to end on CPU: bit-exact resume (also after kill -9 at random points, including
-// during checkpoint writes), gradient-accumulation normalisation, the non-finite guard, indexed
-// datasets, configuration errors, and the checkpoint's HF layout.
+// during checkpoint writes), gradient-accumulation normalisation, gradients in activation memory,
+// the non-finite guard, indexed datasets, configuration errors, and the checkpoint's HF layout.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -188,6 +188,33 @@ TEST(Trainer, GradientAccumulationNormalisesOverTheGlobalBatch) {
     EXPECT_NEAR(r2.losses[i], r1.losses[i], 1e-5 * std::abs(r1.losses[i])) << "step " << i + 1;
   fs::remove_all(a);
   fs::remove_all(b);
+}
+
+// GDN_GRADS_IN_ACTIVATIONS (one micro-batch a step: the gradients in activation memory the
+// backward has consumed) is scheduling-only: the losses of every step, evaluations between the
+// steps included (a forward-only pass overwrites that memory after the optimizer has used it),
+// are bitwise those with the gradients in an arena of their own.
+TEST(Trainer, GradientsInActivationMemoryLeaveTheLossesBitwiseUnchanged) {
+  TrainOptions quiet;
+  quiet.quiet = true;
+  std::vector<TrainResult> runs;
+  for (const char* knob : {"1", "0"}) {
+    setenv("GDN_GRADS_IN_ACTIVATIONS", knob, 1);
+    env::reset_cache_for_testing();
+    fs::path d = temp_dir(fmt::format("gia{}", knob));
+    auto c = small_config(d, 4);
+    c.set("eval.every=2");
+    runs.push_back(run_training(c, quiet));
+    fs::remove_all(d);
+  }
+  unsetenv("GDN_GRADS_IN_ACTIVATIONS");
+  env::reset_cache_for_testing();
+  ASSERT_EQ(runs[0].losses.size(), 4u);
+  ASSERT_EQ(runs[1].losses.size(), 4u);
+  for (size_t i = 0; i < 4; ++i)
+    EXPECT_EQ(runs[0].losses[i], runs[1].losses[i]) << "step " << i + 1;
+  EXPECT_EQ(runs[0].eval_loss, runs[1].eval_loss);
+  EXPECT_LT(runs[0].losses.back(), runs[0].losses.front());
 }
 
 TEST(Trainer, NonFiniteStepsAreSkippedOrStopTheRunNamingTheTensor) {

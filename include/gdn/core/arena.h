@@ -29,6 +29,10 @@ class Arena {
   void* alloc(size_t bytes, size_t align = 256);
   Tensor alloc_tensor(DType dtype, std::initializer_list<int64_t> shape);
   Tensor alloc_tensor(DType dtype, std::span<const int64_t> shape);
+  // A view at a fixed byte `offset` (a layout planned apart from the bump order, e.g. gradients
+  // placed at the top of an activation arena); throws when it does not fit the capacity. It does
+  // not move used(): the caller's plan keeps bump allocations and such views apart.
+  Tensor view_at(size_t offset, DType dtype, std::span<const int64_t> shape) const;
   // Frees everything allocated since `mark` (a value returned by used()).
   void release_to(size_t mark);
   void reset() { release_to(0); }
