@@ -148,7 +148,7 @@ Qwen35Model::Qwen35Model(Qwen35Config cfg, Backend backend, int64_t max_tokens, 
   const int64_t min_doc = env::get_int("GDN_GDR_SAVED_MIN_DOC_TOKENS");
   GDN_CHECK(min_doc >= 0, "GDN_GDR_SAVED_MIN_DOC_TOKENS = {} must be >= 0 (0: no saved states)",
             min_doc);
-  if (recompute_ == Recompute::None && backend_ == Backend::Cuda &&
+  if (recompute_ != Recompute::Full && backend_ == Backend::Cuda &&
       cfg_.num_linear_attention_layers() > 0 && min_doc > 0) {
     gdr_saved_docs_ = std::min(max_docs_, std::max<int64_t>(1, max_tokens_ / min_doc));
     gdr_saved_plan_ = gdr_saved_numel(max_tokens_, gdr_saved_docs_, cfg_.linear_num_value_heads,
@@ -479,15 +479,16 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
   const bool cheap = full || recompute_ == Recompute::Selective;
   // The gated delta rule's optional `saved` (op.h: the forward's chunk-start states and V', which
   // the backward otherwise recomputes in a sequential pass): kept per GDN layer with
-  // Recompute::None when a backward follows, on cuda only (ref and cpu ignore it). Selective and
-  // Full keep memory down instead: their backward passes no `saved` and recomputes it.
+  // Recompute::None and Selective (which keeps the GDR's outputs) when a backward follows, on cuda
+  // only (ref and cpu ignore it). Full keeps memory down instead: its backward passes no `saved`
+  // and recomputes it.
   // Its size grows with the documents of the batch (one chunk slot per 64 tokens plus one per
   // document), and the plan's worst case (max_docs, up to one token per document) would be 64
   // times the one-document size, so the constructor plans it for batches of up to
   // max_tokens / GDN_GDR_SAVED_MIN_DOC_TOKENS documents (128 by default: about 1.5x the
   // one-document size); a batch with more documents passes no `saved` and its backward
   // recomputes, with bitwise the same gradients (op.h), only slower.
-  const bool keep_gdr_saved = !cheap && backward && gdr_saved_plan_ > 0;
+  const bool keep_gdr_saved = !full && backward && gdr_saved_plan_ > 0;
   const int64_t gdr_saved_size = !keep_gdr_saved ? 0
                                  : live          ? gdr_saved_numel(T, N, Hv, dk, dv)
                                                  : gdr_saved_plan_;

@@ -64,8 +64,9 @@ struct StepStats {
 
 // Activation recompute (issue 8): what the forward keeps for the backward.
 //   none:      every layer activation (fastest, most memory);
-//   selective: the GEMM, GDR and attention outputs; the memory-bound ops' outputs (input and post
-//              norms, conv + q/k/v split, gated norm, SwiGLU) are recomputed per layer;
+//   selective: the GEMM, GDR (with its saved states on cuda) and attention outputs; the
+//              memory-bound ops' outputs (input and post norms, conv + q/k/v split, gated norm,
+//              SwiGLU) are recomputed per layer;
 //   full:      only the residual stream (each layer's input); the backward re-runs the layer's
 //              forward (all but its last GEMM) just before the layer's backward.
 // Recomputed values are bitwise the forward's (the ops are deterministic), so the policy changes
@@ -175,7 +176,7 @@ class Qwen35Model {
   // before its first write: [0, L) the layers, [L] the head (final norm and LM head, or the tied
   // embedding), [L + 1] an untied embedding (undefined when tied).
   std::vector<Tensor> grad_group_;
-  // The gated delta rule's optional `saved` per GDN layer (Recompute::None on cuda, run() has the
+  // The gated delta rule's optional `saved` per GDN layer (None or Selective on cuda, run() has the
   // policy): elements planned for each layer (0: none) and the documents per batch that fit them.
   int64_t gdr_saved_plan_ = 0, gdr_saved_docs_ = 0;
   // Rows of the logits chunk of the unfused LM head (GDN_FUSED_LM_HEAD=0): GDN_FLCE_CHUNK_BYTES
