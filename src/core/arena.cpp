@@ -18,13 +18,25 @@ Arena Arena::planning(std::string name, Device device) {
   return a;
 }
 
-Arena::~Arena() { device_free(device_, base_); }
+Arena Arena::borrowing(std::string name, Device device, void* base, size_t capacity) {
+  Arena a;
+  a.name_ = std::move(name);
+  a.device_ = device;
+  a.base_ = static_cast<char*>(base);
+  a.capacity_ = capacity;
+  a.owned_ = false;
+  return a;
+}
+
+Arena::~Arena() {
+  if (owned_) device_free(device_, base_);
+}
 
 Arena::Arena(Arena&& o) noexcept { *this = std::move(o); }
 
 Arena& Arena::operator=(Arena&& o) noexcept {
   if (this != &o) {
-    device_free(device_, base_);
+    if (owned_) device_free(device_, base_);
     name_ = std::move(o.name_);
     device_ = o.device_;
     base_ = std::exchange(o.base_, nullptr);
@@ -32,6 +44,7 @@ Arena& Arena::operator=(Arena&& o) noexcept {
     used_ = std::exchange(o.used_, 0);
     peak_ = std::exchange(o.peak_, 0);
     planning_ = o.planning_;
+    owned_ = std::exchange(o.owned_, true);
   }
   return *this;
 }
@@ -74,6 +87,12 @@ Tensor Arena::view_at(size_t offset, DType dtype, std::span<const int64_t> shape
             format_bytes(static_cast<double>(bytes)), offset,
             format_bytes(static_cast<double>(capacity_)));
   return Tensor(base_ + offset, dtype, shape, device_);
+}
+
+void* Arena::address_at(size_t offset) const {
+  GDN_CHECK(!planning_ && offset <= capacity_, "arena '{}': offset {} beyond its capacity {}",
+            name_, offset, capacity_);
+  return base_ + offset;
 }
 
 void Arena::release_to(size_t mark) {

@@ -165,8 +165,15 @@ Qwen35Model::Qwen35Model(Qwen35Config cfg, Backend backend, int64_t max_tokens, 
   Arena bwd_plan = Arena::planning("loss and backward scratch", dev);
   StepOptions opt;
   run(plan, tmp_plan, bwd_plan, nullptr, opt, nullptr);
-  tmp_arena_ = Arena("recompute scratch", dev, tmp_plan.peak());
-  bwd_arena_ = Arena("loss and backward scratch", dev, bwd_plan.peak());
+  // The recompute scratch lies in the loss and backward scratch, above the backward's temporaries
+  // (bwd_plan's peak once the LM head's part was released): the forward uses that arena for
+  // nothing else, and the LM head's part (its input and workspace) is dead before the backward
+  // recomputes anything. So the two cost max(LM head part, backward part + recompute scratch).
+  const size_t tmp_at = align256(bwd_plan.peak());
+  bwd_arena_ =
+      Arena("loss and backward scratch", dev, std::max(plan_lm_end_, tmp_at + tmp_plan.peak()));
+  tmp_arena_ =
+      Arena::borrowing("recompute scratch", dev, bwd_arena_.address_at(tmp_at), tmp_plan.peak());
   if (shared) {
     place_grads_in_activations(plan.peak());
   } else {
@@ -257,16 +264,16 @@ std::string Qwen35Model::memory_plan() const {
   const bool shared = grad_memory_ == GradMemory::InActivations;
   return fmt::format(
              "memory plan ({} backend, micro-batch up to {} tokens / {} documents, recompute {}): "
-             "parameters {}, gradients {}{}, activations {}{} (+ {} per-layer scratch, {} loss "
-             "and backward scratch); total {}",
+             "parameters {}, gradients {}{}, activations {}{} (+ {} loss and backward scratch, "
+             "{} of it the per-layer recompute scratch); total {}",
              backend_name(backend_), max_tokens_, max_docs_, recompute_name(recompute_),
              format_bytes(static_cast<double>(param_bytes())),
              format_bytes(static_cast<double>(grad_total)),
              shared ? " (in activation memory the backward has consumed)" : "",
              format_bytes(static_cast<double>(act_arena_.capacity())),
              shared ? " with the gradients" : "",
-             format_bytes(static_cast<double>(tmp_arena_.capacity())),
              format_bytes(static_cast<double>(bwd_arena_.capacity())),
+             format_bytes(static_cast<double>(tmp_arena_.capacity())),
              format_bytes(static_cast<double>(param_bytes() + grad_bytes() + activation_bytes()))) +
          (gdr_saved_plan_ == 0
               ? std::string()
@@ -779,7 +786,13 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
     stats->z_loss_dev = zl;
   }
   if (!backward && live) return;
-  bwd.release_to(lm_mark);
+  if (!live) {  // the plan of the LM head's part; the backward's is measured from here
+    plan_lm_end_ = bwd.peak();
+    bwd.release_to(lm_mark);
+    bwd.reset_peak();
+  } else {
+    bwd.release_to(lm_mark);
+  }
 
   // ---------------------------------------------------------------- backward
   Tensor dh = p.balloc_act({T, D});  // gradient of the residual stream, carried down the layers

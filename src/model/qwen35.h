@@ -139,11 +139,9 @@ class Qwen35Model {
   size_t param_bytes() const { return param_arena_.capacity(); }
   // The separate gradient arena (0 with GradMemory::InActivations: they are in the activations').
   size_t grad_bytes() const { return grad_arena_.capacity(); }
-  // Activations kept across the step (with GradMemory::InActivations, the gradients on top), the
-  // per-layer scratch (dropped/recomputed ones) and the loss and backward scratch.
-  size_t activation_bytes() const {
-    return act_arena_.capacity() + tmp_arena_.capacity() + bwd_arena_.capacity();
-  }
+  // Activations kept across the step (with GradMemory::InActivations, the gradients on top) and
+  // the loss and backward scratch (which holds the per-layer recompute scratch: the constructor).
+  size_t activation_bytes() const { return act_arena_.capacity() + bwd_arena_.capacity(); }
   Recompute recompute() const { return recompute_; }
   GradMemory grad_memory() const { return grad_memory_; }
   const FusedRoutes& fused() const { return fused_; }
@@ -171,6 +169,7 @@ class Qwen35Model {
   // Recorded by the planning run: act_arena_'s used() after the inputs and after each layer's
   // forward (a live step never goes past them: its sizes are at most the planned ones).
   size_t plan_inputs_end_ = 0;
+  size_t plan_lm_end_ = 0;  // bwd's peak through the LM head loss (the planning run)
   std::vector<size_t> plan_layer_end_;
   // GradMemory::InActivations: each gradient group's bytes in act_arena_ (an I32 view), zeroed
   // before its first write: [0, L) the layers, [L] the head (final norm and LM head, or the tied
@@ -184,7 +183,8 @@ class Qwen35Model {
   int64_t lm_chunk_rows_ = 0;
   FusedRoutes fused_;
   OwnedTensor ones_;  // [D] compute dtype: the 1 of the unfused zero-centred norms' 1 + w
-  Arena param_arena_, grad_arena_, act_arena_, tmp_arena_, bwd_arena_;
+  // bwd_arena_ before tmp_arena_, which borrows from it.
+  Arena param_arena_, grad_arena_, act_arena_, bwd_arena_, tmp_arena_;
   std::vector<Tensor> params_, grads_;
   // A micro-batch's inputs (ids, labels, cu_seqlens) go to the device through page-locked
   // staging, two slots in turn: the copy out of a slot is issued without waiting, and the slot is

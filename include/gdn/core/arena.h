@@ -19,6 +19,9 @@ class Arena {
   Arena(std::string name, Device device, size_t capacity);
   // A planning arena: records sizes only; alloc() returns nullptr-backed views.
   static Arena planning(std::string name, Device device);
+  // An arena over `capacity` bytes of memory another arena owns (from its address_at); it never
+  // frees them. The owner's plan keeps the two apart in time or in space.
+  static Arena borrowing(std::string name, Device device, void* base, size_t capacity);
   ~Arena();
   Arena(Arena&& o) noexcept;
   Arena& operator=(Arena&& o) noexcept;
@@ -33,9 +36,13 @@ class Arena {
   // placed at the top of an activation arena); throws when it does not fit the capacity. It does
   // not move used(): the caller's plan keeps bump allocations and such views apart.
   Tensor view_at(size_t offset, DType dtype, std::span<const int64_t> shape) const;
+  // The address of byte `offset` (<= capacity), for borrowing().
+  void* address_at(size_t offset) const;
   // Frees everything allocated since `mark` (a value returned by used()).
   void release_to(size_t mark);
   void reset() { release_to(0); }
+  // Restarts the peak from the current use (a planner measuring one phase of a step).
+  void reset_peak() { peak_ = used_; }
 
   const std::string& name() const { return name_; }
   Device device() const { return device_; }
@@ -52,6 +59,7 @@ class Arena {
   size_t used_ = 0;
   size_t peak_ = 0;
   bool planning_ = false;
+  bool owned_ = true;
 };
 
 // "1.50 GiB", "312.0 MiB", "12 B".
