@@ -65,8 +65,7 @@ constexpr Knob kKnobs[] = {
      "the fast route, which otherwise runs head dims <= 128 that are multiples of 8).",
      false, nullptr},
     {"GDN_GDR_SAVED_MIN_DOC_TOKENS", KnobType::Int, "128",
-     "Training with recompute none or selective on cuda keeps each GDN layer's gated delta rule "
-     "states for its "
+     "Training with recompute none or selective on cuda keeps each GDN layer's gated delta rule states for its "
      "backward (which then skips a sequential pass), planned for micro-batches of up to "
      "max_tokens / this many documents; a batch with more documents recomputes them (same "
      "gradients, slower). 0 keeps none (less activation memory).",
@@ -105,13 +104,6 @@ constexpr Knob kKnobs[] = {
      "Force an implementation for one op, e.g. GDN_OP_RMSNORM=cpu.rowwise (names: gdntrain ops "
      "list). The forced implementation is still probed; under GDN_STRICT_KERNELS a failed probe or "
      "capability check is an error.",
-     false, nullptr},
-    {"GDN_OVERLAP_OPTIMIZER", KnobType::Bool, "1",
-     "Training on cuda with GDN_GRADS_IN_ACTIVATIONS in effect: 1 issues each step's AdamW update "
-     "on a side stream, one parameter group at a time in the order the next forward reads them, "
-     "and the next forward waits on the device for each group just before using it, so the "
-     "update runs beside the forward's GEMMs. 0 (A/B): the update on the compute stream before "
-     "the next step. Scheduling-only: the same losses bitwise.",
      false, nullptr},
     {"GDN_SPLIT_MASTER", KnobType::Bool, "1",
      "Training on cuda: 1 keeps each fp32 master weight whose compute copy is bf16 as that copy "

@@ -261,53 +261,6 @@ void StreamFence::record() {
 void StreamFence::wait() {
   if (event_ != nullptr) g_cuda_hooks.event_synchronize(event_);
 }
-SideStream::SideStream(Device device) {
-  if (device == Device::CUDA) {
-    GDN_CHECK(g_cuda_installed, "a side stream requested but no CUDA device is available");
-    if (g_cuda_hooks.stream_create != nullptr) stream_ = g_cuda_hooks.stream_create();
-  }
-}
-SideStream::~SideStream() {
-  if (stream_ != nullptr) g_cuda_hooks.stream_destroy(stream_);
-}
-SideStream::Scope::Scope(const SideStream& s) : active_(s.stream_ != nullptr) {
-  if (active_) g_cuda_hooks.set_thread_stream(s.stream_);
-}
-SideStream::Scope::~Scope() {
-  if (active_) g_cuda_hooks.set_thread_stream(nullptr);
-}
-
-StreamEvent::StreamEvent(Device device) {
-  if (device == Device::CUDA) {
-    GDN_CHECK(g_cuda_installed && g_cuda_hooks.event_create != nullptr,
-              "a device event requested but no CUDA device is available");
-    event_ = g_cuda_hooks.event_create();
-  }
-}
-StreamEvent::~StreamEvent() {
-  if (event_ != nullptr) g_cuda_hooks.event_destroy(event_);
-}
-StreamEvent::StreamEvent(StreamEvent&& o) noexcept : event_(o.event_) { o.event_ = nullptr; }
-StreamEvent& StreamEvent::operator=(StreamEvent&& o) noexcept {
-  if (this != &o) {
-    if (event_ != nullptr) g_cuda_hooks.event_destroy(event_);
-    event_ = o.event_;
-    o.event_ = nullptr;
-  }
-  return *this;
-}
-void StreamEvent::record() {
-  if (event_ != nullptr) g_cuda_hooks.event_record(event_);
-}
-void StreamEvent::wait() const {
-  if (event_ == nullptr) return;
-  if (g_cuda_hooks.event_wait != nullptr) {
-    g_cuda_hooks.event_wait(event_);
-  } else {
-    g_cuda_hooks.event_synchronize(event_);
-  }
-}
-
 double StreamFence::ms_since(const StreamFence& start) const {
   if (event_ == nullptr || start.event_ == nullptr || g_cuda_hooks.event_elapsed_ms == nullptr)
     return -1.0;

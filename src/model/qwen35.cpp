@@ -106,20 +106,6 @@ Qwen35Model::Qwen35Model(Qwen35Config cfg, Backend backend, int64_t max_tokens, 
             max_tokens_, max_docs_);
   specs_ = param_specs(cfg_);
   ids_ = param_ids(specs_, cfg_);
-  const int64_t L = cfg_.num_hidden_layers;
-  param_group_.assign(specs_.size(), -1);
-  for (int64_t l = 0; l < L; ++l) {
-    const LayerParamIds& w = ids_.layers[static_cast<size_t>(l)];
-    for (int64_t id :
-         {w.input_norm, w.post_norm, w.mlp_gate, w.mlp_up,  w.mlp_down, w.in_proj_qkv, w.in_proj_z,
-          w.in_proj_b,  w.in_proj_a, w.conv1d,   w.dt_bias, w.a_log,    w.gated_norm,  w.out_proj,
-          w.q_proj,     w.k_proj,    w.v_proj,   w.o_proj,  w.q_norm,   w.k_norm})
-      if (id >= 0) param_group_[static_cast<size_t>(id)] = l;
-  }
-  for (int64_t id : {ids_.embed, ids_.final_norm, ids_.lm_head})
-    if (id >= 0) param_group_[static_cast<size_t>(id)] = L;
-  for (size_t i = 0; i < specs_.size(); ++i)
-    GDN_CHECK(param_group_[i] >= 0, "model: parameter '{}' belongs to no layer", specs_[i].name);
   const Device dev = backend_device(backend_);
   const DType gdt = backend_ == Backend::Ref ? DType::F64 : DType::F32;
   size_t pbytes = 0, gbytes = 0;
@@ -205,11 +191,24 @@ Qwen35Model::Qwen35Model(Qwen35Config cfg, Backend backend, int64_t max_tokens, 
 void Qwen35Model::place_grads_in_activations(size_t forward_peak) {
   const int64_t L = cfg_.num_hidden_layers;
   const DType gdt = backend_ == Backend::Ref ? DType::F64 : DType::F32;
-  std::vector<int64_t> group_of = param_group_;
-  if (ids_.lm_head >= 0) group_of[static_cast<size_t>(ids_.embed)] = L + 1;  // written last
+  std::vector<int64_t> group_of(specs_.size(), -1);
+  for (int64_t l = 0; l < L; ++l) {
+    const LayerParamIds& w = ids_.layers[static_cast<size_t>(l)];
+    for (int64_t id :
+         {w.input_norm, w.post_norm, w.mlp_gate, w.mlp_up,  w.mlp_down, w.in_proj_qkv, w.in_proj_z,
+          w.in_proj_b,  w.in_proj_a, w.conv1d,   w.dt_bias, w.a_log,    w.gated_norm,  w.out_proj,
+          w.q_proj,     w.k_proj,    w.v_proj,   w.o_proj,  w.q_norm,   w.k_norm})
+      if (id >= 0) group_of[static_cast<size_t>(id)] = l;
+  }
+  group_of[static_cast<size_t>(ids_.final_norm)] = L;
+  group_of[static_cast<size_t>(ids_.embed)] = ids_.lm_head >= 0 ? L + 1 : L;
+  if (ids_.lm_head >= 0) group_of[static_cast<size_t>(ids_.lm_head)] = L;
   std::vector<size_t> bytes(static_cast<size_t>(L + 2), 0);
-  for (size_t i = 0; i < specs_.size(); ++i)
+  for (size_t i = 0; i < specs_.size(); ++i) {
+    GDN_CHECK(group_of[i] >= 0, "model: parameter '{}' belongs to no gradient group",
+              specs_[i].name);
     bytes[static_cast<size_t>(group_of[i])] += align256(bytes_of(specs_[i], gdt));
+  }
   // Top-down order and each group's live-activation floor.
   std::vector<std::pair<int64_t, size_t>> order{{L, forward_peak}};
   for (int64_t l = L - 1; l >= 0; --l)
@@ -458,8 +457,6 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
       norm_ids.push_back(w.post_norm);
     }
     for (int64_t id : norm_ids) zc_w[id] = p.alloc_act({D});
-    if (live && opt.before_group)  // every layer's norm weights are read here
-      for (int64_t g = 0; g <= L; ++g) opt.before_group(g);
     if (live) {
       ProfileRange pr("zc_norm.materialise");
       for (const auto& [id, w1] : zc_w) {
@@ -475,7 +472,6 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
   // Residual stream: H[l] is the input of layer l, H[L] the input of the final norm.
   std::vector<Tensor> H(static_cast<size_t>(L + 1));
   H[0] = p.alloc_act({T, D});
-  if (live && opt.before_group) opt.before_group(L);  // embedding, final norm, LM head
   if (live) {
     ProfileRange pr("embedding.fwd");
     embedding_forward({ids, P(ids_.embed), H[0]});
@@ -659,7 +655,6 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
   if (!live) plan_layer_end_.assign(static_cast<size_t>(L), 0);
   for (int64_t l = 0; l < L; ++l) try {
       H[static_cast<size_t>(l + 1)] = p.alloc_act({T, D});
-      if (live && opt.before_group) opt.before_group(l);
       layer_forward(l, false);
       // GradMemory::InActivations places layer l's gradients above this planned end: a live step
       // must stay below it (its sizes are at most the plan's, so it does).

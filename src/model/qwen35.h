@@ -27,7 +27,6 @@
 #include <array>
 
 #include <cstdint>
-#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -52,11 +51,6 @@ struct StepOptions {
   // Read the loss to the host (StepStats::loss, z_loss). false: the step never waits for the
   // device; the values stay on it (StepStats::loss_dev, z_loss_dev) and the host fields are NaN.
   bool host_stats = true;
-  // Called (host side, as the step is issued) before the step first reads a parameter group's
-  // compute copy: group L (the embedding, final norm and LM head) before the embedding, group l
-  // before layer l's forward. The trainer's optimizer, overlapped with the next step on a side
-  // stream, makes the compute stream wait there for that group's update (param_group()).
-  std::function<void(int64_t group)> before_group{};
 };
 
 struct StepStats {
@@ -125,9 +119,6 @@ class Qwen35Model {
   const Qwen35Config& config() const { return cfg_; }
   Backend backend() const { return backend_; }
   const std::vector<ParamSpec>& specs() const { return specs_; }
-  // The group of parameter i that StepOptions::before_group names: its layer l, or L for the
-  // embedding, the final norm and the LM head.
-  int64_t param_group(size_t i) const { return param_group_.at(i); }
   // Compute copy of parameter i (HF shape; backend dtype and device).
   const Tensor& param(size_t i) const { return params_.at(i); }
   // Gradient of parameter i (HF shape; F64 on ref, F32 otherwise; backend device).
@@ -174,7 +165,6 @@ class Qwen35Model {
   std::vector<ParamSpec> specs_;
   ModelParamIds ids_;
   Recompute recompute_ = Recompute::None;
-  std::vector<int64_t> param_group_;  // param_group()
   GradMemory grad_memory_ = GradMemory::Separate;
   // Recorded by the planning run: act_arena_'s used() after the inputs and after each layer's
   // forward (a live step never goes past them: its sizes are at most the planned ones).

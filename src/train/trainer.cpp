@@ -699,43 +699,6 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
     }
   }
   const ops::AdamWClip device_clip{ctl_sumsq, ctl_loss, clip};
-  // The optimizer beside the next step (GDN_OVERLAP_OPTIMIZER, issue 8). With the gradients in
-  // activation memory, step k's update is issued on a side stream, one parameter group after
-  // another in the order the next forward reads them (the embedding, final norm and LM head, then
-  // layer 0, 1, ...), and step k + 1's forward waits on the device for each group's update just
-  // before it reads that group (StepOptions::before_group): the memory-bound update then runs
-  // beside the forward's GEMMs instead of before them. The gradients of layer l lie above layer
-  // l's forward activations (qwen35.h), so the next forward overwrites only those of groups
-  // already updated: it reaches layer j's activations after waiting for group j, and the side
-  // stream updates the groups in order. Everything else that reads the model (evaluation,
-  // checkpoints, the profiled step, the end of the run) first waits for the whole update (join).
-  // The same operations on the same values: the losses are bitwise those without it.
-  const bool overlap = deferred && m.grad_memory() == model::GradMemory::InActivations &&
-                       env::get_bool("GDN_OVERLAP_OPTIMIZER");
-  const int64_t groups = mcfg.num_hidden_layers + 1;  // layers 0..L-1, then L: embedding etc.
-  SideStream side(overlap ? Device::CUDA : Device::CPU);
-  std::vector<StreamEvent> group_done;
-  StreamEvent grads_ready, side_done;
-  OwnedTensor side_decision;  // the clip decision of the side stream's update (not the scratch)
-  std::vector<std::vector<ops::AdamWParam>> group_params(static_cast<size_t>(groups));
-  std::vector<std::vector<size_t>> group_f32(static_cast<size_t>(groups));
-  ops::AdamWClip side_clip = device_clip;
-  if (overlap) {
-    for (int64_t g = 0; g < groups; ++g) group_done.emplace_back(Device::CUDA);
-    grads_ready = StreamEvent(Device::CUDA);
-    side_done = StreamEvent(Device::CUDA);
-    side_decision = OwnedTensor::empty(DType::F32, {2}, Device::CUDA);
-    side_clip.decision = side_decision.view();
-    for (size_t i = 0; i < params.size(); ++i)
-      group_params[static_cast<size_t>(m.param_group(i))].push_back(params[i]);
-    for (size_t i : f32_compute) group_f32[static_cast<size_t>(m.param_group(i))].push_back(i);
-  }
-  bool side_pending = false;  // an update on the side stream not yet waited for as a whole
-  auto join_optimizer = [&] {
-    if (!side_pending) return;
-    side_done.wait();
-    side_pending = false;
-  };
   // What happens after a step (0-based `step`): an evaluation, a progress line (which ends a
   // tokens/s window), a stop (--stop-after), a checkpoint.
   auto evals_at = [&](int64_t step) {
@@ -845,7 +808,6 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
                           {"skipped", !finite},
                           {"elapsed_s", elapsed}};
     const bool do_eval = evals_at(step);
-    if (do_eval || checkpoints_at(step)) join_optimizer();  // they read the updated model
     if (do_eval) {
       Evaluation e = evaluate(m, *data, eval_batches);
       rec["eval_loss"] = e.loss;
@@ -932,8 +894,6 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
     try {
       for (size_t k = 0; k < mbs.size(); ++k) {
         model::StepOptions so;
-        if (side_pending)  // the previous step's update, group by group (waits on the device)
-          so.before_group = [&](int64_t g) { group_done[static_cast<size_t>(g)].wait(); };
         so.backward = true;
         so.z_loss = z_loss;
         so.loss_denominator = static_cast<double>(std::max<int64_t>(denom, 1));
@@ -954,9 +914,6 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
       cur.nonfinite = e.message();
       cur.loss = std::numeric_limits<double>::quiet_NaN();
     }
-    // The forward waited for every group of the previous update; this covers a step that stopped
-    // early (a device-side wait, nothing for the host to wait for).
-    join_optimizer();
     if (deferred) {
       if (!cur.nonfinite.empty()) {  // a host-side check threw: make the device skip the update
         const float nan = std::numeric_limits<float>::quiet_NaN();
@@ -975,21 +932,7 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
       hyper.lr = cur.lr;
       hyper.step = step + 1 - res.skipped_steps;
       hyper.grad_scale = 1.0;
-      if (overlap && !prof) {  // on the side stream, group by group (see `overlap`)
-        grads_ready.record();
-        SideStream::Scope on_side(side);
-        grads_ready.wait();
-        for (int64_t k = 0; k < groups; ++k) {
-          const size_t g = static_cast<size_t>(k == 0 ? groups - 1 : k - 1);  // L, 0, 1, ...
-          ops::adamw_step(group_params[g], hyper, side_clip);
-          for (size_t i : group_f32[g])
-            copy_bytes_async(m.param(i).data(), Device::CUDA, dev.master[i].data(), Device::CUDA,
-                             static_cast<size_t>(dev.master[i].nbytes()));
-          group_done[g].record();
-        }
-        side_done.record();
-        side_pending = true;
-      } else {
+      {
         ProfileRange pr("optimizer");
         ops::adamw_step(params, hyper, device_clip);  // skips itself on a non-finite sum or loss
         for (size_t i : f32_compute)
@@ -1052,7 +995,6 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
     }
   }
   if (pending && !stop) finalise(*pending);
-  join_optimizer();
   (void)untouched;
   if (!topt.quiet) {
     if (res.eval_accuracy >= 0)

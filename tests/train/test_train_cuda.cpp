@@ -11,8 +11,6 @@
 
 #include <cmath>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <set>
 
 #include "gdn/backend/registry.h"
@@ -300,41 +298,6 @@ TEST(TrainCuda, GradsInActivationsLeaveTheLossesBitwiseUnchanged) {
   }
   unsetenv("GDN_GRADS_IN_ACTIVATIONS");
   env::reset_cache_for_testing();
-}
-
-// GDN_OVERLAP_OPTIMIZER (each step's AdamW update on a side stream, group by group, beside the next
-// step's forward) is scheduling-only: over six steps with an evaluation and checkpoints between
-// them (which wait for the whole update) and a profiled step (whose update runs on the compute
-// stream), the losses and the evaluation loss are bitwise those of the update on the compute
-// stream, and so are the checkpoint's weights.
-TEST(TrainCuda, OverlappedOptimizerLeavesTheLossesBitwiseUnchanged) {
-  std::vector<TrainResult> runs;
-  std::vector<std::string> dirs;
-  for (const char* knob : {"1", "0"}) {
-    setenv("GDN_OVERLAP_OPTIMIZER", knob, 1);
-    env::reset_cache_for_testing();
-    auto cfg = tiny(fmt::format("overlap_{}", knob), "cuda", 6);
-    cfg.set("eval.every=3");
-    cfg.set("checkpoint.every=2");
-    TrainOptions o;
-    o.quiet = true;
-    o.profile_step = 5;
-    runs.push_back(run_training(cfg, o));
-    dirs.push_back(cfg.get_string("run.dir"));
-  }
-  unsetenv("GDN_OVERLAP_OPTIMIZER");
-  env::reset_cache_for_testing();
-  ASSERT_EQ(runs[0].losses.size(), 6u);
-  ASSERT_EQ(runs[1].losses.size(), 6u);
-  for (size_t i = 0; i < 6; ++i)
-    EXPECT_EQ(runs[0].losses[i], runs[1].losses[i]) << "step " << i + 1;
-  EXPECT_EQ(runs[0].eval_loss, runs[1].eval_loss);
-  const std::string ck = "/checkpoints/step-6/model.safetensors";
-  std::ifstream a(dirs[0] + ck, std::ios::binary), b(dirs[1] + ck, std::ios::binary);
-  ASSERT_TRUE(a.good() && b.good()) << dirs[0] + ck;
-  const std::string da((std::istreambuf_iterator<char>(a)), std::istreambuf_iterator<char>());
-  const std::string db((std::istreambuf_iterator<char>(b)), std::istreambuf_iterator<char>());
-  EXPECT_TRUE(da == db) << "the step-6 checkpoints differ";
 }
 
 // --profile-step on the GPU: CUDA-event ranges for every op group of the step, summing to no more

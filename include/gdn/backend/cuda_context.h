@@ -33,9 +33,7 @@ class Context {
   int device() const { return device_; }
   const cudaDeviceProp& props() const { return props_; }
   int sm_count() const { return props_.multiProcessorCount; }
-  // The stream this thread issues on: the compute stream, or the side stream of a
-  // gdn::SideStream::Scope alive on this thread (gdn/core/tensor.h).
-  cudaStream_t stream() const;
+  cudaStream_t stream() const { return stream_; }
   cublasLtHandle_t cublaslt() const { return cublaslt_; }
   // cuBLASLt workspace (32 MiB, NVIDIA's recommendation for Hopper), allocated once.
   void* workspace() const { return workspace_; }
@@ -63,13 +61,7 @@ class Context {
   size_t scratch_bytes_ = 0;
 };
 
-// This thread's side stream while a gdn::SideStream::Scope is alive (null: the compute stream).
-inline thread_local cudaStream_t t_side_stream = nullptr;
-inline cudaStream_t Context::stream() const {
-  return t_side_stream != nullptr ? t_side_stream : stream_;
-}
-
-// Shorthand for the current stream (the compute stream outside a side-stream scope).
+// Shorthand for the compute stream.
 inline cudaStream_t stream() { return Context::get().stream(); }
 
 // True when the CUDA runtime found at least one device at start-up (the device hooks are then

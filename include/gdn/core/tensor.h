@@ -116,14 +116,6 @@ struct DeviceHooks {
   // How many times the host has waited for all the device work issued so far (device or stream
   // synchronisation, synchronous copies; not event waits, which wait for an earlier mark).
   uint64_t (*drains)() = nullptr;
-  // Side streams (SideStream, StreamEvent below). Optional: without them a SideStream is inert
-  // and its work runs on the compute stream.
-  void* (*stream_create)() = nullptr;
-  void (*stream_destroy)(void* s) = nullptr;
-  // This thread's device work goes to `s` from now on (null: back to the compute stream).
-  void (*set_thread_stream)(void* s) = nullptr;
-  // The current stream waits, on the device, for the work `e` marked (the host does not wait).
-  void (*event_wait)(void* e) = nullptr;
 };
 void set_cuda_hooks(const DeviceHooks& hooks);
 bool cuda_available();
@@ -182,49 +174,6 @@ class StreamFence {
 // host issues more. 0 without CUDA. A training step must not add any (tests check the difference);
 // StreamFence::wait waits for an earlier mark and is not counted.
 uint64_t device_drains();
-
-// A second device stream, for work that may run beside the compute stream's (the trainer's
-// optimizer beside the next step's forward). Inert on the CPU (its work runs in order there).
-// While a Scope is alive, this thread's device work (ops, copies, memsets, fence and event marks)
-// is issued on the side stream. The two streams are ordered only through StreamEvent, and work in
-// a Scope must not use the CUDA context's shared scratch buffer (the compute stream's ops do).
-class SideStream {
- public:
-  explicit SideStream(Device device = Device::CPU);
-  ~SideStream();
-  SideStream(const SideStream&) = delete;
-  SideStream& operator=(const SideStream&) = delete;
-  class Scope {
-   public:
-    explicit Scope(const SideStream& s);
-    ~Scope();
-    Scope(const Scope&) = delete;
-    Scope& operator=(const Scope&) = delete;
-
-   private:
-    bool active_ = false;
-  };
-
- private:
-  void* stream_ = nullptr;
-};
-// A mark one stream records and another waits for on the device. record() marks the work issued
-// so far on the current stream (the side stream inside a SideStream::Scope); wait() makes the
-// current stream wait for that work without blocking the host. No-ops on the CPU.
-class StreamEvent {
- public:
-  explicit StreamEvent(Device device = Device::CPU);
-  ~StreamEvent();
-  StreamEvent(StreamEvent&& o) noexcept;
-  StreamEvent& operator=(StreamEvent&& o) noexcept;
-  StreamEvent(const StreamEvent&) = delete;
-  StreamEvent& operator=(const StreamEvent&) = delete;
-  void record();
-  void wait() const;
-
- private:
-  void* event_ = nullptr;
-};
 
 // --- owned tensors ---------------------------------------------------------------------------
 class OwnedTensor {

@@ -144,18 +144,6 @@ void hook_event_record(void* e) {
 void hook_event_synchronize(void* e) {
   GDN_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(e)));
 }
-// Side streams: non-blocking with respect to the legacy default stream is not wanted (the compute
-// stream is a blocking one, and plain cudaMemcpy users rely on it), so a blocking stream too.
-void* hook_stream_create() {
-  cudaStream_t s = nullptr;
-  GDN_CUDA_CHECK(cudaStreamCreate(&s));
-  return s;
-}
-void hook_stream_destroy(void* s) { (void)cudaStreamDestroy(static_cast<cudaStream_t>(s)); }
-void hook_set_thread_stream(void* s) { t_side_stream = static_cast<cudaStream_t>(s); }
-void hook_event_wait(void* e) {
-  GDN_CUDA_CHECK(cudaStreamWaitEvent(stream(), static_cast<cudaEvent_t>(e), 0));
-}
 float hook_elapsed_ms(void* a, void* b) {
   float ms = 0;
   GDN_CUDA_CHECK(
@@ -191,10 +179,6 @@ bool install_hooks() {
   h.event_synchronize = hook_event_synchronize;
   h.event_elapsed_ms = hook_elapsed_ms;
   h.drains = hook_drains;
-  h.stream_create = hook_stream_create;
-  h.stream_destroy = hook_stream_destroy;
-  h.set_thread_stream = hook_set_thread_stream;
-  h.event_wait = hook_event_wait;
   set_cuda_hooks(h);
   ProfileHooks ph;
   ph.event_create = hook_event_create;

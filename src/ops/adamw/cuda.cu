@@ -474,8 +474,7 @@ void step(const AdamWStep& s) {
   float* ctl = nullptr;
   const AdamWClip& c = s.clip;
   if (c.sumsq.defined()) {
-    ctl = c.decision.defined() ? c.decision.ptr<float>()
-                               : static_cast<float*>(ctx.scratch(2 * sizeof(float)));
+    ctl = static_cast<float*>(ctx.scratch(2 * sizeof(float)));
     const bool lf = c.losses.defined();
     adamw_clip_kernel<<<1, 1, 0, stream>>>(c.sumsq.ptr<double>(), lf ? c.losses.data() : nullptr,
                                            lf ? static_cast<int>(c.losses.numel()) : 0,

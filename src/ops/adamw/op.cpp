@@ -55,10 +55,6 @@ void validate_clip(const AdamWClip& h, Device device) {
   }
   expect_tensor(h.sumsq, kOp, "clip_sumsq", DType::F64, {1});
   expect_device(h.sumsq, kOp, "clip_sumsq", device);
-  if (h.decision.defined()) {
-    expect_tensor(h.decision, kOp, "clip_decision", DType::F32, {2});
-    expect_device(h.decision, kOp, "clip_decision", device);
-  }
   if (h.losses.defined()) {
     const DType dt = h.losses.dtype();
     GDN_CHECK(dt == DType::F32 || dt == DType::F64,

@@ -88,14 +88,10 @@ struct AdamWHyper {
 // (bitwise what the host would pass as grad_scale) and, when the sum or any of `losses`
 // (optional, F32 or F64 [n] on the same device: the step's losses) is not finite, leaves every
 // tensor unchanged (p, m, v and the bf16 copy): the step is skipped.
-// `decision` (optional, F32 [2] on that device; cuda) is where the device keeps the decision
-// between its kernels (else the CUDA context's scratch buffer): required when the step is issued
-// on a side stream (gdn/core/tensor.h), where the compute stream's ops may use that buffer.
 struct AdamWClip {
   Tensor sumsq;
   Tensor losses;
   double max_norm = 0;  // <= 0: no clipping (non-finite values still skip)
-  Tensor decision{};
 };
 
 struct AdamWStep {
