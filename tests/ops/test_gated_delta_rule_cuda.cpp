@@ -8,9 +8,9 @@
 // by one; runs are bitwise reproducible; a GdrChunkIndexScope gives the same results as the op's
 // own index; garbage device cu_seqlens are sanitised, not read out of bounds; the resolver picks
 // cuda and its probe passes; the probe rejects wrong CUDA variants; every staging pipeline of the
-// state passes and every grid of the persistent dqkw kernel give the same bits; `ops run` on the
-// cuda backend; bad input. Tolerances come from the one table, src/backend/tolerances.h. Every case
-// prints its errors.
+// state passes gives the same bits; `ops run` on the cuda backend;
+// bad input. Tolerances come from the one table, src/backend/tolerances.h. Every case prints its
+// errors.
 #include <unistd.h>
 
 #include <algorithm>
@@ -335,46 +335,6 @@ TEST_F(GdrCuda, EveryStatePipeGivesTheSameBits) {
       EXPECT_NE(std::string(e.what()).find("GDN_GDR_STATE_COLS"), std::string::npos) << e.what();
     }
   }
-}
-
-// Forces the grid of the fast route's persistent dqkw kernel for the life of the object.
-struct DqkwGrid {
-  explicit DqkwGrid(int64_t blocks) { gdr_set_dqkw_grid(blocks); }
-  ~DqkwGrid() { gdr_set_dqkw_grid(0); }
-  DqkwGrid(const DqkwGrid&) = delete;
-  DqkwGrid& operator=(const DqkwGrid&) = delete;
-};
-
-// The persistent dqkw kernel (cuda_fast_bwd.cu: blocks walk the (chunk, key head) groups in steps
-// of the grid, sum dq over the group's value heads, and stage the next item's tiles during the
-// current item's tail) changes no arithmetic: the automatic grid and grids of 1, 3 and 7 blocks
-// (several groups per block, and unused chunk slots to skip) give bitwise the results of one block
-// per group, forward and every gradient, for dk = dv = 128 (partial chunks, a 1-token document, r =
-// 2) and dk = 48, dv = 24 (r = 2). A negative grid is an error.
-TEST_F(GdrCuda, EveryDqkwGridGivesTheSameBits) {
-  const Spec specs[] = {
-      {.name = "d128_docs",
-       .lens = {300, 1, 63, 130},
-       .Hk = 2,
-       .r = 2,
-       .dk = 128,
-       .dv = 128,
-       .g_lo = -2,
-       .seed = 45},
-      {.name = "dk48_dv24", .lens = {130, 7}, .r = 2, .dk = 48, .dv = 24, .seed = 46}};
-  for (const Spec& s : specs) {
-    Inputs in = make_inputs(s, true);
-    Dev d = to_device(in);
-    Result want = [&] {
-      DqkwGrid one_per_group(int64_t{1} << 30);
-      return run_cuda(in, d, true);
-    }();
-    for (int64_t g : {0, 1, 3, 7}) {
-      DqkwGrid grid(g);
-      expect_bitwise_equal(run_cuda(in, d, true), want, s.name + " grid=" + std::to_string(g));
-    }
-  }
-  EXPECT_THROW(gdr_set_dqkw_grid(-1), Error);
 }
 
 // The automatic split: 4 while the state passes' grid (documents x value heads x 32-column blocks)

@@ -6,7 +6,7 @@
 //   with the sequential passes' state in registers:
 //   forward:  [index] [l2norm] prep (gamma, W, U) -> state_fwd (Ht, Vt, hT) -> output (o)
 //   backward: [index] [l2norm] prep (+ T) -> state_fwd -> dvloc -> state_bwd (dHt, dVt, dh0) ->
-//             dqkw (dq, dk_h, dW, dg part) -> wy (dv, dbeta, dg, dk_h +=) -> reduce (dk)
+//             dqkw (dq_h, dk_h, dW, dg part) -> wy (dv, dbeta, dg, dk_h +=) -> reduce (dq, dk)
 // generic (cuda_kernels.h; any dims up to 256, unaligned tensors; every shape with
 //   GDN_GDR_GENERIC=1): WMMA kernels
 //   forward:  [index] [l2norm] prep (W, U) -> state_fwd (H, V', hT) -> output (o)
@@ -27,12 +27,11 @@
 // unless a GdrChunkIndexScope provides it; q, k normalised (l2norm only); W [T, Hv, dk] and U
 // [T, Hv, dv] bf16; the fast route's gam [chunks, Hv, 64] fp32, Ht [chunks, Hv, dv, dk] and Vt
 // [chunks, Hv, dv, 64] bf16, and in the backward Tinv [chunks, Hv, 64, 64] bf16, dvlocT
-// [chunks, Hv, dv, 64] fp32, dHt, dVt bf16, dk_h [T, Hv, dk] fp32 and a dg part [T, Hv] fp32 (dW
-// reuses W once the reverse pass is done with it; dq needs no per-head copy: dqkw sums it over the
-// value heads itself); the generic route's chunk-start states H [chunks, Hv, dk, dv] bf16 (V' over
-// U), and in the backward dV'_loc [T, Hv, dv] fp32, dV' bf16, dH bf16, dq_h, dk_h and the dg part.
-// At T = 8192, Hv = 32, dk = dv = 128: about 0.4 GB forward and 0.9 GB backward on the fast route
-// (1.2 GB on the generic one). With `saved` the fast route
+// [chunks, Hv, dv, 64] fp32, dHt, dVt bf16, dq_h and dk_h [T, Hv, dk] fp32 and a dg part [T, Hv]
+// fp32 (dW reuses W once the reverse pass is done with it); the generic route's chunk-start states
+// H [chunks, Hv, dk, dv] bf16 (V' over U), and in the backward dV'_loc [T, Hv, dv] fp32, dV' bf16,
+// dH bf16, dq_h, dk_h and the dg part. At T = 8192, Hv = 32, dk = dv = 128: about 0.4 GB forward
+// and 1.0 GB backward on the fast route (1.2 GB on the generic one). With `saved` the fast route
 // keeps Ht and Vt there instead (forward) or needs neither them nor U (backward): 192 MiB and
 // 64 MiB less scratch at that size.
 //
@@ -239,6 +238,7 @@ void backward_fast(const GatedDeltaRuleBwd& a, const gdr::Dims& d) {
   const size_t o_dvl = sp.add(nt * d.Hv * d.dv * gdr::kC * 4);
   const size_t o_dHt = sp.add(nt * d.Hv * d.dv * d.dk * 2);
   const size_t o_dVt = sp.add(nt * d.Hv * d.dv * gdr::kC * 2);
+  const size_t o_dqh = sp.add(T * d.Hv * d.dk * 4);
   const size_t o_dkh = sp.add(T * d.Hv * d.dk * 4);
   const size_t o_dgp = sp.add(T * d.Hv * 4);
   char* base = static_cast<char*>(ctx.scratch(sp.total()));
@@ -249,17 +249,18 @@ void backward_fast(const GatedDeltaRuleBwd& a, const gdr::Dims& d) {
   float* dvl = at<float>(base, o_dvl);
   bf16_t* dHt = at<bf16_t>(base, o_dHt);
   bf16_t* dVt = at<bf16_t>(base, o_dVt);
+  float* dqh = at<float>(base, o_dqh);
   float* dkh = at<float>(base, o_dkh);
   float* dgp = at<float>(base, o_dgp);
   bf16_t* dW = r.W;  // W is dead once the reverse pass has run
   gdr::fast_dvloc(d, p.ix, p.qn, p.kn, bf(a.dout), r.gam, dvl, s);
   gdr::fast_state_bwd(d, p.ix, p.qn, p.kn, r.W, bf(a.dout), dvl, r.gam, f32_or_null(a.dhT), dHt,
                       dVt, f32_out_or_null(a.dh0), s);
-  gdr::fast_dqkw(d, p.ix, p.qn, p.kn, bf(a.dout), r.Vt, dVt, r.Ht, dHt, r.gam, bf(a.q),
-                 bf_out(a.dq), dkh, dW, dgp, s);
+  gdr::fast_dqkw(d, p.ix, p.qn, p.kn, bf(a.dout), r.Vt, dVt, r.Ht, dHt, r.gam, dqh, dkh, dW, dgp,
+                 s);
   gdr::fast_wy(d, p.ix, p.kn, bf(a.v), dVt, dW, Tinv, r.gam, a.beta.ptr<float>(), dgp, dkh,
                bf_out(a.dv), a.dg.ptr<float>(), a.dbeta.ptr<float>(), s);
-  gdr::fast_reduce_k(d, bf(a.k), dkh, bf_out(a.dk), s);
+  gdr::fast_reduce_qk(d, bf(a.q), bf(a.k), dqh, dkh, bf_out(a.dq), bf_out(a.dk), s);
 }
 
 // --- the generic route

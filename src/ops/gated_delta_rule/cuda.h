@@ -60,11 +60,6 @@ void gdr_set_state_split(int ks);
 // The split the fast route's state passes take for N documents, Hv value heads and dv value columns
 // (the override when one is set).
 int gdr_state_split_for(int64_t N, int64_t Hv, int64_t dv);
-// Test and benchmark hook: the number of blocks of the fast route's persistent dqkw kernel
-// (cuda_fast_bwd.cu), each walking the (chunk, key head) groups in steps of the grid; 0 = automatic
-// (one per SM, the default); any grid gives bitwise the same results (a grid of at least one block
-// per group is the non-persistent launch).
-void gdr_set_dqkw_grid(int64_t blocks);
 
 }  // namespace gdn::ops
 

@@ -8,8 +8,8 @@
 //   forward   prep (per chunk: gamma, T = (I + M)^{-1}, W, U) -> state_fwd (per document, value
 //             head, 32 value columns: chunk-start snapshots H, V', hT) -> output (per chunk)
 //   backward  prep (+ T kept) -> state_fwd -> dvloc (per chunk) -> state_bwd (reverse: dH, dV',
-//             dh0) -> dqkw (per chunk and key head: dq, dk_h part, dW, dg part) -> wy (per chunk:
-//             dv, dbeta, dg, dk_h +=) -> reduce (dk over the r value heads, l2norm backward)
+//             dh0) -> dqkw (per chunk: dq_h, dk_h part, dW, dg part) -> wy (per chunk: dv, dbeta,
+//             dg, dk_h +=) -> reduce (dq, dk over the r value heads, l2norm backward)
 // Intermediates that only the op's kernels read are stored per chunk slot c in "transposed" layouts
 // that the register fragments write with 4-byte stores and the next kernel stages as ldmatrix
 // tiles: Ht / dHt [chunks, Hv, dv, dk] (S^T of the chunk-start state / dS^T of the chunk-end
@@ -154,19 +154,19 @@ void fast_dvloc(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16
 void fast_state_bwd(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
                     const bf16_t* W, const bf16_t* dout, const float* dvlocT, const float* gam,
                     const float* dhT, bf16_t* dHt, bf16_t* dVt, float* dh0, cudaStream_t s);
-// Per chunk and key head, its value heads in order: dq (dq_h summed over the value heads in head
-// order, then the l2norm backward against the raw q: complete), dk_h (score and state-update
-// paths), dW = -dV' H^T ([T, Hv, dk] bf16) and the dg part of those paths.
+// Per chunk: dq_h (complete), dk_h (score and state-update paths), dW = -dV' H^T ([T, Hv, dk] bf16)
+// and the dg part of those paths.
 void fast_dqkw(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
                const bf16_t* dout, const bf16_t* Vt, const bf16_t* dVt, const bf16_t* Ht,
-               const bf16_t* dHt, const float* gam, const bf16_t* q, bf16_t* dq, float* dkh,
-               bf16_t* dW, float* dgp, cudaStream_t s);
+               const bf16_t* dHt, const float* gam, float* dqh, float* dkh, bf16_t* dW, float* dgp,
+               cudaStream_t s);
 // Per chunk, through the WY factors and T: dv, dbeta, dg (= dgp + the rest), dk_h +=.
 void fast_wy(const Dims& d, const IndexView& ix, const bf16_t* kn, const bf16_t* v,
              const bf16_t* dVt, const bf16_t* dW, const bf16_t* Tinv, const float* gam,
              const float* beta, const float* dgp, float* dkh, bf16_t* dv, float* dg, float* dbeta,
              cudaStream_t s);
-// dk = sum over the r value heads of dk_h (in head order), then the l2norm backward.
-void fast_reduce_k(const Dims& d, const bf16_t* k, const float* dkh, bf16_t* dk, cudaStream_t s);
+// dq, dk = sum over the r value heads of dq_h, dk_h (in head order), then the l2norm backward.
+void fast_reduce_qk(const Dims& d, const bf16_t* q, const bf16_t* k, const float* dqh,
+                    const float* dkh, bf16_t* dq, bf16_t* dk, cudaStream_t s);
 
 }  // namespace gdn::ops::gdr

@@ -12,12 +12,11 @@
 //              registers one chunk ahead where the ring has no room for it).
 //   dqkw       per chunk (fla chunk_bwd_kernel_dqkwg): E = s dO V'^T, dP = E .* D (j <= i),
 //              dQ = dP K + s diag(G) dO H_c^T, dK_a = dP^T Q + diag(dec) V' dH_c^T,
-//              dW = -dV' H_c^T, and the gate terms of these paths; dq summed over the value heads
-//              of each key head and through the l2norm backward in the same kernel
+//              dW = -dV' H_c^T, and the gate terms of these paths
 //   wy         per chunk (fla prepare_wy_repr_bwd): dT = dV' (beta V)^T + dW (beta G K)^T
 //              (strictly lower), dv = beta T^T dV', dK_b = beta G T^T dW, dM = -T^T dT T^T, then
 //              dK_c = dKK K + dKK^T K with dKK = beta_i D_ij dM_ij; dbeta and dg completed here
-//   reduce     dk = sum over the r value heads, then the l2norm backward.
+//   reduce     dq, dk = sum over the r value heads, then the l2norm backward.
 // dg is assembled per chunk from the terms that reach each token, as cpu.cpp does: suffix sums of
 // the G-type terms (dgam), prefix sums of the dec-type terms (phi), pair terms h_ij over
 // j < t <= i, and G_L <H_c, dH_c> for every token; dqkw adds the score / output-state / update
@@ -27,13 +26,9 @@
 // keeps T^T dT T^T in tf32); dS and the partial gradients are fp32.
 // Determinism: no atomics; every reduction has a fixed order (quad butterflies, then warps in
 // order); dq_h / dk_h per value head are fp32 and summed over the r heads in head order.
-#include <algorithm>
-#include <atomic>
 #include <climits>
 
 #include "gdn/backend/cuda_check.h"
-#include "gdn/backend/cuda_context.h"
-#include "ops/gated_delta_rule/cuda.h"
 #include "ops/gated_delta_rule/cuda_fast.h"
 #include "ops/gated_delta_rule/cuda_mma.cuh"
 #include "ops/gated_delta_rule/op.h"
@@ -74,23 +69,6 @@ unsigned grid_x(int64_t n, const char* what) {
 __device__ __forceinline__ void stage_gamma(float* dst, const float* src) {
   const int tid = static_cast<int>(threadIdx.x);
   if (tid < kC / 4) cp_async16(dst + 4 * tid, src + 4 * tid);
-}
-
-// The l2norm backward of one row held by a warp, lane l owning columns 4 l .. 4 l + 3: dy (= acc,
-// in place) -> dx = rstd (dy - <dy, y> y), y = x rstd recomputed in fp32 from the raw x, when l2
-// is set. Every lane must call it (warp sums).
-__device__ __forceinline__ void l2norm_backward(float (&acc)[4], const float (&x)[4], bool l2) {
-  if (!l2) return;
-  float ss = 0.f;
-#pragma unroll
-  for (int e = 0; e < 4; ++e) ss += x[e] * x[e];
-  const float rs = 1.f / sqrtf(warp_sum(ss) + static_cast<float>(kGdrL2NormEps));
-  float dot = 0.f;
-#pragma unroll
-  for (int e = 0; e < 4; ++e) dot += acc[e] * x[e] * rs;
-  dot = warp_sum(dot);
-#pragma unroll
-  for (int e = 0; e < 4; ++e) acc[e] = rs * (acc[e] - dot * x[e] * rs);
 }
 
 // pair[t] = sum_{i >= t} sum_{j < t} F[i][j] for t < 64 (0 for t = 0): the pair terms h_ij that
@@ -532,40 +510,12 @@ __global__ void __launch_bounds__(kStateThreads* KS)
 
 // --- dqkw
 // ------------------------------------------------------------------------------------------
-// The fp32 dq accumulator of dqkw: [64, KP] with rows 4 floats apart past KP (16-byte aligned
-// rows for the float4 reads of the finish).
-__host__ __device__ int dq_ld(const Dims& d) { return d.KP + 4; }
-__host__ __device__ size_t dq_tile_bytes(const Dims& d) {
-  return buf_bytes(static_cast<size_t>(kC) * dq_ld(d) * 4);
-}
 size_t dqkw_smem(const Dims& d) {
   return 2 * tile_bytes_bf16(kC, d.KP) + tile_bytes_bf16(kC, d.VP) + 2 * tile_bytes_bf16(d.VP, kC) +
          2 * tile_bytes_bf16(d.VP, d.KP) + tile_bytes_bf16(kC, kC) + kF32Tile + 2 * kVec256 +
-         9 * kVecBytes + dq_tile_bytes(d);
+         8 * kVecBytes;
 }
 
-std::atomic<int64_t> g_dqkw_grid{0};  // gdr_set_dqkw_grid's override; 0 = automatic
-
-// dqkw's grid for `groups` (chunk slot, key head) groups: one block per SM (its shared memory
-// allows no second), at most one per group; the override when one is set.
-int64_t dqkw_grid(int64_t groups) {
-  const int64_t forced = g_dqkw_grid.load(std::memory_order_relaxed);
-  const int64_t want = forced > 0 ? forced : cuda::Context::get().sm_count();
-  return std::min(groups, want);
-}
-
-// Persistent: a grid of at most one block per SM (dqkw_grid) walks the (chunk slot, key head)
-// groups g = c Hk + kh in steps of the grid, and within a group its r value heads h = kh r + j in
-// order (items c Hv + h, consecutive), so that one block sums dq over the value heads in an fp32
-// shared tile (0 + dq_h0 + dq_h1 ..., the order of a separate reduction over per-head copies) and
-// finishes it (l2norm backward) without a per-head copy in global memory; the value heads of a
-// group share Q and K, staged once. While it finishes an item it stages the next one's tiles:
-// dO and dV' once the dq / dW phase is done with them, the rest once the dk phase and <H, dH> are
-// (the pair sums and dg part, which need none of the tiles, then run with those copies in flight).
-// Three cp.async groups per item, in the order A (dO, dV'), B (Q, K, V', gamma), C (H, dH): the
-// score phase waits for A and B, the dq / dW phase for C as well. gamma has two buffers (the
-// current item's tail still reads its own). Every item's arithmetic is that of one block per item:
-// bitwise the same results for any grid.
 __global__ void __launch_bounds__(kThreads, 1)
     gdr_fast_dqkw_kernel(Dims d, IndexView ix,
                          const bf16_t* __restrict__ qn,    // [T, Hk, dk]
@@ -576,28 +526,15 @@ __global__ void __launch_bounds__(kThreads, 1)
                          const bf16_t* __restrict__ Ht,    // [nt_max, Hv, dv, dk] chunk-start S^T
                          const bf16_t* __restrict__ dHt,   // [nt_max, Hv, dv, dk] chunk-end dS^T
                          const float* __restrict__ gam,    // [nt_max, Hv, 64]
-                         const bf16_t* __restrict__ q,     // [T, Hk, dk] (before the l2norm)
-                         bf16_t* __restrict__ dq,          // [T, Hk, dk]
+                         float* __restrict__ dqh,          // [T, Hv, dk]
                          float* __restrict__ dkh,          // [T, Hv, dk]
                          bf16_t* __restrict__ dW,          // [T, Hv, dk]
                          float* __restrict__ dgp) {        // [T, Hv]
-  const int64_t groups = static_cast<int64_t>(d.nt_max) * d.Hk;
-  const int64_t items = groups * d.r;
-  const int64_t step = gridDim.x;
-  // The first group at or after g (in steps of the grid) whose chunk slot is used, as its first
-  // item; items if none.
-  auto first_item = [&](int64_t g) {
-    for (; g < groups; g += step)
-      if (ix.table[g / d.Hk].len > 0) return g * d.r;
-    return items;
-  };
-  // The item after `it` in this block's order: the next value head of its group, else the next
-  // group's first.
-  auto next_item = [&](int64_t it) {
-    return (it + 1) % d.r != 0 ? it + 1 : first_item(it / d.r + step);
-  };
-  int64_t cur = first_item(blockIdx.x);
-  if (cur >= items) return;
+  const int c = static_cast<int>(blockIdx.x);
+  const ChunkInfo ci = ix.table[c];
+  if (ci.len <= 0) return;
+  const int h = static_cast<int>(blockIdx.y), kh = h / d.r, L = ci.len;
+  const int64_t t0 = ci.t0;
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const int g8 = lane >> 2, t4 = lane & 3;
   const int ldk = ld_of(d.KP), ldv = ld_of(d.VP), nkb = d.KP / 16, nvk = d.VP / 16;
@@ -614,8 +551,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* Ff = sc.take<float>(kF32Tile);                         // [64, 64] pair terms, j < i
   float* qtot = sc.take<float>(kVec256);                        // [256]
   float* ppart = sc.take<float>(kVec256);                       // [256]
-  float* gm0 = sc.vec();                                        // [64] gamma (even items)
-  float* gm1 = sc.vec();                                        // [64] gamma (odd items)
+  float* gm = sc.vec();                                         // [64] gamma
   float* rq0 = sc.vec();                                        // [64] q . (dO H^T), columns 0..63
   float* rq1 = sc.vec();                                        // [64] same, columns 64..
   float* rk0 = sc.vec();                                        // [64] k . (V' dH^T), columns 0..63
@@ -623,272 +559,191 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* dgam = sc.vec();                                       // [64]
   float* phi = sc.vec();                                        // [64]
   float* pair = sc.vec();                                       // [64] pair sums
-  float* Dq = sc.take<float>(dq_tile_bytes(d));  // [64, KP] dq over the group's heads
   sc.done();
-  const int ldd = dq_ld(d);
 
   const int64_t ldq = static_cast<int64_t>(d.Hk) * d.dk, ldV = static_cast<int64_t>(d.Hv) * d.dv;
   const int64_t ldh = static_cast<int64_t>(d.Hv) * d.dk;
+  const int64_t slot = static_cast<int64_t>(c) * d.Hv + h;
   const int64_t sd = static_cast<int64_t>(d.dk) * d.dv;
-  // The three groups of item `it` (each call commits exactly one group).
-  auto stage_a = [&](int64_t it) {
-    const int h = static_cast<int>(it % d.Hv);
-    const ChunkInfo ci = ix.table[it / d.Hv];
-    const int64_t t0 = ci.t0;
-    stage_tile(dOs, ldv, dout + (t0 * d.Hv + h) * d.dv, ldV, ci.len, d.dv, kC, d.VP, true);
-    stage_tile(dVts, kLdP, dVt + it * d.dv * kC, static_cast<int64_t>(kC), d.dv, kC, d.VP, kC,
-               true);
-    cp_async_commit();
-  };
-  // qk: Q and K too (a new group: the value heads of a group share them).
-  auto stage_b = [&](int64_t it, float* gm, bool qk) {
-    const int kh = static_cast<int>(it % d.Hv) / d.r;
-    const ChunkInfo ci = ix.table[it / d.Hv];
-    const int64_t t0 = ci.t0;
-    if (qk) {
-      stage_tile(Qs, ldk, qn + (t0 * d.Hk + kh) * d.dk, ldq, ci.len, d.dk, kC, d.KP, true);
-      stage_tile(Ks, ldk, kn + (t0 * d.Hk + kh) * d.dk, ldq, ci.len, d.dk, kC, d.KP, true);
-    }
-    stage_tile(Vts, kLdP, Vt + it * d.dv * kC, static_cast<int64_t>(kC), d.dv, kC, d.VP, kC, true);
-    stage_gamma(gm, gam + it * kC);
-    cp_async_commit();
-  };
-  auto stage_c = [&](int64_t it) {
-    stage_tile(Hts, ldk, Ht + it * sd, static_cast<int64_t>(d.dk), d.dv, d.dk, d.VP, d.KP, true);
-    stage_tile(dHts, ldk, dHt + it * sd, static_cast<int64_t>(d.dk), d.dv, d.dk, d.VP, d.KP, true);
-    cp_async_commit();
-  };
-  bool odd = false;  // the current item's gamma is in gm1
-  stage_a(cur);
-  stage_b(cur, gm0, true);
-  stage_c(cur);
-  for (;;) {
-    // item = slot (c, h): slot = c Hv + h
-    const int64_t slot = cur;
-    const int h = static_cast<int>(slot % d.Hv), kh = h / d.r, jh = h % d.r;
-    const ChunkInfo ci = ix.table[slot / d.Hv];
-    const int L = ci.len;
-    const int64_t t0 = ci.t0;
-    const float* gm = odd ? gm1 : gm0;
-    const int64_t nxt = next_item(cur);
-    cp_async_wait<1>();
-    __syncthreads();  // A and B: the score phase's tiles
+  // Three groups: what the score phase needs, then what the dq / dW phase adds (in flight during
+  // the score phase), then dH (in flight until the dk phase).
+  stage_tile(Qs, ldk, qn + (t0 * d.Hk + kh) * d.dk, ldq, L, d.dk, kC, d.KP, true);
+  stage_tile(Ks, ldk, kn + (t0 * d.Hk + kh) * d.dk, ldq, L, d.dk, kC, d.KP, true);
+  stage_tile(dOs, ldv, dout + (t0 * d.Hv + h) * d.dv, ldV, L, d.dv, kC, d.VP, true);
+  stage_tile(Vts, kLdP, Vt + slot * d.dv * kC, static_cast<int64_t>(kC), d.dv, kC, d.VP, kC, true);
+  stage_gamma(gm, gam + slot * kC);
+  cp_async_commit();
+  stage_tile(dVts, kLdP, dVt + slot * d.dv * kC, static_cast<int64_t>(kC), d.dv, kC, d.VP, kC,
+             true);
+  stage_tile(Hts, ldk, Ht + slot * sd, static_cast<int64_t>(d.dk), d.dv, d.dk, d.VP, d.KP, true);
+  cp_async_commit();
+  stage_tile(dHts, ldk, dHt + slot * sd, static_cast<int64_t>(d.dk), d.dv, d.dk, d.VP, d.KP, true);
+  cp_async_commit();
+  cp_async_wait<2>();
+  __syncthreads();
 
-    const int mt = warp & 3, nh = warp >> 2;
-    {
-      // E = s dO V'^T and Q K^T for rows 16 mt.., columns 32 nh..; dP and the pair terms
-      // h_ij = E_ij (q_i . k_j) D_ij (j < i).
-      float e[4][4] = {}, qk[4][4] = {};
-      if (32 * nh <= 16 * mt + 15) {
-        for (int kb = 0; kb < nvk; ++kb) {
-          uint32_t a[4], bb[4];
-          load_a_mk(a, dOs, ldv, 16 * mt, 16 * kb);
-#pragma unroll
-          for (int np = 0; np < 2; ++np) {
-            load_b_kn(bb, Vts, kLdP, 32 * nh + 16 * np, 16 * kb);
-            mma(e[2 * np], a, bb[0], bb[1]);
-            mma(e[2 * np + 1], a, bb[2], bb[3]);
-          }
-        }
-        for (int kb = 0; kb < nkb; ++kb) {
-          uint32_t a[4], bb[4];
-          load_a_mk(a, Qs, ldk, 16 * mt, 16 * kb);
-#pragma unroll
-          for (int np = 0; np < 2; ++np) {
-            load_b_nk(bb, Ks, ldk, 32 * nh + 16 * np, 16 * kb);
-            mma(qk[2 * np], a, bb[0], bb[1]);
-            mma(qk[2 * np + 1], a, bb[2], bb[3]);
-          }
-        }
-      }
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          const int i = 16 * mt + g8 + 8 * hf, j = 32 * nh + 8 * nt + 2 * t4;
-          float dp[2], f[2];
-#pragma unroll
-          for (int u = 0; u < 2; ++u) {
-            const float dd = j + u <= i ? expf(gm[i] - gm[j + u]) : 0.f;
-            const float ev = d.scale * e[nt][2 * hf + u];
-            dp[u] = ev * dd;
-            f[u] = j + u < i ? dp[u] * qk[nt][2 * hf + u] : 0.f;
-          }
-          *reinterpret_cast<uint32_t*>(dPs + i * kLdP + j) = pack(dp[0], dp[1]);
-          *reinterpret_cast<float2*>(Ff + i * kLdF + j) = make_float2(f[0], f[1]);
-        }
-      }
-    }
-    cp_async_wait<0>();
-    __syncthreads();  // dP, the pair terms and C
-    // Warp (mt, nh): rows 16 mt.., key columns 64 nh...
-    const int col0 = 64 * nh;
-    {
-      // Y = dO H_c^T and dW = -dV' H_c^T share their B fragments.
-      float y[8][4] = {}, w[8][4] = {};
+  const int mt = warp & 3, nh = warp >> 2;
+  {
+    // E = s dO V'^T and Q K^T for rows 16 mt.., columns 32 nh..; dP and the pair terms
+    // h_ij = E_ij (q_i . k_j) D_ij (j < i).
+    float e[4][4] = {}, qk[4][4] = {};
+    if (32 * nh <= 16 * mt + 15) {
       for (int kb = 0; kb < nvk; ++kb) {
-        uint32_t ao[4], av[4];
-        load_a_mk(ao, dOs, ldv, 16 * mt, 16 * kb);
-        load_a_km(av, dVts, kLdP, 16 * mt, 16 * kb);
+        uint32_t a[4], bb[4];
+        load_a_mk(a, dOs, ldv, 16 * mt, 16 * kb);
 #pragma unroll
-        for (int np = 0; np < 4; ++np) {
-          if (col0 + 16 * np >= d.KP) break;
-          uint32_t bb[4];
-          load_b_kn(bb, Hts, ldk, col0 + 16 * np, 16 * kb);
-          mma(y[2 * np], ao, bb[0], bb[1]);
-          mma(y[2 * np + 1], ao, bb[2], bb[3]);
-          mma(w[2 * np], av, bb[0], bb[1]);
-          mma(w[2 * np + 1], av, bb[2], bb[3]);
+        for (int np = 0; np < 2; ++np) {
+          load_b_kn(bb, Vts, kLdP, 32 * nh + 16 * np, 16 * kb);
+          mma(e[2 * np], a, bb[0], bb[1]);
+          mma(e[2 * np + 1], a, bb[2], bb[3]);
         }
       }
-      fast::store_acc_bf16(w, dW + (t0 * d.Hv + h) * d.dk, ldh, 16 * mt, col0, L, d.dk, -1.f);
-      float rd[2];
-      row_dot_bf16(y, Qs, ldk, 16 * mt, col0, d.dk, rd);
-      if (t4 == 0) {
-        float* rq = nh == 0 ? rq0 : rq1;
-        rq[16 * mt + g8] = rd[0];
-        rq[16 * mt + g8 + 8] = rd[1];
-      }
-      // dQ = s diag(G) Y + dP K (dP is lower: k-blocks <= mt).
-      const float s0 = d.scale * expf(gm[16 * mt + g8]), s1 = d.scale * expf(gm[16 * mt + g8 + 8]);
+      for (int kb = 0; kb < nkb; ++kb) {
+        uint32_t a[4], bb[4];
+        load_a_mk(a, Qs, ldk, 16 * mt, 16 * kb);
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        y[nt][0] *= s0;
-        y[nt][1] *= s0;
-        y[nt][2] *= s1;
-        y[nt][3] *= s1;
-      }
-      for (int kb = 0; kb <= mt; ++kb) {
-        uint32_t a[4];
-        load_a_mk(a, dPs, kLdP, 16 * mt, 16 * kb);
-#pragma unroll
-        for (int np = 0; np < 4; ++np) {
-          if (col0 + 16 * np >= d.KP) break;
-          uint32_t bb[4];
-          load_b_kn(bb, Ks, ldk, col0 + 16 * np, 16 * kb);
-          mma(y[2 * np], a, bb[0], bb[1]);
-          mma(y[2 * np + 1], a, bb[2], bb[3]);
-        }
-      }
-      // dq of the group: 0 + dq_h of its first value head, then + dq_h of the others in head order
-      // (the sum and the order the per-head fp32 copies summed in a separate pass would take).
-      fast::for_each_acc_pair(y, 16 * mt, col0, kC, d.dk, [&](int r, int cc, float v0, float v1) {
-        float2* p = reinterpret_cast<float2*>(Dq + r * ldd + cc);
-        float2 x = jh == 0 ? make_float2(0.f, 0.f) : *p;
-        x.x += v0;
-        x.y += v1;
-        *p = x;
-      });
-    }
-    __syncthreads();  // every warp is done with dO and dV' (and wrote its part of dq)
-    if (jh == d.r - 1) {
-      // The group's dq is complete: the l2norm backward (dx = rstd (dy - <dy, y> y), y = x rstd
-      // recomputed in fp32 from the raw q), one warp per token row, lane l owning columns
-      // 4 l .. 4 l + 3.
-      const int col = 4 * lane;
-      const bool on = col < d.dk;
-      for (int i = warp; i < L; i += kThreads / 32) {
-        const int64_t row = (t0 + i) * d.Hk + kh;
-        float acc[4] = {0.f, 0.f, 0.f, 0.f}, x[4] = {0.f, 0.f, 0.f, 0.f};
-        if (on) {
-          const float4 a4 = *reinterpret_cast<const float4*>(Dq + i * ldd + col);
-          acc[0] = a4.x;
-          acc[1] = a4.y;
-          acc[2] = a4.z;
-          acc[3] = a4.w;
-          const uint2 xv = *reinterpret_cast<const uint2*>(q + row * d.dk + col);
-          x[0] = lo_f(xv.x);
-          x[1] = hi_f(xv.x);
-          x[2] = lo_f(xv.y);
-          x[3] = hi_f(xv.y);
-        }
-        l2norm_backward(acc, x, d.l2norm);
-        if (on) {
-          uint2 out;
-          out.x = pack(acc[0], acc[1]);
-          out.y = pack(acc[2], acc[3]);
-          *reinterpret_cast<uint2*>(dq + row * d.dk + col) = out;
+        for (int np = 0; np < 2; ++np) {
+          load_b_nk(bb, Ks, ldk, 32 * nh + 16 * np, 16 * kb);
+          mma(qk[2 * np], a, bb[0], bb[1]);
+          mma(qk[2 * np + 1], a, bb[2], bb[3]);
         }
       }
     }
-    if (nxt < items)
-      stage_a(nxt);
-    else
-      cp_async_commit();
-    {
-      // Z = V' dH_c^T; dK_a = diag(dec) Z + dP^T Q (dP^T is upper: k-blocks >= mt).
-      float z[8][4] = {};
-      for (int kb = 0; kb < nvk; ++kb) {
-        uint32_t av[4];
-        load_a_km(av, Vts, kLdP, 16 * mt, 16 * kb);
 #pragma unroll
-        for (int np = 0; np < 4; ++np) {
-          if (col0 + 16 * np >= d.KP) break;
-          uint32_t bb[4];
-          load_b_kn(bb, dHts, ldk, col0 + 16 * np, 16 * kb);
-          mma(z[2 * np], av, bb[0], bb[1]);
-          mma(z[2 * np + 1], av, bb[2], bb[3]);
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = 16 * mt + g8 + 8 * hf, j = 32 * nh + 8 * nt + 2 * t4;
+        float dp[2], f[2];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const float dd = j + u <= i ? expf(gm[i] - gm[j + u]) : 0.f;
+          const float ev = d.scale * e[nt][2 * hf + u];
+          dp[u] = ev * dd;
+          f[u] = j + u < i ? dp[u] * qk[nt][2 * hf + u] : 0.f;
         }
+        *reinterpret_cast<uint32_t*>(dPs + i * kLdP + j) = pack(dp[0], dp[1]);
+        *reinterpret_cast<float2*>(Ff + i * kLdF + j) = make_float2(f[0], f[1]);
       }
-      float rd[2];
-      row_dot_bf16(z, Ks, ldk, 16 * mt, col0, d.dk, rd);
-      if (t4 == 0) {
-        float* rk = nh == 0 ? rk0 : rk1;
-        rk[16 * mt + g8] = rd[0];
-        rk[16 * mt + g8 + 8] = rd[1];
-      }
-      const float glast = gm[kC - 1];
-      const float e0 = expf(glast - gm[16 * mt + g8]), e1 = expf(glast - gm[16 * mt + g8 + 8]);
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        z[nt][0] *= e0;
-        z[nt][1] *= e0;
-        z[nt][2] *= e1;
-        z[nt][3] *= e1;
-      }
-      warp_mma<4>(
-          z, mt, 4, col0, d.KP,
-          [&](uint32_t(&a)[4], int k) { load_a_km(a, dPs, kLdP, 16 * mt, k); },
-          [&](uint32_t(&b)[4], int n, int k) { load_b_kn(b, Qs, ldk, n, k); });
-      fast::store_acc_f32(z, dkh + (t0 * d.Hv + h) * d.dk, ldh, 16 * mt, col0, L, d.dk, 1.f);
     }
-    // <H_c, dH_c> (zero padding included), per warp, then in warp order below.
-    {
-      float part = 0.f;
-      const int half = d.KP / 2;
-      for (int p = tid; p < d.VP * half; p += kThreads) {
-        const int vv = p / half, k = 2 * (p % half);
-        const uint32_t a = *reinterpret_cast<const uint32_t*>(Hts + vv * ldk + k);
-        const uint32_t bq = *reinterpret_cast<const uint32_t*>(dHts + vv * ldk + k);
-        part += lo_f(a) * lo_f(bq) + hi_f(a) * hi_f(bq);
-      }
-      part = warp_sum(part);
-      if (lane == 0) qtot[warp] = part;  // qtot is free until pair_sums
-    }
-    __syncthreads();  // every warp is done with Q, K, V', H, dH (and wrote its part of <H, dH>)
-    if (nxt < items) {
-      stage_b(nxt, odd ? gm0 : gm1, nxt % d.r == 0);
-      stage_c(nxt);
-    } else {
-      cp_async_commit();
-      cp_async_commit();
-    }
-    float dg_all = 0.f;
-    for (int w8 = 0; w8 < kThreads / 32; ++w8) dg_all += qtot[w8];
-    dg_all *= expf(gm[kC - 1]);
-    if (tid < kC) {
-      const float gi = gm[tid];
-      dgam[tid] = d.scale * expf(gi) * (rq0[tid] + rq1[tid]);
-      phi[tid] = tid < L - 1 ? expf(gm[kC - 1] - gi) * (rk0[tid] + rk1[tid]) : 0.f;
-    }
-    __syncthreads();  // every thread has read qtot
-    pair_sums(Ff, qtot, ppart, pair);
-    if (tid < L)
-      dgp[(t0 + tid) * d.Hv + h] = suffix_plus_prefix(dgam, phi, tid, L) + pair[tid] + dg_all;
-    if (nxt >= items) break;
-    cur = nxt;
-    odd = !odd;
   }
+  cp_async_wait<1>();
+  __syncthreads();  // dP, the pair terms and the second group
+  // Warp (mt, nh): rows 16 mt.., key columns 64 nh...
+  const int col0 = 64 * nh;
+  {
+    // Y = dO H_c^T and dW = -dV' H_c^T share their B fragments.
+    float y[8][4] = {}, w[8][4] = {};
+    for (int kb = 0; kb < nvk; ++kb) {
+      uint32_t ao[4], av[4];
+      load_a_mk(ao, dOs, ldv, 16 * mt, 16 * kb);
+      load_a_km(av, dVts, kLdP, 16 * mt, 16 * kb);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        if (col0 + 16 * np >= d.KP) break;
+        uint32_t bb[4];
+        load_b_kn(bb, Hts, ldk, col0 + 16 * np, 16 * kb);
+        mma(y[2 * np], ao, bb[0], bb[1]);
+        mma(y[2 * np + 1], ao, bb[2], bb[3]);
+        mma(w[2 * np], av, bb[0], bb[1]);
+        mma(w[2 * np + 1], av, bb[2], bb[3]);
+      }
+    }
+    fast::store_acc_bf16(w, dW + (t0 * d.Hv + h) * d.dk, ldh, 16 * mt, col0, L, d.dk, -1.f);
+    float rd[2];
+    row_dot_bf16(y, Qs, ldk, 16 * mt, col0, d.dk, rd);
+    if (t4 == 0) {
+      float* rq = nh == 0 ? rq0 : rq1;
+      rq[16 * mt + g8] = rd[0];
+      rq[16 * mt + g8 + 8] = rd[1];
+    }
+    // dQ = s diag(G) Y + dP K (dP is lower: k-blocks <= mt).
+    const float s0 = d.scale * expf(gm[16 * mt + g8]), s1 = d.scale * expf(gm[16 * mt + g8 + 8]);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      y[nt][0] *= s0;
+      y[nt][1] *= s0;
+      y[nt][2] *= s1;
+      y[nt][3] *= s1;
+    }
+    for (int kb = 0; kb <= mt; ++kb) {
+      uint32_t a[4];
+      load_a_mk(a, dPs, kLdP, 16 * mt, 16 * kb);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        if (col0 + 16 * np >= d.KP) break;
+        uint32_t bb[4];
+        load_b_kn(bb, Ks, ldk, col0 + 16 * np, 16 * kb);
+        mma(y[2 * np], a, bb[0], bb[1]);
+        mma(y[2 * np + 1], a, bb[2], bb[3]);
+      }
+    }
+    fast::store_acc_f32(y, dqh + (t0 * d.Hv + h) * d.dk, ldh, 16 * mt, col0, L, d.dk, 1.f);
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the third group (dH)
+  {
+    // Z = V' dH_c^T; dK_a = diag(dec) Z + dP^T Q (dP^T is upper: k-blocks >= mt).
+    float z[8][4] = {};
+    for (int kb = 0; kb < nvk; ++kb) {
+      uint32_t av[4];
+      load_a_km(av, Vts, kLdP, 16 * mt, 16 * kb);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        if (col0 + 16 * np >= d.KP) break;
+        uint32_t bb[4];
+        load_b_kn(bb, dHts, ldk, col0 + 16 * np, 16 * kb);
+        mma(z[2 * np], av, bb[0], bb[1]);
+        mma(z[2 * np + 1], av, bb[2], bb[3]);
+      }
+    }
+    float rd[2];
+    row_dot_bf16(z, Ks, ldk, 16 * mt, col0, d.dk, rd);
+    if (t4 == 0) {
+      float* rk = nh == 0 ? rk0 : rk1;
+      rk[16 * mt + g8] = rd[0];
+      rk[16 * mt + g8 + 8] = rd[1];
+    }
+    const float glast = gm[kC - 1];
+    const float e0 = expf(glast - gm[16 * mt + g8]), e1 = expf(glast - gm[16 * mt + g8 + 8]);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      z[nt][0] *= e0;
+      z[nt][1] *= e0;
+      z[nt][2] *= e1;
+      z[nt][3] *= e1;
+    }
+    warp_mma<4>(
+        z, mt, 4, col0, d.KP, [&](uint32_t(&a)[4], int k) { load_a_km(a, dPs, kLdP, 16 * mt, k); },
+        [&](uint32_t(&b)[4], int n, int k) { load_b_kn(b, Qs, ldk, n, k); });
+    fast::store_acc_f32(z, dkh + (t0 * d.Hv + h) * d.dk, ldh, 16 * mt, col0, L, d.dk, 1.f);
+  }
+  // <H_c, dH_c> (zero padding included), per warp, then in warp order below.
+  {
+    float part = 0.f;
+    const int half = d.KP / 2;
+    for (int p = tid; p < d.VP * half; p += kThreads) {
+      const int vv = p / half, k = 2 * (p % half);
+      const uint32_t a = *reinterpret_cast<const uint32_t*>(Hts + vv * ldk + k);
+      const uint32_t bq = *reinterpret_cast<const uint32_t*>(dHts + vv * ldk + k);
+      part += lo_f(a) * lo_f(bq) + hi_f(a) * hi_f(bq);
+    }
+    part = warp_sum(part);
+    if (lane == 0) qtot[warp] = part;  // qtot is free until pair_sums
+  }
+  __syncthreads();
+  float dg_all = 0.f;
+  for (int w8 = 0; w8 < kThreads / 32; ++w8) dg_all += qtot[w8];
+  dg_all *= expf(gm[kC - 1]);
+  if (tid < kC) {
+    const float gi = gm[tid];
+    dgam[tid] = d.scale * expf(gi) * (rq0[tid] + rq1[tid]);
+    phi[tid] = tid < L - 1 ? expf(gm[kC - 1] - gi) * (rk0[tid] + rk1[tid]) : 0.f;
+  }
+  __syncthreads();  // every thread has read qtot
+  pair_sums(Ff, qtot, ppart, pair);
+  if (tid < L)
+    dgp[(t0 + tid) * d.Hv + h] = suffix_plus_prefix(dgam, phi, tid, L) + pair[tid] + dg_all;
 }
 
 // --- wy
@@ -1171,25 +1026,29 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
-// --- dk: reduce over the value heads of each key head, then the l2norm backward
-// ------------------------------------------------------------------------------------------------
-// One warp per row (t, kh) of dk; lane l owns columns 4 l .. 4 l + 3 (dk <= 128, a multiple of 8).
-// (dq is finished in dqkw, which walks the value heads of a key head in one block.)
+// --- reduce over the value heads of each key head, then the l2norm backward
+// --------------------------- One warp per row of dq (rows [0, R)) or dk (rows [R, 2R)); lane l
+// owns columns 4 l .. 4 l + 3 (dk <= 128, a multiple of 8).
 __global__ void __launch_bounds__(kThreads)
-    gdr_fast_reduce_k_kernel(Dims d,
-                             const bf16_t* __restrict__ k,   // [T, Hk, dk]
-                             const float* __restrict__ dkh,  // [T, Hv, dk]
-                             bf16_t* __restrict__ dk) {      // [T, Hk, dk]
+    gdr_fast_reduce_qk_kernel(Dims d,
+                              const bf16_t* __restrict__ q,   // [T, Hk, dk]
+                              const bf16_t* __restrict__ k,   // [T, Hk, dk]
+                              const float* __restrict__ dqh,  // [T, Hv, dk]
+                              const float* __restrict__ dkh,  // [T, Hv, dk]
+                              bf16_t* __restrict__ dq,        // [T, Hk, dk]
+                              bf16_t* __restrict__ dk) {      // [T, Hk, dk]
   const int64_t rows = static_cast<int64_t>(d.T) * d.Hk;
-  const int64_t row = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
+  const int64_t w = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
   const int lane = static_cast<int>(threadIdx.x) & 31;
-  if (row >= rows) return;  // whole warps
+  if (w >= 2 * rows) return;  // whole warps
+  const bool is_k = w >= rows;
+  const int64_t row = is_k ? w - rows : w;  // (t, kh) = (row / Hk, row % Hk)
   const int64_t t = row / d.Hk, kh = row % d.Hk;
   const int col = 4 * lane;
   const bool on = col < d.dk;
   float acc[4] = {0.f, 0.f, 0.f, 0.f}, x[4] = {0.f, 0.f, 0.f, 0.f};
   if (on) {
-    const float* src = dkh + (t * d.Hv + kh * d.r) * d.dk + col;  // [r, dk]
+    const float* src = (is_k ? dkh : dqh) + (t * d.Hv + kh * d.r) * d.dk + col;  // [r, dk]
     for (int j = 0; j < d.r; ++j) {
       const float4 p = *reinterpret_cast<const float4*>(src + static_cast<int64_t>(j) * d.dk);
       acc[0] += p.x;
@@ -1197,18 +1056,30 @@ __global__ void __launch_bounds__(kThreads)
       acc[2] += p.z;
       acc[3] += p.w;
     }
-    const uint2 xv = *reinterpret_cast<const uint2*>(k + row * d.dk + col);
+    const uint2 xv = *reinterpret_cast<const uint2*>((is_k ? k : q) + row * d.dk + col);
     x[0] = lo_f(xv.x);
     x[1] = hi_f(xv.x);
     x[2] = lo_f(xv.y);
     x[3] = hi_f(xv.y);
   }
-  l2norm_backward(acc, x, d.l2norm);
+  if (d.l2norm) {
+    // dx = rstd (dy - <dy, y> y), y = x rstd recomputed in fp32.
+    float ss = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) ss += x[e] * x[e];
+    const float rs = 1.f / sqrtf(warp_sum(ss) + static_cast<float>(kGdrL2NormEps));
+    float dot = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dot += acc[e] * x[e] * rs;
+    dot = warp_sum(dot);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[e] = rs * (acc[e] - dot * x[e] * rs);
+  }
   if (on) {
     uint2 out;
     out.x = pack(acc[0], acc[1]);
     out.y = pack(acc[2], acc[3]);
-    *reinterpret_cast<uint2*>(dk + row * d.dk + col) = out;
+    *reinterpret_cast<uint2*>((is_k ? dk : dq) + row * d.dk + col) = out;
   }
 }
 
@@ -1263,16 +1134,15 @@ void fast_state_bwd(const Dims& d, const IndexView& ix, const bf16_t* qn, const 
 
 void fast_dqkw(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
                const bf16_t* dout, const bf16_t* Vt, const bf16_t* dVt, const bf16_t* Ht,
-               const bf16_t* dHt, const float* gam, const bf16_t* q, bf16_t* dq, float* dkh,
-               bf16_t* dW, float* dgp, cudaStream_t s) {
+               const bf16_t* dHt, const float* gam, float* dqh, float* dkh, bf16_t* dW, float* dgp,
+               cudaStream_t s) {
   if (d.nt_max == 0) return;
   const size_t smem = dqkw_smem(d);
   allow_smem(reinterpret_cast<const void*>(&gdr_fast_dqkw_kernel), smem, "gdr_fast_dqkw_kernel",
              d.dk, d.dv);
-  const int64_t groups = static_cast<int64_t>(d.nt_max) * d.Hk;
-  const dim3 grid(grid_x(dqkw_grid(groups), "gdr_fast_dqkw_kernel"));
-  gdr_fast_dqkw_kernel<<<grid, kThreads, smem, s>>>(d, ix, qn, kn, dout, Vt, dVt, Ht, dHt, gam, q,
-                                                    dq, dkh, dW, dgp);
+  const dim3 grid(grid_x(d.nt_max, "gdr_fast_dqkw_kernel"), static_cast<unsigned>(d.Hv));
+  gdr_fast_dqkw_kernel<<<grid, kThreads, smem, s>>>(d, ix, qn, kn, dout, Vt, dVt, Ht, dHt, gam, dqh,
+                                                    dkh, dW, dgp);
   GDN_CUDA_LAUNCH_CHECK("gdr_fast_dqkw_kernel");
 }
 
@@ -1290,22 +1160,14 @@ void fast_wy(const Dims& d, const IndexView& ix, const bf16_t* kn, const bf16_t*
   GDN_CUDA_LAUNCH_CHECK("gdr_fast_wy_kernel");
 }
 
-void fast_reduce_k(const Dims& d, const bf16_t* k, const float* dkh, bf16_t* dk, cudaStream_t s) {
+void fast_reduce_qk(const Dims& d, const bf16_t* q, const bf16_t* k, const float* dqh,
+                    const float* dkh, bf16_t* dq, bf16_t* dk, cudaStream_t s) {
   const int64_t rows = static_cast<int64_t>(d.T) * d.Hk;
   if (rows == 0) return;
-  const int64_t blocks = (rows * 32 + kThreads - 1) / kThreads;
-  gdr_fast_reduce_k_kernel<<<grid_x(blocks, "gdr_fast_reduce_k_kernel"), kThreads, 0, s>>>(d, k,
-                                                                                           dkh, dk);
-  GDN_CUDA_LAUNCH_CHECK("gdr_fast_reduce_k_kernel");
+  const int64_t blocks = (2 * rows * 32 + kThreads - 1) / kThreads;
+  gdr_fast_reduce_qk_kernel<<<grid_x(blocks, "gdr_fast_reduce_qk_kernel"), kThreads, 0, s>>>(
+      d, q, k, dqh, dkh, dq, dk);
+  GDN_CUDA_LAUNCH_CHECK("gdr_fast_reduce_qk_kernel");
 }
 
 }  // namespace gdn::ops::gdr
-
-namespace gdn::ops {
-
-void gdr_set_dqkw_grid(int64_t blocks) {
-  GDN_CHECK(blocks >= 0, "gated_delta_rule (cuda): dqkw grid {} is negative", blocks);
-  gdr::g_dqkw_grid.store(blocks, std::memory_order_relaxed);
-}
-
-}  // namespace gdn::ops
