@@ -47,8 +47,9 @@ __device__ inline void unit_lower_inverse_blocked(const float* M, float* Tm, flo
   __syncthreads();
 #pragma unroll
   for (int a = 1; a < 4; ++a) {
-    const int w = 16 * a;  // columns of the row block's off-diagonal part
-                           // 16 w = 256 a items: exactly a per thread (kInvThreads = 256).
+    // w: columns of the row block's off-diagonal part; its 16 w = 256 a items are exactly a per
+    // thread (kInvThreads = 256).
+    const int w = 16 * a;
 #pragma unroll
     for (int it = 0; it < a; ++it) {
       const int p = tid + kInvThreads * it;
