@@ -26,7 +26,7 @@
 // Scratch (Context::scratch, one request per call, carved at 256-byte boundaries): the chunk index
 // unless a GdrChunkIndexScope provides it; q, k normalised (l2norm only); W [T, Hv, dk] and U
 // [T, Hv, dv] bf16; the fast route's gam [chunks, Hv, 64] fp32, Ht [chunks, Hv, dv, dk] and Vt
-// [chunks, Hv, dv, 64] bf16, and in the backward Tinv [chunks, Hv, 64, 64] fp32, dvlocT
+// [chunks, Hv, dv, 64] bf16, and in the backward Tinv [chunks, Hv, 64, 64] bf16, dvlocT
 // [chunks, Hv, dv, 64] fp32, dHt, dVt bf16, dq_h and dk_h [T, Hv, dk] fp32 and a dg part [T, Hv]
 // fp32 (dW reuses W once the reverse pass is done with it); the generic route's chunk-start states
 // H [chunks, Hv, dk, dv] bf16 (V' over U), and in the backward dV'_loc [T, Hv, dv] fp32, dV' bf16,
@@ -203,7 +203,7 @@ struct FastFwd {
 // prep without U and Ht, Vt from `saved` (the backward given it: `run_state` false).
 FastFwd run_fast_fwd(const gdr::Dims& d, const FastFwdScratch& f, char* base, const Prologue& p,
                      const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& h0,
-                     float* hT, float* Tinv, const Saved& sv, bool run_state, cudaStream_t s) {
+                     float* hT, bf16_t* Tinv, const Saved& sv, bool run_state, cudaStream_t s) {
   bf16_t* Ht = sv ? sv.Ht : at<bf16_t>(base, f.Ht);
   bf16_t* Vt = sv ? sv.Vt : at<bf16_t>(base, f.Vt);
   FastFwd r{at<bf16_t>(base, f.W), at<float>(base, f.gam), Ht, Vt};
@@ -234,7 +234,7 @@ void backward_fast(const GatedDeltaRuleBwd& a, const gdr::Dims& d) {
   const PrologueScratch ps = plan_prologue(sp, d);
   const FastFwdScratch f = plan_fast_fwd(sp, d, !sv, !sv);
   const int64_t T = d.T, nt = d.nt_max;
-  const size_t o_Tinv = sp.add(nt * d.Hv * gdr::kC * gdr::kC * 4);
+  const size_t o_Tinv = sp.add(nt * d.Hv * gdr::kC * gdr::kC * 2);
   const size_t o_dvl = sp.add(nt * d.Hv * d.dv * gdr::kC * 4);
   const size_t o_dHt = sp.add(nt * d.Hv * d.dv * d.dk * 2);
   const size_t o_dVt = sp.add(nt * d.Hv * d.dv * gdr::kC * 2);
@@ -244,7 +244,7 @@ void backward_fast(const GatedDeltaRuleBwd& a, const gdr::Dims& d) {
   char* base = static_cast<char*>(ctx.scratch(sp.total()));
   cudaStream_t s = ctx.stream();
   const Prologue p = run_prologue(d, ps, base, a.q, a.k, a.cu_seqlens, s);
-  float* Tinv = at<float>(base, o_Tinv);
+  bf16_t* Tinv = at<bf16_t>(base, o_Tinv);
   const FastFwd r = run_fast_fwd(d, f, base, p, a.v, a.g, a.beta, a.h0, nullptr, Tinv, sv, !sv, s);
   float* dvl = at<float>(base, o_dvl);
   bf16_t* dHt = at<bf16_t>(base, o_dHt);

@@ -257,14 +257,26 @@ __device__ __forceinline__ void for_each_gate(const float* g_s, const float* pre
 }
 
 // out[t] = sum_{i >= t, i < L} in_suffix[i] + sum_{i < t} in_prefix[i] for t < L (threads 0..63,
-// direct sums: no differences). Either input may be null.
+// direct sums: no differences). Either input may be null; both hold kC floats (L <= kC). The
+// additions run in the order i = L-1 .. t, then 0 .. t-1; the loops over all kC entries with a
+// predicate let the (broadcast) shared loads issue ahead of the dependent additions.
 __device__ __forceinline__ float suffix_plus_prefix(const float* in_suffix, const float* in_prefix,
                                                     int t, int L) {
   float s = 0.f;
-  if (in_suffix != nullptr)
-    for (int i = L - 1; i >= t; --i) s += in_suffix[i];
-  if (in_prefix != nullptr)
-    for (int i = 0; i < t; ++i) s += in_prefix[i];
+  if (in_suffix != nullptr) {
+#pragma unroll
+    for (int i = kC - 1; i >= 0; --i) {
+      const float x = in_suffix[i];
+      if (i < L && i >= t) s += x;
+    }
+  }
+  if (in_prefix != nullptr) {
+#pragma unroll
+    for (int i = 0; i < kC; ++i) {
+      const float x = in_prefix[i];
+      if (i < t) s += x;
+    }
+  }
   return s;
 }
 

@@ -16,7 +16,7 @@
 // gradient, bf16), Vt / dVt [chunks, Hv, dv, 64] (V' / dV' transposed, bf16; tokens past a partial
 // chunk's end are exact zeros), dvlocT [chunks, Hv, dv, 64] fp32, gam [chunks, Hv, 64] fp32 (the
 // chunk-local inclusive cumsum gamma of g, padded past the chunk's end with its last value) and
-// Tinv [chunks, Hv, 64, 64] fp32 (the backward's copy of T).
+// Tinv [chunks, Hv, 64, 64] bf16 (the backward's copy of T, rounded as wy's products read it).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -121,10 +121,10 @@ __device__ __forceinline__ void state_exchange_sum(float (&x)[8][4], float4* red
 
 // --- forward (and the backward's recomputation) ---
 // Per chunk and value head: gam, W = T diag(beta G) K, U = T diag(beta) V (when U is not null: the
-// backward given `saved` skips it), and T itself when Tinv is not null. W and gam do not depend on
-// which of U and Tinv are asked for.
+// backward given `saved` skips it), and bf16(T) when Tinv is not null (wy only ever uses T as a
+// bf16 mma operand). W and gam do not depend on which of U and Tinv are asked for.
 void fast_prep(const Dims& d, const IndexView& ix, const bf16_t* kn, const bf16_t* v,
-               const float* g, const float* beta, bf16_t* W, bf16_t* U, float* gam, float* Tinv,
+               const float* g, const float* beta, bf16_t* W, bf16_t* U, float* gam, bf16_t* Tinv,
                cudaStream_t s);
 // Sequential over each document's chunks: Ht, Vt and (when not null) hT.
 void fast_state_fwd(const Dims& d, const IndexView& ix, const bf16_t* W, const bf16_t* kn,
@@ -162,7 +162,7 @@ void fast_dqkw(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_
                cudaStream_t s);
 // Per chunk, through the WY factors and T: dv, dbeta, dg (= dgp + the rest), dk_h +=.
 void fast_wy(const Dims& d, const IndexView& ix, const bf16_t* kn, const bf16_t* v,
-             const bf16_t* dVt, const bf16_t* dW, const float* Tinv, const float* gam,
+             const bf16_t* dVt, const bf16_t* dW, const bf16_t* Tinv, const float* gam,
              const float* beta, const float* dgp, float* dkh, bf16_t* dv, float* dg, float* dbeta,
              cudaStream_t s);
 // dq, dk = sum over the r value heads of dq_h, dk_h (in head order), then the l2norm backward.

@@ -97,7 +97,12 @@ __device__ void pair_sums(float* F, float* qtot, float* ppart, float* pair) {
   const int t = i;  // now: token t, rows 16 q .. 16 q + 15
   float s = 0.f;
   if (t > 0) {
-    for (int ii = max(16 * q, t); ii < 16 * q + 16; ++ii) s += F[ii * kLdF + t - 1];
+#pragma unroll
+    for (int jj = 0; jj < 16; ++jj) {  // rows ii = max(16 q, t) .. 16 q + 15, in order
+      const int ii = 16 * q + jj;
+      const float x = F[ii * kLdF + t - 1];
+      if (ii >= t) s += x;
+    }
   }
   ppart[tid] = s;
   __syncthreads();
@@ -560,7 +565,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t ldh = static_cast<int64_t>(d.Hv) * d.dk;
   const int64_t slot = static_cast<int64_t>(c) * d.Hv + h;
   const int64_t sd = static_cast<int64_t>(d.dk) * d.dv;
-  // Two groups: what the score phase needs, then the states (in flight during that phase).
+  // Three groups: what the score phase needs, then what the dq / dW phase adds (in flight during
+  // the score phase), then dH (in flight until the dk phase).
   stage_tile(Qs, ldk, qn + (t0 * d.Hk + kh) * d.dk, ldq, L, d.dk, kC, d.KP, true);
   stage_tile(Ks, ldk, kn + (t0 * d.Hk + kh) * d.dk, ldq, L, d.dk, kC, d.KP, true);
   stage_tile(dOs, ldv, dout + (t0 * d.Hv + h) * d.dv, ldV, L, d.dv, kC, d.VP, true);
@@ -570,9 +576,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   stage_tile(dVts, kLdP, dVt + slot * d.dv * kC, static_cast<int64_t>(kC), d.dv, kC, d.VP, kC,
              true);
   stage_tile(Hts, ldk, Ht + slot * sd, static_cast<int64_t>(d.dk), d.dv, d.dk, d.VP, d.KP, true);
+  cp_async_commit();
   stage_tile(dHts, ldk, dHt + slot * sd, static_cast<int64_t>(d.dk), d.dv, d.dk, d.VP, d.KP, true);
   cp_async_commit();
-  cp_async_wait<1>();
+  cp_async_wait<2>();
   __syncthreads();
 
   const int mt = warp & 3, nh = warp >> 2;
@@ -620,7 +627,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
-  cp_async_wait<0>();
+  cp_async_wait<1>();
   __syncthreads();  // dP, the pair terms and the second group
   // Warp (mt, nh): rows 16 mt.., key columns 64 nh...
   const int col0 = 64 * nh;
@@ -673,6 +680,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     fast::store_acc_f32(y, dqh + (t0 * d.Hv + h) * d.dk, ldh, 16 * mt, col0, L, d.dk, 1.f);
   }
+  cp_async_wait<0>();
+  __syncthreads();  // the third group (dH)
   {
     // Z = V' dH_c^T; dK_a = diag(dec) Z + dP^T Q (dP^T is upper: k-blocks >= mt).
     float z[8][4] = {};
@@ -739,25 +748,33 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // --- wy
 // ----------------------------------------------------------------------------------------------
+// Shared memory: K, dW, V, dV'^T, bf16 T, dT, X, two vectors of 256 and 10 of 64; the fp32 pair
+// terms reuse V's tile (dv > 112; else a tile of their own) and dKK dT's, both dead by then, and
+// K K^T stays in registers. At dk = dv = 128: 102912 bytes, so 2 blocks share an SM (with fp32
+// copies of T, K K^T and the pair terms it was 164352: 1 block).
+__host__ __device__ bool wy_pair_over_v(const Dims& d) {
+  return tile_bytes_bf16(kC, d.VP) >= kF32Tile;
+}
 size_t wy_smem(const Dims& d) {
   return 2 * tile_bytes_bf16(kC, d.KP) + tile_bytes_bf16(kC, d.VP) + tile_bytes_bf16(d.VP, kC) +
-         3 * kF32Tile + 4 * tile_bytes_bf16(kC, kC) + 2 * kVec256 + 10 * kVecBytes;
+         3 * tile_bytes_bf16(kC, kC) + 2 * kVec256 + 10 * kVecBytes +
+         (wy_pair_over_v(d) ? 0 : kF32Tile);
 }
 
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreads, 2)
     gdr_fast_wy_kernel(Dims d, IndexView ix,
-                       const bf16_t* __restrict__ kn,   // [T, Hk, dk]
-                       const bf16_t* __restrict__ v,    // [T, Hv, dv]
-                       const bf16_t* __restrict__ dVt,  // [nt_max, Hv, dv, 64] dV'^T
-                       const bf16_t* __restrict__ dW,   // [T, Hv, dk]
-                       const float* __restrict__ Tinv,  // [nt_max, Hv, 64, 64]
-                       const float* __restrict__ gam,   // [nt_max, Hv, 64]
-                       const float* __restrict__ beta,  // [T, Hv]
-                       const float* __restrict__ dgp,   // [T, Hv]
-                       float* __restrict__ dkh,         // [T, Hv, dk] (+=)
-                       bf16_t* __restrict__ dv,         // [T, Hv, dv]
-                       float* __restrict__ dg,          // [T, Hv]
-                       float* __restrict__ dbeta) {     // [T, Hv]
+                       const bf16_t* __restrict__ kn,    // [T, Hk, dk]
+                       const bf16_t* __restrict__ v,     // [T, Hv, dv]
+                       const bf16_t* __restrict__ dVt,   // [nt_max, Hv, dv, 64] dV'^T
+                       const bf16_t* __restrict__ dW,    // [T, Hv, dk]
+                       const bf16_t* __restrict__ Tinv,  // [nt_max, Hv, 64, 64]
+                       const float* __restrict__ gam,    // [nt_max, Hv, 64]
+                       const float* __restrict__ beta,   // [T, Hv]
+                       const float* __restrict__ dgp,    // [T, Hv]
+                       float* __restrict__ dkh,          // [T, Hv, dk] (+=)
+                       bf16_t* __restrict__ dv,          // [T, Hv, dv]
+                       float* __restrict__ dg,           // [T, Hv]
+                       float* __restrict__ dbeta) {      // [T, Hv]
   const int c = static_cast<int>(blockIdx.x);
   const ChunkInfo ci = ix.table[c];
   if (ci.len <= 0) return;
@@ -772,13 +789,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   bf16_t* dWs = sc.take<bf16_t>(tile_bytes_bf16(kC, d.KP));   // [64, KP] dW
   bf16_t* Vs = sc.take<bf16_t>(tile_bytes_bf16(kC, d.VP));    // [64, VP] V
   bf16_t* dVts = sc.take<bf16_t>(tile_bytes_bf16(d.VP, kC));  // [VP, 64] dV'^T
-  float* Tf = sc.take<float>(kF32Tile);                       // [64, 64] T (fp32)
-  float* KKf = sc.take<float>(kF32Tile);                      // [64, 64] K K^T
-  float* Ff = sc.take<float>(kF32Tile);                       // [64, 64] pair terms dM .* M
   bf16_t* Tb = sc.take<bf16_t>(tile_bytes_bf16(kC, kC));      // [64, 64] bf16(T)
   bf16_t* dTs = sc.take<bf16_t>(tile_bytes_bf16(kC, kC));     // [64, 64] dT, strictly lower
   bf16_t* Xs = sc.take<bf16_t>(tile_bytes_bf16(kC, kC));      // [64, 64] dT T^T
-  bf16_t* dKKs = sc.take<bf16_t>(tile_bytes_bf16(kC, kC));    // [64, 64] d(K K^T), strictly lower
+  // After the barrier that completes X, V and dT are dead: the pair terms take V's tile when it is
+  // large enough (wy_pair_over_v; else a tile of their own after the vectors), dKK takes dT's.
+  bf16_t* dKKs = dTs;  // [64, 64] d(K K^T), strictly lower
   float* qtot = sc.take<float>(kVec256);
   float* ppart = sc.take<float>(kVec256);
   float* gm = sc.vec();    // [64] gamma
@@ -791,6 +807,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* rm1 = sc.vec();   // [64] same, columns 32..63
   float* dgB = sc.vec();   // [64] beta_i G_i kt_i
   float* pair = sc.vec();  // [64]
+  float* Ff = wy_pair_over_v(d) ? reinterpret_cast<float*>(Vs)
+                                : sc.take<float>(kF32Tile);  // [64, 64] pair terms dM .* M
   sc.done();
 
   const int64_t ldq = static_cast<int64_t>(d.Hk) * d.dk, ldV = static_cast<int64_t>(d.Hv) * d.dv;
@@ -801,22 +819,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   stage_tile(Vs, ldv, v + (t0 * d.Hv + h) * d.dv, ldV, L, d.dv, kC, d.VP, true);
   stage_tile(dVts, kLdP, dVt + slot * d.dv * kC, static_cast<int64_t>(kC), d.dv, kC, d.VP, kC,
              true);
-  stage_tile(Tf, kLdF, Tinv + slot * kC * kC, static_cast<int64_t>(kC), kC, kC, kC, kC, true);
+  stage_tile(Tb, kLdP, Tinv + slot * kC * kC, static_cast<int64_t>(kC), kC, kC, kC, kC, true);
   stage_gamma(gm, gam + slot * kC);
   if (tid < kC) bs[tid] = tid < L ? beta[(t0 + tid) * d.Hv + h] : 0.f;
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
-  for (int p = tid; p < kC * kC; p += kThreads) {
-    const int i = p >> 6, j = p & 63;
-    Tb[i * kLdP + j] = tobf(Tf[i * kLdF + j]);
-  }
 
   const int mt = warp & 3, nh = warp >> 2;
+  // K K^T at this warp's C positions of rows 16 mt.., columns 32 nh.. (0 where the warp computes
+  // nothing: those positions all lie above the diagonal), kept for the dM phase, which reads
+  // exactly these positions.
+  float kk[4][4] = {};
   {
     // dT = (dV' V^T) diag(beta) + (dW K^T) diag(beta G) on j < i, and K K^T: rows 16 mt..,
     // columns 32 nh...
-    float a1[4][4] = {}, a2[4][4] = {}, kk[4][4] = {};
+    float a1[4][4] = {}, a2[4][4] = {};
     if (32 * nh <= 16 * mt + 15) {
       for (int kb = 0; kb < nvk; ++kb) {
         uint32_t a[4], bb[4];
@@ -855,8 +873,6 @@ __global__ void __launch_bounds__(kThreads, 1)
               j + u < i ? bj * a1[nt][2 * hf + u] + bj * expf(gm[j + u]) * a2[nt][2 * hf + u] : 0.f;
         }
         *reinterpret_cast<uint32_t*>(dTs + i * kLdP + j) = pack(x[0], x[1]);
-        *reinterpret_cast<float2*>(KKf + i * kLdF + j) =
-            make_float2(kk[nt][2 * hf], kk[nt][2 * hf + 1]);
       }
     }
   }
@@ -959,10 +975,10 @@ __global__ void __launch_bounds__(kThreads, 1)
           f[u] = 0.f;
           if (j + u < i) {
             const float gd = -dm[nt][2 * hf + u] * expf(gm[i] - gm[j + u]);
-            const float kk = KKf[i * kLdF + j + u];
-            rsum[hf] += gd * kk;
+            const float kkv = kk[nt][2 * hf + u];
+            rsum[hf] += gd * kkv;
             x[u] = bs[i] * gd;
-            f[u] = x[u] * kk;
+            f[u] = x[u] * kkv;
           }
         }
         *reinterpret_cast<uint32_t*>(dKKs + i * kLdP + j) = pack(x[0], x[1]);
@@ -1131,7 +1147,7 @@ void fast_dqkw(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_
 }
 
 void fast_wy(const Dims& d, const IndexView& ix, const bf16_t* kn, const bf16_t* v,
-             const bf16_t* dVt, const bf16_t* dW, const float* Tinv, const float* gam,
+             const bf16_t* dVt, const bf16_t* dW, const bf16_t* Tinv, const float* gam,
              const float* beta, const float* dgp, float* dkh, bf16_t* dv, float* dg, float* dbeta,
              cudaStream_t s) {
   if (d.nt_max == 0) return;

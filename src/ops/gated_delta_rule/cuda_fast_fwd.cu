@@ -74,12 +74,16 @@ __device__ __forceinline__ void stage_gamma(float* dst, const float* src) {
 
 // --- prep
 // ------------------------------------------------------------------------------------------
-size_t prep_smem(const Dims& d) {
-  return tile_bytes_bf16(kC, d.KP) + tile_bytes_bf16(kC, d.VP) + 2 * kF32Tile + kF32Tile16 +
-         2 * tile_bytes_bf16(kC, kC) + 4 * kVecBytes;
+// Shared memory: K, V (only with U), M and the inverse's scratch X (dead once T is complete: the
+// bf16 factors T diag(beta G) and T diag(beta) reuse them), T, 4 vectors. At dk = dv = 128: 75008
+// bytes with V, 57600 without, so 3 blocks share an SM (80 registers at most).
+size_t prep_smem(const Dims& d, bool with_u) {
+  static_assert(2 * tile_bytes_bf16(kC, kC) <= kF32Tile + kF32Tile16, "Tw, Tu over M and X");
+  return tile_bytes_bf16(kC, d.KP) + (with_u ? tile_bytes_bf16(kC, d.VP) : 0) + 2 * kF32Tile +
+         kF32Tile16 + 4 * kVecBytes;
 }
 
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kThreads, 3)
     gdr_fast_prep_kernel(Dims d, IndexView ix,
                          const bf16_t* __restrict__ kn,   // [T, Hk, dk]
                          const bf16_t* __restrict__ v,    // [T, Hv, dv]
@@ -88,7 +92,7 @@ __global__ void __launch_bounds__(kThreads, 2)
                          bf16_t* __restrict__ W,          // [T, Hv, dk]
                          bf16_t* __restrict__ U,          // [T, Hv, dv] or null (not computed)
                          float* __restrict__ gam,         // [nt_max, Hv, 64]
-                         float* __restrict__ Tinv) {      // [nt_max, Hv, 64, 64] or null
+                         bf16_t* __restrict__ Tinv) {     // [nt_max, Hv, 64, 64] or null
   const int c = static_cast<int>(blockIdx.x);
   const ChunkInfo ci = ix.table[c];
   if (ci.len <= 0) return;
@@ -99,21 +103,22 @@ __global__ void __launch_bounds__(kThreads, 2)
   extern __shared__ __align__(128) char smem[];
   SmemCarver sc(smem);
   bf16_t* Ks = sc.take<bf16_t>(tile_bytes_bf16(kC, d.KP));  // [64, KP] K
-  bf16_t* Vs = sc.take<bf16_t>(tile_bytes_bf16(kC, d.VP));  // [64, VP] V
-  float* Mf = sc.take<float>(kF32Tile);                     // [64, 64] strictly lower M
-  float* Tf = sc.take<float>(kF32Tile);                     // [64, 64] T
-  float* Xf = sc.take<float>(kF32Tile16);                   // [16, 48] inverse scratch
-  bf16_t* Tw = sc.take<bf16_t>(tile_bytes_bf16(kC, kC));    // [64, 64] T diag(beta G)
-  bf16_t* Tu = sc.take<bf16_t>(tile_bytes_bf16(kC, kC));    // [64, 64] T diag(beta)
-  float* gr = sc.vec();                                     // [64] g (0 past L)
-  float* gm = sc.vec();                                     // [64] gamma
-  float* bs = sc.vec();                                     // [64] beta (0 past L)
-  float* bG = sc.vec();                                     // [64] beta G
+  bf16_t* Vs = U != nullptr ? sc.take<bf16_t>(tile_bytes_bf16(kC, d.VP))
+                            : nullptr;            // [64, VP] V (V only feeds U)
+  float* Mf = sc.take<float>(kF32Tile);           // [64, 64] strictly lower M
+  float* Xf = sc.take<float>(kF32Tile16);         // [16, 48] inverse scratch (right after M)
+  float* Tf = sc.take<float>(kF32Tile);           // [64, 64] T
+  bf16_t* Tw = reinterpret_cast<bf16_t*>(Mf);     // [64, 64] T diag(beta G), over M and X
+  bf16_t* Tu = Tw + tile_bytes_bf16(kC, kC) / 2;  // [64, 64] T diag(beta), over M and X
+  float* gr = sc.vec();                           // [64] g (0 past L)
+  float* gm = sc.vec();                           // [64] gamma
+  float* bs = sc.vec();                           // [64] beta (0 past L)
+  float* bG = sc.vec();                           // [64] beta G
   sc.done();
 
   stage_tile(Ks, ldk, kn + (t0 * d.Hk + kh) * d.dk, static_cast<int64_t>(d.Hk) * d.dk, L, d.dk, kC,
              d.KP, true);
-  if (U != nullptr)  // V only feeds U (uniform over the block)
+  if (U != nullptr)  // uniform over the block
     stage_tile(Vs, ldv, v + (t0 * d.Hv + h) * d.dv, static_cast<int64_t>(d.Hv) * d.dv, L, d.dv, kC,
                d.VP, true);
   if (tid < kC) {
@@ -164,19 +169,22 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
   }
   __syncthreads();
-  unit_lower_inverse_blocked(Mf, Tf, Xf);
+  unit_lower_inverse_blocked(Mf, Tf, Xf);  // ends with a barrier: M and X are dead
   for (int p = tid; p < kC * kC; p += kThreads) {
     const int i = p >> 6, j = p & 63;
     const float t = Tf[i * kLdF + j];
     Tw[i * kLdP + j] = tobf(t * bG[j]);
-    Tu[i * kLdP + j] = tobf(t * bs[j]);
+    if (U != nullptr) Tu[i * kLdP + j] = tobf(t * bs[j]);
   }
   if (Tinv != nullptr) {
-    float* Tc = Tinv + (static_cast<int64_t>(c) * d.Hv + h) * kC * kC;  // [64, 64]
-    for (int p = tid; p < kC * kC / 4; p += kThreads) {
-      const int i = p >> 4, j = (p & 15) * 4;
-      *reinterpret_cast<float4*>(Tc + i * kC + j) =
-          *reinterpret_cast<const float4*>(Tf + i * kLdF + j);
+    // bf16(T), 8 elements per 16-byte store (the rounding wy's tobf(T) did on an fp32 copy).
+    bf16_t* Tc = Tinv + (static_cast<int64_t>(c) * d.Hv + h) * kC * kC;  // [64, 64]
+    for (int p = tid; p < kC * kC / 8; p += kThreads) {
+      const int i = p >> 3, j = (p & 7) * 8;
+      const float4 x0 = *reinterpret_cast<const float4*>(Tf + i * kLdF + j);
+      const float4 x1 = *reinterpret_cast<const float4*>(Tf + i * kLdF + j + 4);
+      *reinterpret_cast<uint4*>(Tc + i * kC + j) =
+          make_uint4(pack(x0.x, x0.y), pack(x0.z, x0.w), pack(x1.x, x1.y), pack(x1.z, x1.w));
     }
   }
   __syncthreads();
@@ -620,10 +628,10 @@ StatePipe state_pipe(const Dims& d, int ks, int64_t blocks32, int ns_max,
 
 // --- launchers ----------------------------------------------------------------------------------
 void fast_prep(const Dims& d, const IndexView& ix, const bf16_t* kn, const bf16_t* v,
-               const float* g, const float* beta, bf16_t* W, bf16_t* U, float* gam, float* Tinv,
+               const float* g, const float* beta, bf16_t* W, bf16_t* U, float* gam, bf16_t* Tinv,
                cudaStream_t s) {
   if (d.nt_max == 0) return;
-  const size_t smem = prep_smem(d);
+  const size_t smem = prep_smem(d, U != nullptr);
   allow_smem(reinterpret_cast<const void*>(&gdr_fast_prep_kernel), smem, "gdr_fast_prep_kernel",
              d.dk, d.dv);
   const dim3 grid(grid_x(d.nt_max, "gdr_fast_prep_kernel"), static_cast<unsigned>(d.Hv));

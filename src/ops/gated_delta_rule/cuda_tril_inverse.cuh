@@ -15,7 +15,10 @@ constexpr int kInvThreads = 256;  // the block size the inverse is written for: 
 // in fp32 by 16 x 16 blocks (fla solve_tril's blocking): the four diagonal blocks by forward
 // substitution, one per warp with its column in registers; then row block a = 1..3: X = M[a, 0:a]
 // T[0:a, 0:a], T[a, 0:a] = -T_aa X. X [16, 48] is scratch. 256 threads; barriers inside, every
-// thread must call it; M and Tm complete on return.
+// thread must call it; M and Tm complete on return. The sums of the off-diagonal products run over
+// whole 16-blocks of m (unrolled, with a predicate on the triangular one), so that their shared
+// loads issue ahead of the fmaf chain; the chain itself, and so every bit, is that of the plain
+// loops over m.
 __device__ inline void unit_lower_inverse_blocked(const float* M, float* Tm, float* X) {
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   if (warp < 4) {
@@ -44,20 +47,36 @@ __device__ inline void unit_lower_inverse_blocked(const float* M, float* Tm, flo
   __syncthreads();
 #pragma unroll
   for (int a = 1; a < 4; ++a) {
-    const int w = 16 * a;  // columns of the row block's off-diagonal part
-    for (int p = tid; p < 16 * w; p += kInvThreads) {
+    // w: columns of the row block's off-diagonal part; its 16 w = 256 a items are exactly a per
+    // thread (kInvThreads = 256).
+    const int w = 16 * a;
+#pragma unroll
+    for (int it = 0; it < a; ++it) {
+      const int p = tid + kInvThreads * it;
       const int r = p / w, col = p % w;
       const float* mrow = M + (w + r) * kInvLd;
       float s = 0.f;
-      for (int m = col & ~15; m < w; ++m) s = fmaf(mrow[m], Tm[m * kInvLd + col], s);
+      for (int mb = col >> 4; mb < a; ++mb) {  // m = 16 mb + mm over col & ~15 .. w - 1
+#pragma unroll
+        for (int mm = 0; mm < 16; ++mm) {
+          const int m = 16 * mb + mm;
+          s = fmaf(mrow[m], Tm[m * kInvLd + col], s);
+        }
+      }
       X[r * kInvLd + col] = s;
     }
     __syncthreads();
-    for (int p = tid; p < 16 * w; p += kInvThreads) {
+#pragma unroll
+    for (int it = 0; it < a; ++it) {
+      const int p = tid + kInvThreads * it;
       const int r = p / w, col = p % w;
       const float* trow = Tm + (w + r) * kInvLd + w;  // row r of T_aa (lower, unit diagonal)
       float s = 0.f;
-      for (int m = 0; m <= r; ++m) s = fmaf(trow[m], X[m * kInvLd + col], s);
+#pragma unroll
+      for (int m = 0; m < 16; ++m) {  // m <= r
+        const float tv = trow[m], xv = X[m * kInvLd + col];
+        if (m <= r) s = fmaf(tv, xv, s);
+      }
       Tm[(w + r) * kInvLd + col] = -s;
     }
     __syncthreads();
