@@ -1,14 +1,15 @@
-// Causal conv1d on CUDA (label gpu), for every implementation, cuda.tiled (cuda.cu), cuda.v2 and
-// its evict-first-store variant cuda.v2cs (cuda_v2.cu; they run cuda.tiled for W > 4, C % 8 != 0
-// or unaligned tensors, so those cases check the fallback): cuda vs ref over widths W in {1, 2, 4,
-// 8}, document layouts (T < W, 1-token documents, zero-length documents at the start, middle and
-// end, 50 documents, one long document crossing many tiles / segments, documents starting just
-// before / at / after tile and warp boundaries, many documents of 0..100 tokens across cuda.v2's
-// segments, 8-token chunks and 8-token forward runs, no cu_seqlens) and every option combination
-// (bias, SiLU, initial state, dfinal_state, final state requested), on both load paths (16-byte and
-// scalar) and both store paths; forward and every gradient. Then: no read across documents (NaN in
-// one document leaves the others finite), dweight / dbias accumulation and run-to-run determinism
-// over a persistent grid whose blocks walk several tiles, unaligned tensors, saturating SiLU, empty
+// Causal conv1d on CUDA (label gpu), for every implementation, cuda.tiled (cuda.cu), cuda.v2, its
+// evict-first-store variant cuda.v2cs and the staged forwards cuda.v2st / cuda.v2st24 / cuda.v2st5
+// (cuda_v2.cu; y bitwise cuda.v2's, checked below; they run cuda.tiled for W > 4, C % 8 != 0 or
+// unaligned tensors, so those cases check the fallback): cuda vs ref over widths W in {1, 2, 4, 8},
+// document layouts (T < W, 1-token documents, zero-length documents at the start, middle and end,
+// 50 documents, one long document crossing many tiles / segments, documents starting just before /
+// at / after tile and warp boundaries, many documents of 0..100 tokens across cuda.v2's segments,
+// 8-token chunks and 8-token forward runs, no cu_seqlens) and every option combination (bias, SiLU,
+// initial state, dfinal_state, final state requested), on both load paths (16-byte and scalar) and
+// both store paths; forward and every gradient. Then: no read across documents (NaN in one document
+// leaves the others finite), dweight / dbias accumulation and run-to-run determinism over a
+// persistent grid whose blocks walk several tiles, unaligned tensors, saturating SiLU, empty
 // batches, the resolver's choice (cuda.v2cs) and probe, leaking implementations rejected by the
 // probe, `ops run` on the cuda backend, and bad input. Tolerances come from the one table,
 // src/backend/tolerances.h.
@@ -35,7 +36,8 @@ using testing::randn;
 constexpr ProbeError kTol = bf16_tolerance("causal_conv1d");
 
 // The implementations under test; "" is ref (F64 on the host).
-const char* const kImpls[] = {"cuda.tiled", "cuda.v2", "cuda.v2cs"};
+const char* const kImpls[] = {"cuda.tiled", "cuda.v2",     "cuda.v2cs",
+                              "cuda.v2st",  "cuda.v2st24", "cuda.v2st5"};
 
 // The registered cuda implementation `name` (its function table); a test fails without it.
 const CausalConv1dTable& impl_table(const std::string& name) {
@@ -258,6 +260,30 @@ TEST_F(CausalConv1dCuda, OtherWidthsMatchRef) {
       for (const std::string impl : kImpls) {
         SCOPED_TRACE(fmt::format("{} W={} layout={}", impl, W, lay));
         compare(k, run(k, impl), want);
+      }
+    }
+  }
+}
+
+// The staged forwards (token tiles of 64 / 96 through shared memory) compute y and the final state
+// with cuda.v2's arithmetic in its order: bit-identical to cuda.v2cs on documents that start
+// before, at and after the tile edges, with and without SiLU, bias and initial state.
+TEST_F(CausalConv1dCuda, StagedForwardsAreBitwiseV2) {
+  for (int64_t W : {2, 4}) {
+    for (int lay : {3, 5, 7, 8}) {
+      const Layout l = layout(lay, W);
+      Case k = make_case(l.C, W, l.cu, 3000 + static_cast<uint64_t>(W * 17 + lay));
+      for (int flags = 0; flags < 8; ++flags) {
+        k.bias = flags & 1;
+        k.silu = flags & 2;
+        k.init = flags & 4;
+        const Out want = run(k, "cuda.v2cs");
+        for (const std::string impl : {"cuda.v2st", "cuda.v2st24", "cuda.v2st5"}) {
+          SCOPED_TRACE(fmt::format("{} W={} layout={} flags={}", impl, W, lay, flags));
+          const Out got = run(k, impl);
+          EXPECT_EQ(to_f64_vector(got.y), to_f64_vector(want.y)) << "y";
+          EXPECT_EQ(to_f64_vector(got.fin), to_f64_vector(want.fin)) << "final state";
+        }
       }
     }
   }

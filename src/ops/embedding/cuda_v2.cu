@@ -86,6 +86,17 @@ using cuda::pdl_wait;
 
 // --- step 1: ranks ---------------------------------------------------------------------------
 
+// An asynchronous prefetch of `bytes` (a multiple of 16) from p (16-byte aligned) into L2 by the
+// bulk-copy unit: one instruction, no register, no effect on results.
+__device__ __forceinline__ void bulk_prefetch_l2(const void* p, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
 // Output of step 1, read by step 2.
 struct Ranked {
   uint32_t* keys;  // [T] sorted keys (ids; V for an invalid id, sorted last)
@@ -114,7 +125,8 @@ __device__ __forceinline__ void zero_counters(const Ranked& r) {
 template <class Id>
 __global__ void __launch_bounds__(kRankThreads)
     emb2_rank_kernel(const Id* __restrict__ ids,  // [T]
-                     Ranked r, int T, int64_t vocab, int shift, int nbins, int win, int per_block) {
+                     Ranked r, int T, int64_t vocab, int shift, int nbins, int win, int per_block,
+                     const char* __restrict__ pf, int64_t pf_bytes) {
   pdl_launch_dependents();  // the dW kernel may take its place now; it waits for our end
   extern __shared__ uint32_t smem[];
   uint32_t* skey = smem;              // [T] keys in token order
@@ -147,6 +159,14 @@ __global__ void __launch_bounds__(kRankThreads)
     }
   }
   __syncthreads();
+  // cuda.v2rp*: the first pf_bytes of dy towards L2, 4 KB a thread (one bulk prefetch each), while
+  // this kernel ranks and the memory system would otherwise idle. Issued once this block's ids
+  // have arrived, so that they do not queue behind the prefetch.
+  {
+    const int64_t off = (static_cast<int64_t>(blockIdx.x) * kRankThreads + tid) * 4096;
+    if (off < pf_bytes)
+      bulk_prefetch_l2(pf + off, static_cast<uint32_t>(min(int64_t{4096}, pf_bytes - off)));
+  }
   // Exclusive scan of the counts: thread tid owns buckets [tid * per, tid * per + per).
   const int per = (nbins + kRankThreads - 1) / kRankThreads;
   const int b0 = tid * per;
@@ -316,6 +336,33 @@ __device__ __forceinline__ void store_f(float* p, const float (&f)[V]) {
   }
 }
 
+// dW rows with evict-first loads and stores (ld.global.cs / st.global.cs; kEf, cuda.v2rp*): each
+// row is read and written once, and as the first victims they leave the dy rows prefetched into
+// L2 by the rank kernel (normal priority) in place until they are read. Coherent: the same
+// thread's earlier writes are seen; no other block writes the row.
+template <int V, bool kEf>
+__device__ __forceinline__ void load_dw(const float* p, float (&f)[V]) {
+  if constexpr (!kEf) {
+    load_f<V>(p, f);
+  } else if constexpr (V == 4) {
+    const float4 a = __ldcs(reinterpret_cast<const float4*>(p));
+    f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w;
+  } else {
+    f[0] = __ldcs(p);
+  }
+}
+
+template <int V, bool kEf>
+__device__ __forceinline__ void store_dw(float* p, const float (&f)[V]) {
+  if constexpr (!kEf) {
+    store_f<V>(p, f);
+  } else if constexpr (V == 4) {
+    __stcs(reinterpret_cast<float4*>(p), make_float4(f[0], f[1], f[2], f[3]));
+  } else {
+    __stcs(p, f[0]);
+  }
+}
+
 struct DwArgs {
   const uint32_t* keys;   // [T] (16-byte aligned, readable up to the next 16 bytes)
   const uint32_t* toks;   // [T] (same)
@@ -368,7 +415,8 @@ __device__ __forceinline__ void combine(const DwArgs& a, uint32_t k, int w0, int
 // One item: window w (sorted positions [s, e)), column chunk `chunk`. Every thread of the block
 // calls it (it holds barriers); `st` is the staged window.
 // kPf: what each thread prefetches towards L2 while it loads a batch (1: the next batch's dy and
-// dW rows, cuda.v2 / cuda.v2r; -1: its dy rows only, cuda.v2ry, the default). The kernel runs at
+// dW rows, cuda.v2 / cuda.v2r; -1: its dy rows only, cuda.v2ry, the default; 0: nothing,
+// cuda.v2rp6n, whose dy rows the rank kernel prefetched). The kernel runs at
 // ~85% of the L2's throughput (ncu, mem7) and every prefetch is one more L2 request: measured on
 // the H200 (uniform / skewed ids, us, one process), 3 batches ahead 127 / 113 against cuda.v2r's
 // 105 / 98 (device run 1); no prefetch 102.6, 102.0 / 97.5, 96.8, the dy rows only 101.6, 102.3
@@ -376,7 +424,7 @@ __device__ __forceinline__ void combine(const DwArgs& a, uint32_t k, int w0, int
 // cp.async ring of 4 positions in shared memory instead of register batches and prefetch, 102.7,
 // 102.6 / 96.7, 97.5 (not kept); 32 tokens ranked per block instead of 64, 107.9, 106.7 / 99.7,
 // 99.5.
-template <int V, int kPf = 1>
+template <int V, int kPf = 1, bool kEf = false>
 __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w, int chunk,
                                         int* s_last) {
   const int D = a.D;
@@ -424,7 +472,7 @@ __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w,
         for (int g = 0; g < kGroups; ++g) {
           if (has[g]) {
             d[j][g] = load_dy<V>(a.dy + t * D + c[g]);
-            if (direct) load_f<V>(a.dw + static_cast<int64_t>(k) * D + c[g], cur[j][g]);
+            if (direct) load_dw<V, kEf>(a.dw + static_cast<int64_t>(k) * D + c[g], cur[j][g]);
           }
         }
       }
@@ -444,9 +492,11 @@ __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w,
         }
       }
     };
+    if constexpr (kPf != 0) {
 #pragma unroll
-    for (int j = 0; j < kBatch; ++j)
-      if (i0 + kBatch + j < nv) prefetch(i0 + kBatch + j);
+      for (int j = 0; j < kBatch; ++j)
+        if (i0 + kBatch + j < nv) prefetch(i0 + kBatch + j);
+    }
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
       const int i = i0 + j;
@@ -463,7 +513,7 @@ __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w,
             if (slot < 0) {
 #pragma unroll
               for (int v = 0; v < V; ++v) cur[j][g][v] += acc[g][v];
-              store_f<V>(a.dw + static_cast<int64_t>(k) * D + c[g], cur[j][g]);
+              store_dw<V, kEf>(a.dw + static_cast<int64_t>(k) * D + c[g], cur[j][g]);
             } else {
               store_f<V>(part + static_cast<int64_t>(slot) * D + c[g], acc[g]);
             }
@@ -506,7 +556,7 @@ __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w,
 }
 
 // Persistent grid over items (window-major: item = w * chunks + chunk); kDwThreads threads.
-template <int V, int kPf = 1>
+template <int V, int kPf = 1, bool kEf = false>
 __global__ void __launch_bounds__(kDwThreads, 8) emb2_dw_kernel(const DwArgs a) {
   pdl_wait();  // step 1's ranks and zeroed counters
   __shared__ Stage stage[2];
@@ -536,7 +586,7 @@ __global__ void __launch_bounds__(kDwThreads, 8) emb2_dw_kernel(const DwArgs a) 
     const int next = item + static_cast<int>(gridDim.x);
     if (next < nitems) stage_window(next, stage[buf ^ 1]);
     const int w = item / a.chunks;
-    dw_item<V, kPf>(a, stage[buf], w, item - w * a.chunks, s_last);
+    dw_item<V, kPf, kEf>(a, stage[buf], w, item - w * a.chunks, s_last);
     cuda::cp_async_wait<0>();
     __syncthreads();
   }
@@ -568,10 +618,10 @@ void rank_opt_in(size_t limit) {
   });
 }
 
-template <int V, int kPf>
+template <int V, int kPf, bool kEf>
 void launch_dw(const DwArgs& args, cudaStream_t s) {
   int per_sm = 0;
-  GDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, emb2_dw_kernel<V, kPf>,
+  GDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, emb2_dw_kernel<V, kPf, kEf>,
                                                                kDwThreads, 0));
   const int64_t items = static_cast<int64_t>(args.nwin) * args.chunks;
   const auto grid = static_cast<unsigned>(std::min<int64_t>(
@@ -586,11 +636,13 @@ void launch_dw(const DwArgs& args, cudaStream_t s) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  GDN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, emb2_dw_kernel<V, kPf>, args));
+  GDN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, emb2_dw_kernel<V, kPf, kEf>, args));
   GDN_CUDA_LAUNCH_CHECK("emb2_dw_kernel");
 }
 
-template <int kWin, int kPerBlock, int kPf = 1>
+// kPfL2: eighths of the L2 size of dy prefetched by the rank kernel (0: none); kEf: dW rows
+// evict-first (load_dw). Both with the single-kernel ranks only.
+template <int kWin, int kPerBlock, int kPf = 1, int kPfL2 = 0, bool kEf = false>
 void backward(const EmbeddingBwd& a) {
   // Staging: 16-byte pieces of the window (kWin % 4 == 0), at most 16 per array.
   static_assert(kWin >= 4 && kWin % 4 == 0 && kWin <= kMaxWin && kMaxWin <= 64);
@@ -648,14 +700,23 @@ void backward(const EmbeddingBwd& a) {
   const bool i32 = a.ids.dtype() == DType::I32;
   if (rank_path) {
     const auto grid = static_cast<unsigned>((n + kPerBlock - 1) / kPerBlock);
+    // The first rows of dy, up to kPfL2 / 8 of the L2 and the rank grid's 4 KB a thread.
+    const int64_t pf_bytes =
+        kPfL2 > 0 && cuda::aligned16(dy)
+            ? std::min<int64_t>({static_cast<int64_t>(n) * d * 2,
+                                 static_cast<int64_t>(props.l2CacheSize) * kPfL2 / 8,
+                                 static_cast<int64_t>(grid) * kRankThreads * 4096}) &
+                  ~int64_t{15}
+            : 0;
+    const char* pf = reinterpret_cast<const char*>(dy);
     if (i32) {
       rank_opt_in<int32_t>(smem_limit);
       emb2_rank_kernel<int32_t><<<grid, kRankThreads, rank_smem, s>>>(
-          a.ids.ptr<int32_t>(), r, n, vocab, shift, nbins, kWin, kPerBlock);
+          a.ids.ptr<int32_t>(), r, n, vocab, shift, nbins, kWin, kPerBlock, pf, pf_bytes);
     } else {
       rank_opt_in<int64_t>(smem_limit);
       emb2_rank_kernel<int64_t><<<grid, kRankThreads, rank_smem, s>>>(
-          a.ids.ptr<int64_t>(), r, n, vocab, shift, nbins, kWin, kPerBlock);
+          a.ids.ptr<int64_t>(), r, n, vocab, shift, nbins, kWin, kPerBlock, pf, pf_bytes);
     }
     GDN_CUDA_LAUNCH_CHECK("emb2_rank_kernel");
   } else {
@@ -694,15 +755,19 @@ void backward(const EmbeddingBwd& a) {
               chunks,
               static_cast<uint32_t>(vocab)};
   if (V == 4) {
-    launch_dw<4, kPf>(args, s);
+    launch_dw<4, kPf, kEf>(args, s);
   } else {
-    launch_dw<1, kPf>(args, s);
+    launch_dw<1, kPf, kEf>(args, s);
   }
 }
 
 const EmbeddingTable kTable16{forward, backward<16, kRankTokens>};
 const EmbeddingTable kTable16Fine{forward, backward<16, kRankTokensFine>};
 const EmbeddingTable kTable16FineDyPf{forward, backward<16, kRankTokensFine, -1>};
+const EmbeddingTable kTablePf4{forward, backward<16, kRankTokensFine, -1, 4, true>};
+const EmbeddingTable kTablePf6{forward, backward<16, kRankTokensFine, -1, 6, true>};
+const EmbeddingTable kTableEf{forward, backward<16, kRankTokensFine, -1, 0, true>};
+const EmbeddingTable kTablePf6n{forward, backward<16, kRankTokensFine, 0, 6, true>};
 
 }  // namespace
 
@@ -719,6 +784,15 @@ GDN_REGISTER(embedding_cuda_v2) {
   // (0.766 / 0.761 of copy), skewed 96.1 / 96.0 against 96.4 / 97.0 (0.688).
   Registry::global().add_impl(
       {"embedding", "cuda.v2ry", Backend::Cuda, 22, nullptr, &kTable16FineDyPf});
+  // Not yet measured (priority below the default until a device run decides): cuda.v2ry with dy's
+  // first rows prefetched into L2 during the ranks (half / three quarters of the L2) and the dW
+  // rows evict-first; cuda.v2re: the evict-first dW rows alone; cuda.v2rp6n: cuda.v2rp6 without the
+  // dW kernel's own prefetch of the next batch's dy rows.
+  Registry::global().add_impl({"embedding", "cuda.v2rp4", Backend::Cuda, 19, nullptr, &kTablePf4});
+  Registry::global().add_impl({"embedding", "cuda.v2rp6", Backend::Cuda, 18, nullptr, &kTablePf6});
+  Registry::global().add_impl({"embedding", "cuda.v2re", Backend::Cuda, 17, nullptr, &kTableEf});
+  Registry::global().add_impl(
+      {"embedding", "cuda.v2rp6n", Backend::Cuda, 16, nullptr, &kTablePf6n});
 }
 
 }  // namespace gdn::ops
