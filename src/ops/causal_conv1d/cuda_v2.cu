@@ -141,6 +141,33 @@ __device__ __forceinline__ Doc find_doc(const int32_t* __restrict__ cu, int N, i
   return {std::clamp<int64_t>(s, 0, t), std::clamp<int64_t>(e, t + 1, T), lo};
 }
 
+// find_doc for a token t shared by the 32 lanes of a warp (all of them must call it): a 32-ary
+// search, each round one load per lane issued together and a ballot, instead of log2(N)
+// dependent loads per thread. For sorted cu the answer is find_doc's (the largest n with
+// cu[n] <= t); for garbage cu it is still some n in [0, N-1], clamped the same way. Why: in the
+// staged forward the binary search's chain of L2 round trips outlasted the row copies (H200, 1 / 4
+// / 16 documents: 70.4 / 71.6 / 76.3 us, each search step ~1.5 us of a block's life).
+__device__ __forceinline__ Doc find_doc_warp(const int32_t* __restrict__ cu, int N, int64_t T,
+                                             int64_t t) {
+  if (cu == nullptr) return {0, T, 0};
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  int lo = 0, hi = N - 1;  // the answer lies in [lo, hi]
+  while (hi > lo) {        // warp-uniform: lo, hi come from ballots
+    const int step = (hi - lo + 31) / 32;
+    const int p = lo + 1 + lane * step;  // probes lo + 1 .. >= hi; those past hi count as false
+    const bool le = p <= hi && __ldg(cu + p) <= t;
+    const int cnt = __popc(__ballot_sync(0xffffffffu, le));
+    if (cnt == 0) {
+      hi = lo;  // cu[lo + 1] > t
+    } else {  // the true probes are lanes [0, cnt) when cu is sorted; p of lane cnt-1 <= hi always
+      lo = lo + 1 + (cnt - 1) * step;
+      hi = std::min(hi, lo + step - 1);
+    }
+  }
+  const int64_t s = __ldg(cu + lo), e = __ldg(cu + lo + 1);
+  return {std::clamp<int64_t>(s, 0, t), std::clamp<int64_t>(e, t + 1, T), lo};
+}
+
 // Moves d forward to the document of token t (t >= d.e, t < T): documents are sorted, so walk
 // (zero-length ones included) instead of searching. Same clamps as find_doc.
 __device__ __forceinline__ void advance_doc(Doc& d, const int32_t* __restrict__ cu, int N,
@@ -338,7 +365,7 @@ __global__ void __launch_bounds__(kFwdThreads, fwd_min_blocks<R>())
   }
 }
 
-// Staged forward ("cuda.v2st", "cuda.v2st24"): the rows of a block's token tile go through shared
+// Staged forward ("cuda.v2st5", "cuda.v2sw"): the rows of a block's token tile go through shared
 // memory (cp.async), not registers. Why: conv2_fwd_kernel holds its R + W-1 rows in registers
 // (44 of its ~160), so a multiprocessor keeps only three blocks, 384 threads and ~67 KB of loads in
 // flight, and 3 of every 11 rows it loads are the previous run's (L2 hits, but requests); swiglu,
@@ -358,8 +385,9 @@ constexpr size_t st_smem() {
   return static_cast<size_t>(kStWarps * R + W - 1) * kRowU4 * 16;
 }
 
-// MB: blocks a multiprocessor (4: <= 128 registers, 5: <= 102).
-template <int W, int R, int MB, bool kSilu>
+// MB: blocks a multiprocessor (4: <= 128 registers, 5: <= 102). kWarpSearch: the document of the
+// warp's first token by find_doc_warp (else find_doc).
+template <int W, int R, int MB, bool kWarpSearch, bool kSilu>
 __global__ void __launch_bounds__(kStWarps * 32, MB)
     conv2_fwd_staged_kernel(const bf16_t* __restrict__ x,     // [T, C]
                             const bf16_t* __restrict__ w,     // [C, W]
@@ -406,7 +434,8 @@ __global__ void __launch_bounds__(kStWarps * 32, MB)
       br[v] = 0.f;
     }
   }
-  Doc d = find_doc(cu, N, T, std::min<int64_t>(t0, T - 1));
+  const int64_t tq = std::min<int64_t>(t0, T - 1);  // warp-uniform
+  Doc d = kWarpSearch ? find_doc_warp(cu, N, T, tq) : find_doc(cu, N, T, tq);
   cuda::cp_async_wait<0>();
   __syncthreads();
   if (!active || t0 >= T) return;
@@ -730,7 +759,7 @@ void forward_runs(const CausalConv1dFwd& a) {
 }
 
 // Forward through the staged kernel (same coverage as forward_runs).
-template <int R, int MB>
+template <int R, int MB, bool kWarpSearch>
 void forward_staged(const CausalConv1dFwd& a) {
   if (!covered(a.x, a.weight, a.y, a.weight, a.bias)) {
     tiled().forward(a);
@@ -766,9 +795,9 @@ void forward_staged(const CausalConv1dFwd& a) {
         GDN_CUDA_LAUNCH_CHECK("conv2_fwd_staged_kernel");
       };
       if (a.silu)
-        launch(conv2_fwd_staged_kernel<W, R, MB, true>);
+        launch(conv2_fwd_staged_kernel<W, R, MB, kWarpSearch, true>);
       else
-        launch(conv2_fwd_staged_kernel<W, R, MB, false>);
+        launch(conv2_fwd_staged_kernel<W, R, MB, kWarpSearch, false>);
     }
     if (fin != nullptr && W > 1 && N > 0) {
       conv_final_state_kernel<W>
@@ -823,11 +852,15 @@ const CausalConv1dTable kTable{forward_runs<8, false>, backward_impl<false>};
 // 126.6 / 126.8. cuda.v2 (plain stores) stays for A/B.
 const CausalConv1dTable kTableCs{forward_runs<8, true>, backward_impl<true>};
 
-// Staged forwards (cuda.v2cs's backward): 16 and 24 tokens a thread, four blocks a
-// multiprocessor; 16 tokens at five blocks.
-const CausalConv1dTable kTableSt{forward_staged<16, 4>, backward_impl<true>};
-const CausalConv1dTable kTableSt24{forward_staged<24, 4>, backward_impl<true>};
-const CausalConv1dTable kTableSt5{forward_staged<16, 5>, backward_impl<true>};
+// Staged forwards (cuda.v2cs's backward), 16 tokens a thread, five blocks a multiprocessor.
+// Measured on the H200 ([8192, 8192] W 4 SiLU, 1 / 4 / 16 documents, one process, 3 rounds, us):
+// cuda.v2st5 70.2-70.4 / 71.4-71.7 / 76.1-76.5 (0.896 / 0.881 / 0.825 of copy) against cuda.v2cs's
+// 82.8-83.4 / 82.7-83.0 / 83.5-83.7 (0.755-0.762 / 0.759-0.762 / 0.753-0.754); dropped after that
+// run: four blocks (<= 128 registers) 70.1-70.4 / 71.7-71.8 / 76.8-77.1, 24 tokens a thread at
+// four blocks 71.1-71.5 / 73.0-73.2 / 79.3-79.5. cuda.v2sw, the default: cuda.v2st5 with the warp's
+// document found by find_doc_warp.
+const CausalConv1dTable kTableSt5{forward_staged<16, 5, false>, backward_impl<true>};
+const CausalConv1dTable kTableSw{forward_staged<16, 5, true>, backward_impl<true>};
 
 }  // namespace
 
@@ -836,11 +869,9 @@ GDN_REGISTER(causal_conv1d_cuda_v2) {
   Registry::global().add_impl(
       {"causal_conv1d", "cuda.v2cs", Backend::Cuda, 25, nullptr, &kTableCs});
   Registry::global().add_impl(
-      {"causal_conv1d", "cuda.v2st", Backend::Cuda, 23, nullptr, &kTableSt});
+      {"causal_conv1d", "cuda.v2st5", Backend::Cuda, 26, nullptr, &kTableSt5});
   Registry::global().add_impl(
-      {"causal_conv1d", "cuda.v2st24", Backend::Cuda, 22, nullptr, &kTableSt24});
-  Registry::global().add_impl(
-      {"causal_conv1d", "cuda.v2st5", Backend::Cuda, 21, nullptr, &kTableSt5});
+      {"causal_conv1d", "cuda.v2sw", Backend::Cuda, 27, nullptr, &kTableSw});
 }
 
 }  // namespace gdn::ops

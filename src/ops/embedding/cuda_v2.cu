@@ -1,8 +1,8 @@
 // Embedding on CUDA, second version ("cuda.v2"; "cuda.v2r", the same with 64 tokens ranked per
-// block; "cuda.v2ry", the default, v2r prefetching only the dy rows: see the registration; all
-// three bitwise equal): the forward of cuda.sorted_windows and a
-// backward rebuilt around where that one spends its time (op.h has the contract; cuda.cu keeps the
-// first version for A/B timing).
+// block; "cuda.v2ry", v2r prefetching only the dy rows; "cuda.v2re", v2ry with evict-first dW
+// rows; "cuda.v2rd", the default, v2re with the dW items dealt by a counter: see the registration;
+// all bitwise equal): the forward of cuda.sorted_windows and a backward rebuilt around where that
+// one spends its time (op.h has the contract; cuda.cu keeps the first version for A/B timing).
 //
 // Where cuda.sorted_windows' backward loses time (T = 8192 uniform ids over V = 248320, D = 4096:
 // 127.7 us against 78 us of bytes at copy bandwidth):
@@ -86,17 +86,6 @@ using cuda::pdl_wait;
 
 // --- step 1: ranks ---------------------------------------------------------------------------
 
-// An asynchronous prefetch of `bytes` (a multiple of 16) from p (16-byte aligned) into L2 by the
-// bulk-copy unit: one instruction, no register, no effect on results.
-__device__ __forceinline__ void bulk_prefetch_l2(const void* p, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#else
-  (void)p;
-  (void)bytes;
-#endif
-}
-
 // Output of step 1, read by step 2.
 struct Ranked {
   uint32_t* keys;  // [T] sorted keys (ids; V for an invalid id, sorted last)
@@ -105,7 +94,8 @@ struct Ranked {
   // position, .y end (one past) of the segment holding its last position (.z, .w unused: 16 bytes
   // for one cp.async)
   uint4* win_info;
-  uint32_t* counters;  // [nwin * chunks] combine counters, zeroed by step 1
+  uint32_t* counters;  // [nwin * chunks + 1] combine counters, then the item counter; zeroed by
+                       // step 1
   int ncounters;
 };
 
@@ -125,8 +115,7 @@ __device__ __forceinline__ void zero_counters(const Ranked& r) {
 template <class Id>
 __global__ void __launch_bounds__(kRankThreads)
     emb2_rank_kernel(const Id* __restrict__ ids,  // [T]
-                     Ranked r, int T, int64_t vocab, int shift, int nbins, int win, int per_block,
-                     const char* __restrict__ pf, int64_t pf_bytes) {
+                     Ranked r, int T, int64_t vocab, int shift, int nbins, int win, int per_block) {
   pdl_launch_dependents();  // the dW kernel may take its place now; it waits for our end
   extern __shared__ uint32_t smem[];
   uint32_t* skey = smem;              // [T] keys in token order
@@ -159,14 +148,6 @@ __global__ void __launch_bounds__(kRankThreads)
     }
   }
   __syncthreads();
-  // cuda.v2rp*: the first pf_bytes of dy towards L2, 4 KB a thread (one bulk prefetch each), while
-  // this kernel ranks and the memory system would otherwise idle. Issued once this block's ids
-  // have arrived, so that they do not queue behind the prefetch.
-  {
-    const int64_t off = (static_cast<int64_t>(blockIdx.x) * kRankThreads + tid) * 4096;
-    if (off < pf_bytes)
-      bulk_prefetch_l2(pf + off, static_cast<uint32_t>(min(int64_t{4096}, pf_bytes - off)));
-  }
   // Exclusive scan of the counts: thread tid owns buckets [tid * per, tid * per + per).
   const int per = (nbins + kRankThreads - 1) / kRankThreads;
   const int b0 = tid * per;
@@ -336,10 +317,9 @@ __device__ __forceinline__ void store_f(float* p, const float (&f)[V]) {
   }
 }
 
-// dW rows with evict-first loads and stores (ld.global.cs / st.global.cs; kEf, cuda.v2rp*): each
-// row is read and written once, and as the first victims they leave the dy rows prefetched into
-// L2 by the rank kernel (normal priority) in place until they are read. Coherent: the same
-// thread's earlier writes are seen; no other block writes the row.
+// dW rows with evict-first loads and stores (ld.global.cs / st.global.cs; kEf, cuda.v2re and
+// cuda.v2rd): each row is read and written once, by one thread, so L2 should not keep it at the
+// expense of lines still to be read. Coherent loads (not .nc): no stale L1 line can serve them.
 template <int V, bool kEf>
 __device__ __forceinline__ void load_dw(const float* p, float (&f)[V]) {
   if constexpr (!kEf) {
@@ -368,6 +348,7 @@ struct DwArgs {
   const uint32_t* toks;   // [T] (same)
   const uint4* win_info;  // [nwin]
   uint32_t* counters;     // [nwin * chunks]
+  uint32_t* next;         // the item counter of kDyn (zeroed by step 1)
   const bf16_t* dy;       // [T, D]
   float* dw;              // [Vocab, D]
   float* partial;         // [nwin, 2, D]
@@ -415,8 +396,7 @@ __device__ __forceinline__ void combine(const DwArgs& a, uint32_t k, int w0, int
 // One item: window w (sorted positions [s, e)), column chunk `chunk`. Every thread of the block
 // calls it (it holds barriers); `st` is the staged window.
 // kPf: what each thread prefetches towards L2 while it loads a batch (1: the next batch's dy and
-// dW rows, cuda.v2 / cuda.v2r; -1: its dy rows only, cuda.v2ry, the default; 0: nothing,
-// cuda.v2rp6n, whose dy rows the rank kernel prefetched). The kernel runs at
+// dW rows, cuda.v2 / cuda.v2r; -1: its dy rows only, cuda.v2ry, the default). The kernel runs at
 // ~85% of the L2's throughput (ncu, mem7) and every prefetch is one more L2 request: measured on
 // the H200 (uniform / skewed ids, us, one process), 3 batches ahead 127 / 113 against cuda.v2r's
 // 105 / 98 (device run 1); no prefetch 102.6, 102.0 / 97.5, 96.8, the dy rows only 101.6, 102.3
@@ -492,11 +472,9 @@ __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w,
         }
       }
     };
-    if constexpr (kPf != 0) {
 #pragma unroll
-      for (int j = 0; j < kBatch; ++j)
-        if (i0 + kBatch + j < nv) prefetch(i0 + kBatch + j);
-    }
+    for (int j = 0; j < kBatch; ++j)
+      if (i0 + kBatch + j < nv) prefetch(i0 + kBatch + j);
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
       const int i = i0 + j;
@@ -555,12 +533,18 @@ __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w,
   }
 }
 
-// Persistent grid over items (window-major: item = w * chunks + chunk); kDwThreads threads.
-template <int V, int kPf = 1, bool kEf = false>
+// Persistent grid over items (window-major: item = w * chunks + chunk); kDwThreads threads. Block
+// b takes item b first; then items b + grid, b + 2 grid, ... or, kDyn (cuda.v2rd), whichever item
+// the counter a.next deals it next: items cost from 16 dy rows (a window inside one long run of
+// an id) to 16 dy and 16 dW rows (16 distinct ids), 5 x the bytes, and the windows of frequent
+// ids come first, so a fixed deal leaves some blocks idle while others finish. Which block runs
+// an item does not change what it computes: results stay bitwise the same.
+template <int V, int kPf = 1, bool kEf = false, bool kDyn = false>
 __global__ void __launch_bounds__(kDwThreads, 8) emb2_dw_kernel(const DwArgs a) {
   pdl_wait();  // step 1's ranks and zeroed counters
   __shared__ Stage stage[2];
   __shared__ int s_last[2];
+  __shared__ int s_next[2];  // kDyn: s_next[buf] is the item after the one in stage[buf]
   const int nitems = a.nwin * a.chunks;
   const int tid = static_cast<int>(threadIdx.x);
   // Copies item `it`'s window into `dst`: threads [0, 16) the keys, [32, 48) the tokens, 16
@@ -577,18 +561,26 @@ __global__ void __launch_bounds__(kDwThreads, 8) emb2_dw_kernel(const DwArgs a) 
   };
   int item = static_cast<int>(blockIdx.x);
   if (item >= nitems) return;  // uniform over the block
+  const int grid = static_cast<int>(gridDim.x);
+  if (kDyn && tid == 0) s_next[0] = grid + static_cast<int>(atomicAdd(a.next, 1u));
   stage_window(item, stage[0]);
   cuda::cp_async_wait<0>();
   __syncthreads();
-  for (int buf = 0; item < nitems; item += static_cast<int>(gridDim.x), buf ^= 1) {
+  for (int buf = 0; item < nitems; buf ^= 1) {
     // The next item's window lands in the other buffer while this item runs (that buffer was last
     // read during the previous item, before the barrier that ended it).
-    const int next = item + static_cast<int>(gridDim.x);
+    const int next = kDyn ? s_next[buf] : item + grid;
     if (next < nitems) stage_window(next, stage[buf ^ 1]);
+    // kDyn: the item after next is asked for now and published after this item (its atomic's
+    // round trip overlaps the item; s_next[buf ^ 1] was last read before the previous barrier).
+    int after = 0;
+    if (kDyn && tid == 0 && next < nitems) after = grid + static_cast<int>(atomicAdd(a.next, 1u));
     const int w = item / a.chunks;
     dw_item<V, kPf, kEf>(a, stage[buf], w, item - w * a.chunks, s_last);
+    if (kDyn && tid == 0) s_next[buf ^ 1] = after;
     cuda::cp_async_wait<0>();
     __syncthreads();
+    item = next;
   }
 }
 
@@ -618,11 +610,11 @@ void rank_opt_in(size_t limit) {
   });
 }
 
-template <int V, int kPf, bool kEf>
+template <int V, int kPf, bool kEf, bool kDyn>
 void launch_dw(const DwArgs& args, cudaStream_t s) {
   int per_sm = 0;
-  GDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, emb2_dw_kernel<V, kPf, kEf>,
-                                                               kDwThreads, 0));
+  GDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &per_sm, emb2_dw_kernel<V, kPf, kEf, kDyn>, kDwThreads, 0));
   const int64_t items = static_cast<int64_t>(args.nwin) * args.chunks;
   const auto grid = static_cast<unsigned>(std::min<int64_t>(
       items, static_cast<int64_t>(cuda::Context::get().sm_count()) * std::max(per_sm, 1)));
@@ -636,13 +628,12 @@ void launch_dw(const DwArgs& args, cudaStream_t s) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  GDN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, emb2_dw_kernel<V, kPf, kEf>, args));
+  GDN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, emb2_dw_kernel<V, kPf, kEf, kDyn>, args));
   GDN_CUDA_LAUNCH_CHECK("emb2_dw_kernel");
 }
 
-// kPfL2: eighths of the L2 size of dy prefetched by the rank kernel (0: none); kEf: dW rows
-// evict-first (load_dw). Both with the single-kernel ranks only.
-template <int kWin, int kPerBlock, int kPf = 1, int kPfL2 = 0, bool kEf = false>
+// kEf: dW rows evict-first (load_dw); kDyn: items dealt by a counter (emb2_dw_kernel).
+template <int kWin, int kPerBlock, int kPf = 1, bool kEf = false, bool kDyn = false>
 void backward(const EmbeddingBwd& a) {
   // Staging: 16-byte pieces of the window (kWin % 4 == 0), at most 16 per array.
   static_assert(kWin >= 4 && kWin % 4 == 0 && kWin <= kMaxWin && kMaxWin <= 64);
@@ -681,17 +672,19 @@ void backward(const EmbeddingBwd& a) {
   }
   const size_t tok_bytes = align256(static_cast<size_t>(n) * 4);
   const size_t win_bytes = align256(static_cast<size_t>(nwin) * 16);
-  const size_t cnt_bytes = align256(static_cast<size_t>(nwin) * static_cast<size_t>(chunks) * 4);
+  const size_t cnt_bytes =
+      align256((static_cast<size_t>(nwin) * static_cast<size_t>(chunks) + 1) * 4);
   const size_t part_bytes = align256(static_cast<size_t>(nwin) * 2 * static_cast<size_t>(d) * 4);
   const size_t sort_bytes = rank_path ? 0 : 2 * tok_bytes + align256(cub_bytes);
   char* base = static_cast<char*>(
       ctx.scratch(2 * tok_bytes + win_bytes + cnt_bytes + part_bytes + sort_bytes));
   Ranked r;
-  r.keys = reinterpret_cast<uint32_t*>(base);                                  // [T]
-  r.toks = reinterpret_cast<uint32_t*>(base + tok_bytes);                      // [T]
-  r.win_info = reinterpret_cast<uint4*>(base + 2 * tok_bytes);                 // [nwin]
-  r.counters = reinterpret_cast<uint32_t*>(base + 2 * tok_bytes + win_bytes);  // [nwin * chunks]
-  r.ncounters = nwin * chunks;
+  r.keys = reinterpret_cast<uint32_t*>(base);                   // [T]
+  r.toks = reinterpret_cast<uint32_t*>(base + tok_bytes);       // [T]
+  r.win_info = reinterpret_cast<uint4*>(base + 2 * tok_bytes);  // [nwin]
+  r.counters =
+      reinterpret_cast<uint32_t*>(base + 2 * tok_bytes + win_bytes);  // [nwin * chunks + 1]
+  r.ncounters = nwin * chunks + 1;
   char* after = base + 2 * tok_bytes + win_bytes + cnt_bytes;
   float* partial = reinterpret_cast<float*>(after);  // [nwin, 2, D]
   char* sort_base = after + part_bytes;
@@ -700,23 +693,14 @@ void backward(const EmbeddingBwd& a) {
   const bool i32 = a.ids.dtype() == DType::I32;
   if (rank_path) {
     const auto grid = static_cast<unsigned>((n + kPerBlock - 1) / kPerBlock);
-    // The first rows of dy, up to kPfL2 / 8 of the L2 and the rank grid's 4 KB a thread.
-    const int64_t pf_bytes =
-        kPfL2 > 0 && cuda::aligned16(dy)
-            ? std::min<int64_t>({static_cast<int64_t>(n) * d * 2,
-                                 static_cast<int64_t>(props.l2CacheSize) * kPfL2 / 8,
-                                 static_cast<int64_t>(grid) * kRankThreads * 4096}) &
-                  ~int64_t{15}
-            : 0;
-    const char* pf = reinterpret_cast<const char*>(dy);
     if (i32) {
       rank_opt_in<int32_t>(smem_limit);
       emb2_rank_kernel<int32_t><<<grid, kRankThreads, rank_smem, s>>>(
-          a.ids.ptr<int32_t>(), r, n, vocab, shift, nbins, kWin, kPerBlock, pf, pf_bytes);
+          a.ids.ptr<int32_t>(), r, n, vocab, shift, nbins, kWin, kPerBlock);
     } else {
       rank_opt_in<int64_t>(smem_limit);
       emb2_rank_kernel<int64_t><<<grid, kRankThreads, rank_smem, s>>>(
-          a.ids.ptr<int64_t>(), r, n, vocab, shift, nbins, kWin, kPerBlock, pf, pf_bytes);
+          a.ids.ptr<int64_t>(), r, n, vocab, shift, nbins, kWin, kPerBlock);
     }
     GDN_CUDA_LAUNCH_CHECK("emb2_rank_kernel");
   } else {
@@ -741,33 +725,21 @@ void backward(const EmbeddingBwd& a) {
     GDN_CUDA_LAUNCH_CHECK("emb2_bounds_kernel");
   }
 
-  DwArgs args{r.keys,
-              r.toks,
-              r.win_info,
-              r.counters,
-              dy,
-              dw,
-              partial,
-              n,
-              d,
-              kWin,
-              nwin,
-              chunks,
-              static_cast<uint32_t>(vocab)};
+  DwArgs args{
+      r.keys, r.toks, r.win_info, r.counters, r.counters + nwin * chunks,  dy, dw, partial, n,
+      d,      kWin,   nwin,       chunks,     static_cast<uint32_t>(vocab)};
   if (V == 4) {
-    launch_dw<4, kPf, kEf>(args, s);
+    launch_dw<4, kPf, kEf, kDyn>(args, s);
   } else {
-    launch_dw<1, kPf, kEf>(args, s);
+    launch_dw<1, kPf, kEf, kDyn>(args, s);
   }
 }
 
 const EmbeddingTable kTable16{forward, backward<16, kRankTokens>};
 const EmbeddingTable kTable16Fine{forward, backward<16, kRankTokensFine>};
 const EmbeddingTable kTable16FineDyPf{forward, backward<16, kRankTokensFine, -1>};
-const EmbeddingTable kTablePf4{forward, backward<16, kRankTokensFine, -1, 4, true>};
-const EmbeddingTable kTablePf6{forward, backward<16, kRankTokensFine, -1, 6, true>};
-const EmbeddingTable kTableEf{forward, backward<16, kRankTokensFine, -1, 0, true>};
-const EmbeddingTable kTablePf6n{forward, backward<16, kRankTokensFine, 0, 6, true>};
+const EmbeddingTable kTableEf{forward, backward<16, kRankTokensFine, -1, true>};
+const EmbeddingTable kTableDyn{forward, backward<16, kRankTokensFine, -1, true, true>};
 
 }  // namespace
 
@@ -784,15 +756,15 @@ GDN_REGISTER(embedding_cuda_v2) {
   // (0.766 / 0.761 of copy), skewed 96.1 / 96.0 against 96.4 / 97.0 (0.688).
   Registry::global().add_impl(
       {"embedding", "cuda.v2ry", Backend::Cuda, 22, nullptr, &kTable16FineDyPf});
-  // Not yet measured (priority below the default until a device run decides): cuda.v2ry with dy's
-  // first rows prefetched into L2 during the ranks (half / three quarters of the L2) and the dW
-  // rows evict-first; cuda.v2re: the evict-first dW rows alone; cuda.v2rp6n: cuda.v2rp6 without the
-  // dW kernel's own prefetch of the next batch's dy rows.
-  Registry::global().add_impl({"embedding", "cuda.v2rp4", Backend::Cuda, 19, nullptr, &kTablePf4});
-  Registry::global().add_impl({"embedding", "cuda.v2rp6", Backend::Cuda, 18, nullptr, &kTablePf6});
-  Registry::global().add_impl({"embedding", "cuda.v2re", Backend::Cuda, 17, nullptr, &kTableEf});
-  Registry::global().add_impl(
-      {"embedding", "cuda.v2rp6n", Backend::Cuda, 16, nullptr, &kTablePf6n});
+  // cuda.v2re: cuda.v2ry with evict-first dW rows. H200 (T 8192, V 248320, D 4096, one process,
+  // 3 rounds, us): uniform ids 101.5-101.7 against cuda.v2ry's 102.3-102.7 (0.765-0.767 of copy
+  // against 0.759-0.761), skewed 93.9-94.8 against 95.0-95.4 (0.697-0.704 against 0.693-0.696).
+  // Measured in the same run and dropped: dy's first 25 / 38 MB prefetched into L2 by the rank
+  // kernel (cp.async.bulk.prefetch, with evict-first dW rows): 114.1-117.4 / 106.2-107.8 us
+  // (uniform / skewed), without the dW kernel's own dy prefetch 111.6-112.3 / 103.2-103.8.
+  // cuda.v2rd, the default: cuda.v2re with the items dealt by a counter.
+  Registry::global().add_impl({"embedding", "cuda.v2re", Backend::Cuda, 23, nullptr, &kTableEf});
+  Registry::global().add_impl({"embedding", "cuda.v2rd", Backend::Cuda, 24, nullptr, &kTableDyn});
 }
 
 }  // namespace gdn::ops
