@@ -1,5 +1,5 @@
 // Embedding on CUDA (label gpu), every registered cuda implementation (cuda.sorted_windows and
-// cuda.v2, cuda.v2r, cuda.v2ry, cuda.v2re, cuda.v2rd): cuda vs ref over
+// cuda.v2, cuda.v2r, cuda.v2ry, cuda.v2re, cuda.v2rd, cuda.v2rdr): cuda vs ref over
 // swept shapes, both id dtypes and id distributions that exercise every case of the sorted-window
 // backwards (all ids distinct, a few ids repeated everywhere, one id over all tokens, runs of
 // lengths around the window sizes, the 248320-token vocabulary, sequences past each
@@ -28,7 +28,8 @@ class EmbeddingCuda : public CudaOpTest {};
 // Every cuda implementation, called through its table (the sweep checks each one, not only the
 // resolver's choice). kChosen is the one the resolver picks.
 const std::vector<std::string> kImpls = {"cuda.sorted_windows", "cuda.v2",   "cuda.v2r",
-                                         "cuda.v2ry",           "cuda.v2re", "cuda.v2rd"};
+                                         "cuda.v2ry",           "cuda.v2re", "cuda.v2rd",
+                                         "cuda.v2rdr"};
 const std::string kChosen = "cuda.v2rd";
 
 const EmbeddingTable& table_of(const std::string& impl) {

@@ -539,7 +539,8 @@ __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w,
 // an id) to 16 dy and 16 dW rows (16 distinct ids), 5 x the bytes, and the windows of frequent
 // ids come first, so a fixed deal leaves some blocks idle while others finish. Which block runs
 // an item does not change what it computes: results stay bitwise the same.
-template <int V, int kPf = 1, bool kEf = false, bool kDyn = false>
+// kRev (cuda.v2rdr): the items in reverse order (the windows of rare ids, the most bytes, first).
+template <int V, int kPf = 1, bool kEf = false, bool kDyn = false, bool kRev = false>
 __global__ void __launch_bounds__(kDwThreads, 8) emb2_dw_kernel(const DwArgs a) {
   pdl_wait();  // step 1's ranks and zeroed counters
   __shared__ Stage stage[2];
@@ -552,6 +553,7 @@ __global__ void __launch_bounds__(kDwThreads, 8) emb2_dw_kernel(const DwArgs a) 
   // to 12 bytes past T, inside the 256-byte aligned region, into slots never used), the last
   // thread the window's info. Committed as one group.
   auto stage_window = [&](int it, Stage& dst) {
+    if (kRev) it = nitems - 1 - it;
     const int w = it / a.chunks, s = w * a.win, pieces = (min(a.T - s, a.win) + 3) / 4;
     if (tid < pieces) cuda::cp_async16(&dst.key[4 * tid], a.keys + s + 4 * tid);
     if (tid >= 32 && tid - 32 < pieces)
@@ -575,8 +577,9 @@ __global__ void __launch_bounds__(kDwThreads, 8) emb2_dw_kernel(const DwArgs a) 
     // round trip overlaps the item; s_next[buf ^ 1] was last read before the previous barrier).
     int after = 0;
     if (kDyn && tid == 0 && next < nitems) after = grid + static_cast<int>(atomicAdd(a.next, 1u));
-    const int w = item / a.chunks;
-    dw_item<V, kPf, kEf>(a, stage[buf], w, item - w * a.chunks, s_last);
+    const int it = kRev ? nitems - 1 - item : item;
+    const int w = it / a.chunks;
+    dw_item<V, kPf, kEf>(a, stage[buf], w, it - w * a.chunks, s_last);
     if (kDyn && tid == 0) s_next[buf ^ 1] = after;
     cuda::cp_async_wait<0>();
     __syncthreads();
@@ -610,11 +613,11 @@ void rank_opt_in(size_t limit) {
   });
 }
 
-template <int V, int kPf, bool kEf, bool kDyn>
+template <int V, int kPf, bool kEf, bool kDyn, bool kRev>
 void launch_dw(const DwArgs& args, cudaStream_t s) {
   int per_sm = 0;
   GDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &per_sm, emb2_dw_kernel<V, kPf, kEf, kDyn>, kDwThreads, 0));
+      &per_sm, emb2_dw_kernel<V, kPf, kEf, kDyn, kRev>, kDwThreads, 0));
   const int64_t items = static_cast<int64_t>(args.nwin) * args.chunks;
   const auto grid = static_cast<unsigned>(std::min<int64_t>(
       items, static_cast<int64_t>(cuda::Context::get().sm_count()) * std::max(per_sm, 1)));
@@ -628,12 +631,13 @@ void launch_dw(const DwArgs& args, cudaStream_t s) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  GDN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, emb2_dw_kernel<V, kPf, kEf, kDyn>, args));
+  GDN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, emb2_dw_kernel<V, kPf, kEf, kDyn, kRev>, args));
   GDN_CUDA_LAUNCH_CHECK("emb2_dw_kernel");
 }
 
 // kEf: dW rows evict-first (load_dw); kDyn: items dealt by a counter (emb2_dw_kernel).
-template <int kWin, int kPerBlock, int kPf = 1, bool kEf = false, bool kDyn = false>
+template <int kWin, int kPerBlock, int kPf = 1, bool kEf = false, bool kDyn = false,
+          bool kRev = false>
 void backward(const EmbeddingBwd& a) {
   // Staging: 16-byte pieces of the window (kWin % 4 == 0), at most 16 per array.
   static_assert(kWin >= 4 && kWin % 4 == 0 && kWin <= kMaxWin && kMaxWin <= 64);
@@ -729,9 +733,9 @@ void backward(const EmbeddingBwd& a) {
       r.keys, r.toks, r.win_info, r.counters, r.counters + nwin * chunks,  dy, dw, partial, n,
       d,      kWin,   nwin,       chunks,     static_cast<uint32_t>(vocab)};
   if (V == 4) {
-    launch_dw<4, kPf, kEf, kDyn>(args, s);
+    launch_dw<4, kPf, kEf, kDyn, kRev>(args, s);
   } else {
-    launch_dw<1, kPf, kEf, kDyn>(args, s);
+    launch_dw<1, kPf, kEf, kDyn, kRev>(args, s);
   }
 }
 
@@ -740,6 +744,7 @@ const EmbeddingTable kTable16Fine{forward, backward<16, kRankTokensFine>};
 const EmbeddingTable kTable16FineDyPf{forward, backward<16, kRankTokensFine, -1>};
 const EmbeddingTable kTableEf{forward, backward<16, kRankTokensFine, -1, true>};
 const EmbeddingTable kTableDyn{forward, backward<16, kRankTokensFine, -1, true, true>};
+const EmbeddingTable kTableDynRev{forward, backward<16, kRankTokensFine, -1, true, true, true>};
 
 }  // namespace
 
@@ -765,6 +770,9 @@ GDN_REGISTER(embedding_cuda_v2) {
   // cuda.v2rd, the default: cuda.v2re with the items dealt by a counter.
   Registry::global().add_impl({"embedding", "cuda.v2re", Backend::Cuda, 23, nullptr, &kTableEf});
   Registry::global().add_impl({"embedding", "cuda.v2rd", Backend::Cuda, 24, nullptr, &kTableDyn});
+  // Not yet measured: cuda.v2rd dealing the items in reverse order.
+  Registry::global().add_impl(
+      {"embedding", "cuda.v2rdr", Backend::Cuda, 15, nullptr, &kTableDynRev});
 }
 
 }  // namespace gdn::ops
