@@ -36,6 +36,8 @@
 // R + W-1 16-byte row loads before the first use, as the elementwise kernels do, and computes from
 // registers (see conv2_fwd_kernel). H200, [8192, 8192], W 4, SiLU, 1 / 4 / 16 documents, one run:
 // 84.0 / 84.7 / 85.2 us against cuda.tiled's 87.1 / 91.4 / 100.9 (R = 16: 90.4, at 255 registers).
+// cuda.v2sw (the default) and cuda.v2st5 stage those rows through shared memory instead
+// (conv2_fwd_staged_kernel): 70-75 us, 0.85-0.90 of copy.
 // Backward: per token t' of [a, min(b + S, T)) the warp recomputes z and u = dy * silu'(z) from the
 // window (Dao's causal-conv1d recomputes z the same way), adds u * ext taps to its dweight / dbias
 // register sums for t' < b, and emits dx[t' - S] = sum_j w[j] u[t' - j] once u of its W taps is
@@ -375,18 +377,19 @@ __global__ void __launch_bounds__(kFwdThreads, fwd_min_blocks<R>())
 // W-1 rows before tb, then (weights and document loaded meanwhile) one barrier, and each thread
 // computes its R outputs from the tile exactly as conv2_fwd_kernel does from its registers (the
 // tile row of token p is p - tb + W-1: thread (q, l) reads rows q R .. q R + R + W-2, its old
-// buf[]). Registers no longer grow with R: four blocks a multiprocessor (<= 128 registers) keep
-// 512 x R x 16 bytes in flight (R = 16: 131 KB, R = 24: 197 KB; cuda.v2's forward ~67 KB), and the
-// halo is loaded once per kStWarps R tokens. Same arithmetic in the same order: y is bit-identical
-// to cuda.v2's. Stores evict-first.
+// buf[]). Registers no longer grow with R: at R = 16 and five blocks a multiprocessor (<= 96
+// registers, no spills; 34 KB of tile a block) 640 threads keep 164 KB in flight against
+// cuda.v2's ~67 KB, and the halo is loaded once per kStWarps R = 64 tokens. Same arithmetic in the
+// same order: y is bit-identical to cuda.v2's (tested). Stores evict-first. The general
+// (document-edge) loop is not unrolled: unrolled, W = 4 spilled.
 constexpr int kStWarps = 4;
 template <int W, int R>
 constexpr size_t st_smem() {
   return static_cast<size_t>(kStWarps * R + W - 1) * kRowU4 * 16;
 }
 
-// MB: blocks a multiprocessor (4: <= 128 registers, 5: <= 102). kWarpSearch: the document of the
-// warp's first token by find_doc_warp (else find_doc).
+// MB: blocks a multiprocessor (the launch bounds; 4 measured no faster than 5). kWarpSearch: the
+// document of the warp's first token by find_doc_warp (else find_doc).
 template <int W, int R, int MB, bool kWarpSearch, bool kSilu>
 __global__ void __launch_bounds__(kStWarps * 32, MB)
     conv2_fwd_staged_kernel(const bf16_t* __restrict__ x,     // [T, C]
@@ -858,7 +861,10 @@ const CausalConv1dTable kTableCs{forward_runs<8, true>, backward_impl<true>};
 // 82.8-83.4 / 82.7-83.0 / 83.5-83.7 (0.755-0.762 / 0.759-0.762 / 0.753-0.754); dropped after that
 // run: four blocks (<= 128 registers) 70.1-70.4 / 71.7-71.8 / 76.8-77.1, 24 tokens a thread at
 // four blocks 71.1-71.5 / 73.0-73.2 / 79.3-79.5. cuda.v2sw, the default: cuda.v2st5 with the warp's
-// document found by find_doc_warp.
+// document found by find_doc_warp; second run (one process, 3 rounds): 70.3-70.7 / 71.5-71.9 /
+// 74.5-74.8 (0.897-0.903 / 0.882-0.887 / 0.848-0.852) against cuda.v2st5's 70.5-70.7 / 71.5-72.2
+// / 76.5-76.6 (0.828-0.830 at 16 documents) and cuda.v2cs's 83.8-84.7 / 83.4-83.6 / 84.2-84.7
+// (0.749-0.760). Backward unchanged (cuda.v2cs's): 122.6 / 121.8 / 121.4 (0.777-0.785).
 const CausalConv1dTable kTableSt5{forward_staged<16, 5, false>, backward_impl<true>};
 const CausalConv1dTable kTableSw{forward_staged<16, 5, true>, backward_impl<true>};
 

@@ -1,8 +1,8 @@
 // Embedding on CUDA, second version ("cuda.v2"; "cuda.v2r", the same with 64 tokens ranked per
-// block; "cuda.v2ry", v2r prefetching only the dy rows; "cuda.v2re", v2ry with evict-first dW
-// rows; "cuda.v2rd", the default, v2re with the dW items dealt by a counter: see the registration;
-// all bitwise equal): the forward of cuda.sorted_windows and a backward rebuilt around where that
-// one spends its time (op.h has the contract; cuda.cu keeps the first version for A/B timing).
+// block; "cuda.v2ry", v2r prefetching only the dy rows; "cuda.v2re", the default, v2ry with
+// evict-first dW rows: see the registration; all four bitwise equal): the forward of
+// cuda.sorted_windows and a backward rebuilt around where that one spends its time (op.h has the
+// contract; cuda.cu keeps the first version for A/B timing).
 //
 // Where cuda.sorted_windows' backward loses time (T = 8192 uniform ids over V = 248320, D = 4096:
 // 127.7 us against 78 us of bytes at copy bandwidth):
@@ -94,8 +94,7 @@ struct Ranked {
   // position, .y end (one past) of the segment holding its last position (.z, .w unused: 16 bytes
   // for one cp.async)
   uint4* win_info;
-  uint32_t* counters;  // [nwin * chunks + 1] combine counters, then the item counter; zeroed by
-                       // step 1
+  uint32_t* counters;  // [nwin * chunks] combine counters, zeroed by step 1
   int ncounters;
 };
 
@@ -317,9 +316,9 @@ __device__ __forceinline__ void store_f(float* p, const float (&f)[V]) {
   }
 }
 
-// dW rows with evict-first loads and stores (ld.global.cs / st.global.cs; kEf, cuda.v2re and
-// cuda.v2rd): each row is read and written once, by one thread, so L2 should not keep it at the
-// expense of lines still to be read. Coherent loads (not .nc): no stale L1 line can serve them.
+// dW rows with evict-first loads and stores (ld.global.cs / st.global.cs; kEf, cuda.v2re): each
+// row is read and written once, by one thread, so L2 need not keep it at the expense of lines
+// still to be read. Coherent loads (not .nc), as load_f's.
 template <int V, bool kEf>
 __device__ __forceinline__ void load_dw(const float* p, float (&f)[V]) {
   if constexpr (!kEf) {
@@ -348,7 +347,6 @@ struct DwArgs {
   const uint32_t* toks;   // [T] (same)
   const uint4* win_info;  // [nwin]
   uint32_t* counters;     // [nwin * chunks]
-  uint32_t* next;         // the item counter of kDyn (zeroed by step 1)
   const bf16_t* dy;       // [T, D]
   float* dw;              // [Vocab, D]
   float* partial;         // [nwin, 2, D]
@@ -533,19 +531,12 @@ __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w,
   }
 }
 
-// Persistent grid over items (window-major: item = w * chunks + chunk); kDwThreads threads. Block
-// b takes item b first; then items b + grid, b + 2 grid, ... or, kDyn (cuda.v2rd), whichever item
-// the counter a.next deals it next: items cost from 16 dy rows (a window inside one long run of
-// an id) to 16 dy and 16 dW rows (16 distinct ids), 5 x the bytes, and the windows of frequent
-// ids come first, so a fixed deal leaves some blocks idle while others finish. Which block runs
-// an item does not change what it computes: results stay bitwise the same.
-// kRev (cuda.v2rdr): the items in reverse order (the windows of rare ids, the most bytes, first).
-template <int V, int kPf = 1, bool kEf = false, bool kDyn = false, bool kRev = false>
+// Persistent grid over items (window-major: item = w * chunks + chunk); kDwThreads threads.
+template <int V, int kPf = 1, bool kEf = false>
 __global__ void __launch_bounds__(kDwThreads, 8) emb2_dw_kernel(const DwArgs a) {
   pdl_wait();  // step 1's ranks and zeroed counters
   __shared__ Stage stage[2];
   __shared__ int s_last[2];
-  __shared__ int s_next[2];  // kDyn: s_next[buf] is the item after the one in stage[buf]
   const int nitems = a.nwin * a.chunks;
   const int tid = static_cast<int>(threadIdx.x);
   // Copies item `it`'s window into `dst`: threads [0, 16) the keys, [32, 48) the tokens, 16
@@ -553,7 +544,6 @@ __global__ void __launch_bounds__(kDwThreads, 8) emb2_dw_kernel(const DwArgs a) 
   // to 12 bytes past T, inside the 256-byte aligned region, into slots never used), the last
   // thread the window's info. Committed as one group.
   auto stage_window = [&](int it, Stage& dst) {
-    if (kRev) it = nitems - 1 - it;
     const int w = it / a.chunks, s = w * a.win, pieces = (min(a.T - s, a.win) + 3) / 4;
     if (tid < pieces) cuda::cp_async16(&dst.key[4 * tid], a.keys + s + 4 * tid);
     if (tid >= 32 && tid - 32 < pieces)
@@ -563,27 +553,18 @@ __global__ void __launch_bounds__(kDwThreads, 8) emb2_dw_kernel(const DwArgs a) 
   };
   int item = static_cast<int>(blockIdx.x);
   if (item >= nitems) return;  // uniform over the block
-  const int grid = static_cast<int>(gridDim.x);
-  if (kDyn && tid == 0) s_next[0] = grid + static_cast<int>(atomicAdd(a.next, 1u));
   stage_window(item, stage[0]);
   cuda::cp_async_wait<0>();
   __syncthreads();
-  for (int buf = 0; item < nitems; buf ^= 1) {
+  for (int buf = 0; item < nitems; item += static_cast<int>(gridDim.x), buf ^= 1) {
     // The next item's window lands in the other buffer while this item runs (that buffer was last
     // read during the previous item, before the barrier that ended it).
-    const int next = kDyn ? s_next[buf] : item + grid;
+    const int next = item + static_cast<int>(gridDim.x);
     if (next < nitems) stage_window(next, stage[buf ^ 1]);
-    // kDyn: the item after next is asked for now and published after this item (its atomic's
-    // round trip overlaps the item; s_next[buf ^ 1] was last read before the previous barrier).
-    int after = 0;
-    if (kDyn && tid == 0 && next < nitems) after = grid + static_cast<int>(atomicAdd(a.next, 1u));
-    const int it = kRev ? nitems - 1 - item : item;
-    const int w = it / a.chunks;
-    dw_item<V, kPf, kEf>(a, stage[buf], w, it - w * a.chunks, s_last);
-    if (kDyn && tid == 0) s_next[buf ^ 1] = after;
+    const int w = item / a.chunks;
+    dw_item<V, kPf, kEf>(a, stage[buf], w, item - w * a.chunks, s_last);
     cuda::cp_async_wait<0>();
     __syncthreads();
-    item = next;
   }
 }
 
@@ -613,11 +594,11 @@ void rank_opt_in(size_t limit) {
   });
 }
 
-template <int V, int kPf, bool kEf, bool kDyn, bool kRev>
+template <int V, int kPf, bool kEf>
 void launch_dw(const DwArgs& args, cudaStream_t s) {
   int per_sm = 0;
-  GDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &per_sm, emb2_dw_kernel<V, kPf, kEf, kDyn, kRev>, kDwThreads, 0));
+  GDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, emb2_dw_kernel<V, kPf, kEf>,
+                                                               kDwThreads, 0));
   const int64_t items = static_cast<int64_t>(args.nwin) * args.chunks;
   const auto grid = static_cast<unsigned>(std::min<int64_t>(
       items, static_cast<int64_t>(cuda::Context::get().sm_count()) * std::max(per_sm, 1)));
@@ -631,13 +612,12 @@ void launch_dw(const DwArgs& args, cudaStream_t s) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  GDN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, emb2_dw_kernel<V, kPf, kEf, kDyn, kRev>, args));
+  GDN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, emb2_dw_kernel<V, kPf, kEf>, args));
   GDN_CUDA_LAUNCH_CHECK("emb2_dw_kernel");
 }
 
-// kEf: dW rows evict-first (load_dw); kDyn: items dealt by a counter (emb2_dw_kernel).
-template <int kWin, int kPerBlock, int kPf = 1, bool kEf = false, bool kDyn = false,
-          bool kRev = false>
+// kEf: dW rows evict-first (load_dw, store_dw).
+template <int kWin, int kPerBlock, int kPf = 1, bool kEf = false>
 void backward(const EmbeddingBwd& a) {
   // Staging: 16-byte pieces of the window (kWin % 4 == 0), at most 16 per array.
   static_assert(kWin >= 4 && kWin % 4 == 0 && kWin <= kMaxWin && kMaxWin <= 64);
@@ -676,19 +656,17 @@ void backward(const EmbeddingBwd& a) {
   }
   const size_t tok_bytes = align256(static_cast<size_t>(n) * 4);
   const size_t win_bytes = align256(static_cast<size_t>(nwin) * 16);
-  const size_t cnt_bytes =
-      align256((static_cast<size_t>(nwin) * static_cast<size_t>(chunks) + 1) * 4);
+  const size_t cnt_bytes = align256(static_cast<size_t>(nwin) * static_cast<size_t>(chunks) * 4);
   const size_t part_bytes = align256(static_cast<size_t>(nwin) * 2 * static_cast<size_t>(d) * 4);
   const size_t sort_bytes = rank_path ? 0 : 2 * tok_bytes + align256(cub_bytes);
   char* base = static_cast<char*>(
       ctx.scratch(2 * tok_bytes + win_bytes + cnt_bytes + part_bytes + sort_bytes));
   Ranked r;
-  r.keys = reinterpret_cast<uint32_t*>(base);                   // [T]
-  r.toks = reinterpret_cast<uint32_t*>(base + tok_bytes);       // [T]
-  r.win_info = reinterpret_cast<uint4*>(base + 2 * tok_bytes);  // [nwin]
-  r.counters =
-      reinterpret_cast<uint32_t*>(base + 2 * tok_bytes + win_bytes);  // [nwin * chunks + 1]
-  r.ncounters = nwin * chunks + 1;
+  r.keys = reinterpret_cast<uint32_t*>(base);                                  // [T]
+  r.toks = reinterpret_cast<uint32_t*>(base + tok_bytes);                      // [T]
+  r.win_info = reinterpret_cast<uint4*>(base + 2 * tok_bytes);                 // [nwin]
+  r.counters = reinterpret_cast<uint32_t*>(base + 2 * tok_bytes + win_bytes);  // [nwin * chunks]
+  r.ncounters = nwin * chunks;
   char* after = base + 2 * tok_bytes + win_bytes + cnt_bytes;
   float* partial = reinterpret_cast<float*>(after);  // [nwin, 2, D]
   char* sort_base = after + part_bytes;
@@ -729,13 +707,23 @@ void backward(const EmbeddingBwd& a) {
     GDN_CUDA_LAUNCH_CHECK("emb2_bounds_kernel");
   }
 
-  DwArgs args{
-      r.keys, r.toks, r.win_info, r.counters, r.counters + nwin * chunks,  dy, dw, partial, n,
-      d,      kWin,   nwin,       chunks,     static_cast<uint32_t>(vocab)};
+  DwArgs args{r.keys,
+              r.toks,
+              r.win_info,
+              r.counters,
+              dy,
+              dw,
+              partial,
+              n,
+              d,
+              kWin,
+              nwin,
+              chunks,
+              static_cast<uint32_t>(vocab)};
   if (V == 4) {
-    launch_dw<4, kPf, kEf, kDyn, kRev>(args, s);
+    launch_dw<4, kPf, kEf>(args, s);
   } else {
-    launch_dw<1, kPf, kEf, kDyn, kRev>(args, s);
+    launch_dw<1, kPf, kEf>(args, s);
   }
 }
 
@@ -743,8 +731,6 @@ const EmbeddingTable kTable16{forward, backward<16, kRankTokens>};
 const EmbeddingTable kTable16Fine{forward, backward<16, kRankTokensFine>};
 const EmbeddingTable kTable16FineDyPf{forward, backward<16, kRankTokensFine, -1>};
 const EmbeddingTable kTableEf{forward, backward<16, kRankTokensFine, -1, true>};
-const EmbeddingTable kTableDyn{forward, backward<16, kRankTokensFine, -1, true, true>};
-const EmbeddingTable kTableDynRev{forward, backward<16, kRankTokensFine, -1, true, true, true>};
 
 }  // namespace
 
@@ -761,18 +747,17 @@ GDN_REGISTER(embedding_cuda_v2) {
   // (0.766 / 0.761 of copy), skewed 96.1 / 96.0 against 96.4 / 97.0 (0.688).
   Registry::global().add_impl(
       {"embedding", "cuda.v2ry", Backend::Cuda, 22, nullptr, &kTable16FineDyPf});
-  // cuda.v2re: cuda.v2ry with evict-first dW rows. H200 (T 8192, V 248320, D 4096, one process,
-  // 3 rounds, us): uniform ids 101.5-101.7 against cuda.v2ry's 102.3-102.7 (0.765-0.767 of copy
-  // against 0.759-0.761), skewed 93.9-94.8 against 95.0-95.4 (0.697-0.704 against 0.693-0.696).
-  // Measured in the same run and dropped: dy's first 25 / 38 MB prefetched into L2 by the rank
-  // kernel (cp.async.bulk.prefetch, with evict-first dW rows): 114.1-117.4 / 106.2-107.8 us
-  // (uniform / skewed), without the dW kernel's own dy prefetch 111.6-112.3 / 103.2-103.8.
-  // cuda.v2rd, the default: cuda.v2re with the items dealt by a counter.
+  // The default since mem8: cuda.v2ry with evict-first dW rows. H200, T 8192, V 248320, D 4096,
+  // us, one process each, 3 rounds: run 1 uniform ids 101.5-101.7 against cuda.v2ry's 102.3-102.7
+  // (0.765-0.767 of copy against 0.759-0.761), skewed 93.9-94.8 against 95.0-95.4 (0.697-0.704
+  // against 0.693-0.696); run 2 uniform 101.0-101.3 against 101.7-102.1 (0.773-0.775 against
+  // 0.767-0.770), skewed 94.3-94.7 against 95.1-95.5 (0.702-0.705 against 0.697-0.699).
+  // Measured and dropped: dy's first 25 / 38 MB prefetched into L2 by the rank kernel
+  // (cp.async.bulk.prefetch, with evict-first dW rows), uniform / skewed 114.1-117.4 /
+  // 106.2-107.8 us, also without the dW kernel's own dy prefetch 111.6-112.3 / 103.2-103.8 (run
+  // 1); the dW items dealt by an atomic counter one item ahead instead of b, b + grid, ...
+  // 107.8-108.9 / 99.5-100.4, the same in reverse item order 104.6-104.7 / 98.6-98.9 (run 2).
   Registry::global().add_impl({"embedding", "cuda.v2re", Backend::Cuda, 23, nullptr, &kTableEf});
-  Registry::global().add_impl({"embedding", "cuda.v2rd", Backend::Cuda, 24, nullptr, &kTableDyn});
-  // Not yet measured: cuda.v2rd dealing the items in reverse order.
-  Registry::global().add_impl(
-      {"embedding", "cuda.v2rdr", Backend::Cuda, 15, nullptr, &kTableDynRev});
 }
 
 }  // namespace gdn::ops
