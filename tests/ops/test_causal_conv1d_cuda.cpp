@@ -1,15 +1,16 @@
-// Causal conv1d on CUDA (label gpu), for every implementation, cuda.tiled (cuda.cu), cuda.v2 and
-// its evict-first-store variant cuda.v2cs (cuda_v2.cu; they run cuda.tiled for W > 4, C % 8 != 0
-// or unaligned tensors, so those cases check the fallback): cuda vs ref over widths W in {1, 2, 4,
-// 8}, document layouts (T < W, 1-token documents, zero-length documents at the start, middle and
-// end, 50 documents, one long document crossing many tiles / segments, documents starting just
-// before / at / after tile and warp boundaries, many documents of 0..100 tokens across cuda.v2's
-// segments, 8-token chunks and 8-token forward runs, no cu_seqlens) and every option combination
-// (bias, SiLU, initial state, dfinal_state, final state requested), on both load paths (16-byte and
-// scalar) and both store paths; forward and every gradient. Then: no read across documents (NaN in
-// one document leaves the others finite), dweight / dbias accumulation and run-to-run determinism
-// over a persistent grid whose blocks walk several tiles, unaligned tensors, saturating SiLU, empty
-// batches, the resolver's choice (cuda.v2cs) and probe, leaking implementations rejected by the
+// Causal conv1d on CUDA (label gpu), for every implementation, cuda.tiled (cuda.cu), cuda.v2, its
+// evict-first-store variant cuda.v2cs and the staged forwards cuda.v2st5 / cuda.v2sw
+// (cuda_v2.cu; y bitwise cuda.v2's, checked below; they run cuda.tiled for W > 4, C % 8 != 0 or
+// unaligned tensors, so those cases check the fallback): cuda vs ref over widths W in {1, 2, 4, 8},
+// document layouts (T < W, 1-token documents, zero-length documents at the start, middle and end,
+// 50 documents, one long document crossing many tiles / segments, documents starting just before /
+// at / after tile and warp boundaries, many documents of 0..100 tokens across cuda.v2's segments,
+// 8-token chunks and 8-token forward runs, no cu_seqlens) and every option combination (bias, SiLU,
+// initial state, dfinal_state, final state requested), on both load paths (16-byte and scalar) and
+// both store paths; forward and every gradient. Then: no read across documents (NaN in one document
+// leaves the others finite), dweight / dbias accumulation and run-to-run determinism over a
+// persistent grid whose blocks walk several tiles, unaligned tensors, saturating SiLU, empty
+// batches, the resolver's choice (cuda.v2sw) and probe, leaking implementations rejected by the
 // probe, `ops run` on the cuda backend, and bad input. Tolerances come from the one table,
 // src/backend/tolerances.h.
 #include <unistd.h>
@@ -35,7 +36,7 @@ using testing::randn;
 constexpr ProbeError kTol = bf16_tolerance("causal_conv1d");
 
 // The implementations under test; "" is ref (F64 on the host).
-const char* const kImpls[] = {"cuda.tiled", "cuda.v2", "cuda.v2cs"};
+const char* const kImpls[] = {"cuda.tiled", "cuda.v2", "cuda.v2cs", "cuda.v2st5", "cuda.v2sw"};
 
 // The registered cuda implementation `name` (its function table); a test fails without it.
 const CausalConv1dTable& impl_table(const std::string& name) {
@@ -263,6 +264,31 @@ TEST_F(CausalConv1dCuda, OtherWidthsMatchRef) {
   }
 }
 
+// The staged forwards (token tiles of 64 through shared memory) compute y and the final state
+// with cuda.v2's arithmetic in its order: bit-identical to cuda.v2cs on documents that start
+// before, at and after the tile edges, with and without SiLU, bias and initial state; layout -1:
+// 1500 documents of 0..3 tokens (cuda.v2sw's 32-ary document search takes three rounds).
+TEST_F(CausalConv1dCuda, StagedForwardsAreBitwiseV2) {
+  for (int64_t W : {2, 4}) {
+    for (int lay : {-1, 3, 5, 7, 8}) {
+      const Layout l = lay < 0 ? Layout{random_cu(1500, 0, 3, 79), 16, true} : layout(lay, W);
+      Case k = make_case(l.C, W, l.cu, 3000 + static_cast<uint64_t>(W * 17 + lay + 1));
+      for (int flags = 0; flags < 8; ++flags) {
+        k.bias = flags & 1;
+        k.silu = flags & 2;
+        k.init = flags & 4;
+        const Out want = run(k, "cuda.v2cs");
+        for (const std::string impl : {"cuda.v2st5", "cuda.v2sw"}) {
+          SCOPED_TRACE(fmt::format("{} W={} layout={} flags={}", impl, W, lay, flags));
+          const Out got = run(k, impl);
+          EXPECT_EQ(to_f64_vector(got.y), to_f64_vector(want.y)) << "y";
+          EXPECT_EQ(to_f64_vector(got.fin), to_f64_vector(want.fin)) << "final state";
+        }
+      }
+    }
+  }
+}
+
 // NaN in one document's inputs must not reach any output of another document: a kernel that
 // masks a cross-document tap by multiplying with zero (0 * NaN = NaN) instead of not reading it
 // fails here. Forward direction: x of document 0 poisoned, document 1 checked (y, dx, final
@@ -459,7 +485,7 @@ TEST_F(CausalConv1dCuda, ResolverChoosesCudaAndItPassesItsProbe) {
   const Resolution& r =
       Registry::global().resolve("causal_conv1d", OpQuery{Backend::Cuda, "", {{"W", 4}}});
   ASSERT_NE(r.impl, nullptr);
-  EXPECT_EQ(r.impl->name, "cuda.v2cs");
+  EXPECT_EQ(r.impl->name, "cuda.v2sw");
   EXPECT_EQ(r.impl->backend, Backend::Cuda);
   EXPECT_LE(r.error.fwd, kTol.fwd);
   EXPECT_LE(r.error.bwd, kTol.bwd);
@@ -469,12 +495,12 @@ TEST_F(CausalConv1dCuda, ResolverChoosesCudaAndItPassesItsProbe) {
   EXPECT_TRUE(r.rejected.empty()) << r.rejected.front();
 }
 
-// Deliberately wrong CUDA implementations built from the real one (cuda.v2cs, the resolver's
+// Deliberately wrong CUDA implementations built from the real one (cuda.v2sw, the resolver's
 // choice): one that ignores the document boundaries (reads across documents), one that drops the
 // dweight accumulation.
 const CausalConv1dTable* real_cuda_table() {
   for (const ImplDesc* i : Registry::global().impls("causal_conv1d", Backend::Cuda))
-    if (i->name == "cuda.v2cs") return static_cast<const CausalConv1dTable*>(i->table);
+    if (i->name == "cuda.v2sw") return static_cast<const CausalConv1dTable*>(i->table);
   return nullptr;
 }
 void leaky_forward(const CausalConv1dFwd& a) {
@@ -498,7 +524,7 @@ const CausalConv1dTable kLeaky{leaky_forward, real_backward};
 const CausalConv1dTable kNoDw{real_forward, no_dw_backward};
 
 TEST_F(CausalConv1dCuda, ProbeRejectsWrongCudaKernels) {
-  ASSERT_NE(real_cuda_table(), nullptr) << "cuda.v2cs is not registered";
+  ASSERT_NE(real_cuda_table(), nullptr) << "cuda.v2sw is not registered";
   Registry reg;  // private: the global registry is untouched
   reg.add_op(Registry::global().op("causal_conv1d"));
   reg.add_impl(Registry::global().ref("causal_conv1d"));
@@ -508,7 +534,7 @@ TEST_F(CausalConv1dCuda, ProbeRejectsWrongCudaKernels) {
   reg.add_impl({"causal_conv1d", "cuda.no_dw", Backend::Cuda, 40, nullptr, &kNoDw});
   const Resolution& r = reg.resolve("causal_conv1d", OpQuery{Backend::Cuda, "", {{"W", 4}}});
   ASSERT_NE(r.impl, nullptr);
-  EXPECT_EQ(r.impl->name, "cuda.v2cs");
+  EXPECT_EQ(r.impl->name, "cuda.v2sw");
   ASSERT_EQ(r.rejected.size(), 2u);
   EXPECT_NE(r.rejected[0].find("rejecting cuda.no_dw: probe error"), std::string::npos)
       << r.rejected[0];
@@ -537,7 +563,7 @@ TEST_F(CausalConv1dCuda, OpsRunOnCudaBackend) {
                           {"dy", dy.view(), {}, {}, nullptr, 0},
                           {"dfinal_state", dsN.view(), {}, {}, nullptr, 0}});
   OpRunResult res = run_op_file("causal_conv1d", Backend::Cuda, inp, outp, true, {{"silu", 1}});
-  EXPECT_EQ(res.impl, "cuda.v2cs");
+  EXPECT_EQ(res.impl, "cuda.v2sw");
   SafeTensorsFile f(outp);
   testing::expect_close(f.load("y", DType::F64), ref.y, kTol.fwd, "y (ops run)");
   testing::expect_close(f.load("final_state", DType::F64), ref.fin, 0.0, "final_state (ops run)");

@@ -36,6 +36,8 @@
 // R + W-1 16-byte row loads before the first use, as the elementwise kernels do, and computes from
 // registers (see conv2_fwd_kernel). H200, [8192, 8192], W 4, SiLU, 1 / 4 / 16 documents, one run:
 // 84.0 / 84.7 / 85.2 us against cuda.tiled's 87.1 / 91.4 / 100.9 (R = 16: 90.4, at 255 registers).
+// cuda.v2sw (the default) and cuda.v2st5 stage those rows through shared memory instead
+// (conv2_fwd_staged_kernel): 70-75 us, 0.85-0.90 of copy.
 // Backward: per token t' of [a, min(b + S, T)) the warp recomputes z and u = dy * silu'(z) from the
 // window (Dao's causal-conv1d recomputes z the same way), adds u * ext taps to its dweight / dbias
 // register sums for t' < b, and emits dx[t' - S] = sum_j w[j] u[t' - j] once u of its W taps is
@@ -136,6 +138,33 @@ __device__ __forceinline__ Doc find_doc(const int32_t* __restrict__ cu, int N, i
       lo = mid;
     else
       hi = mid - 1;
+  }
+  const int64_t s = __ldg(cu + lo), e = __ldg(cu + lo + 1);
+  return {std::clamp<int64_t>(s, 0, t), std::clamp<int64_t>(e, t + 1, T), lo};
+}
+
+// find_doc for a token t shared by the 32 lanes of a warp (all of them must call it): a 32-ary
+// search, each round one load per lane issued together and a ballot, instead of log2(N)
+// dependent loads per thread. For sorted cu the answer is find_doc's (the largest n with
+// cu[n] <= t); for garbage cu it is still some n in [0, N-1], clamped the same way. Why: in the
+// staged forward the binary search's chain of L2 round trips outlasted the row copies (H200, 1 / 4
+// / 16 documents: 70.4 / 71.6 / 76.3 us, each search step ~1.5 us of a block's life).
+__device__ __forceinline__ Doc find_doc_warp(const int32_t* __restrict__ cu, int N, int64_t T,
+                                             int64_t t) {
+  if (cu == nullptr) return {0, T, 0};
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  int lo = 0, hi = N - 1;  // the answer lies in [lo, hi]
+  while (hi > lo) {        // warp-uniform: lo, hi come from ballots
+    const int step = (hi - lo + 31) / 32;
+    const int p = lo + 1 + lane * step;  // probes lo + 1 .. >= hi; those past hi count as false
+    const bool le = p <= hi && __ldg(cu + p) <= t;
+    const int cnt = __popc(__ballot_sync(0xffffffffu, le));
+    if (cnt == 0) {
+      hi = lo;  // cu[lo + 1] > t
+    } else {  // the true probes are lanes [0, cnt) when cu is sorted; p of lane cnt-1 <= hi always
+      lo = lo + 1 + (cnt - 1) * step;
+      hi = std::min(hi, lo + step - 1);
+    }
   }
   const int64_t s = __ldg(cu + lo), e = __ldg(cu + lo + 1);
   return {std::clamp<int64_t>(s, 0, t), std::clamp<int64_t>(e, t + 1, T), lo};
@@ -327,6 +356,124 @@ __global__ void __launch_bounds__(kFwdThreads, fwd_min_blocks<R>())
         const int64_t p = t - S + j;
         if (p >= d.s) {  // a row of x (d.s >= 0, p <= t < T), buffered since p >= t0 - S
           unpack8(buf[i + j], e[j]);
+        } else {  // p - d.s + S in [0, S) since d.s <= t
+          state_cols<S>(init, d.n, static_cast<int>(p - d.s + S), c, C, true, e[j]);
+        }
+      }
+      float z[kV];
+      preact<W>(wr, br, e, z);
+      put(t, z);
+    }
+  }
+}
+
+// Staged forward ("cuda.v2st5", "cuda.v2sw"): the rows of a block's token tile go through shared
+// memory (cp.async), not registers. Why: conv2_fwd_kernel holds its R + W-1 rows in registers
+// (44 of its ~160), so a multiprocessor keeps only three blocks, 384 threads and ~67 KB of loads in
+// flight, and 3 of every 11 rows it loads are the previous run's (L2 hits, but requests); swiglu,
+// 256 KB in flight a multiprocessor, reaches 0.99 of copy against this kernel's 0.74-0.76. Here
+// a block of kStWarps warps owns kStWarps * R consecutive tokens of one 256-channel column: lane l
+// of warp q copies its 16 bytes of rows tb + q R .. tb + q R + R-1 into the tile, warp 0 also the
+// W-1 rows before tb, then (weights and document loaded meanwhile) one barrier, and each thread
+// computes its R outputs from the tile exactly as conv2_fwd_kernel does from its registers (the
+// tile row of token p is p - tb + W-1: thread (q, l) reads rows q R .. q R + R + W-2, its old
+// buf[]). Registers no longer grow with R: at R = 16 and five blocks a multiprocessor (<= 96
+// registers, no spills; 34 KB of tile a block) 640 threads keep 164 KB in flight against
+// cuda.v2's ~67 KB, and the halo is loaded once per kStWarps R = 64 tokens. Same arithmetic in the
+// same order: y is bit-identical to cuda.v2's (tested). Stores evict-first. The general
+// (document-edge) loop is not unrolled: unrolled, W = 4 spilled.
+constexpr int kStWarps = 4;
+template <int W, int R>
+constexpr size_t st_smem() {
+  return static_cast<size_t>(kStWarps * R + W - 1) * kRowU4 * 16;
+}
+
+// MB: blocks a multiprocessor (the launch bounds; 4 measured no faster than 5). kWarpSearch: the
+// document of the warp's first token by find_doc_warp (else find_doc).
+template <int W, int R, int MB, bool kWarpSearch, bool kSilu>
+__global__ void __launch_bounds__(kStWarps * 32, MB)
+    conv2_fwd_staged_kernel(const bf16_t* __restrict__ x,     // [T, C]
+                            const bf16_t* __restrict__ w,     // [C, W]
+                            const bf16_t* __restrict__ bias,  // [C] or null
+                            const int32_t* __restrict__ cu,   // [N+1] or null
+                            const bf16_t* __restrict__ init,  // [N, C, W-1] or null
+                            bf16_t* __restrict__ y,           // [T, C]
+                            int64_t T, int64_t C, int N, int64_t ncb) {
+  constexpr int S = W - 1;
+  constexpr int kRows = kStWarps * R + S;
+  // [rows tb - S .. tb + kStWarps R - 1][lanes] (dynamic: st_smem<W, R>() bytes)
+  auto tile = reinterpret_cast<uint4(*)[kRowU4]>(conv2_smem);
+  static_assert(kRows * kRowU4 * 16 == st_smem<W, R>());
+  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
+  // Column-fastest block order: the blocks resident at once cover whole rows of x and y.
+  const int64_t col = static_cast<int64_t>(blockIdx.x) % ncb;
+  const int64_t tb = static_cast<int64_t>(blockIdx.x) / ncb * (kStWarps * R);
+  const int64_t c = col * kCB + lane * kV;
+  const bool active = c < C;
+  const int64_t t0 = tb + warp * R;  // may be >= T: the warp then only joins the barrier
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int64_t p = t0 + r;
+    const bool ok = active && p < T;
+    cuda::cp_async16_zfill(&tile[S + warp * R + r][lane], ok ? x + p * C + c : x, ok ? 16 : 0);
+  }
+  if (warp == 0) {
+#pragma unroll
+    for (int j = 0; j < S; ++j) {
+      const int64_t p = tb - S + j;
+      const bool ok = active && p >= 0;
+      cuda::cp_async16_zfill(&tile[j][lane], ok ? x + p * C + c : x, ok ? 16 : 0);
+    }
+  }
+  cuda::cp_async_commit();
+  float wr[W][kV], br[kV];
+  if (active) {
+    load_weights_vec<W>(w, bias, c, wr, br);
+  } else {
+#pragma unroll
+    for (int v = 0; v < kV; ++v) {
+#pragma unroll
+      for (int j = 0; j < W; ++j) wr[j][v] = 0.f;
+      br[v] = 0.f;
+    }
+  }
+  const int64_t tq = std::min<int64_t>(t0, T - 1);  // warp-uniform
+  Doc d = kWarpSearch ? find_doc_warp(cu, N, T, tq) : find_doc(cu, N, T, tq);
+  cuda::cp_async_wait<0>();
+  __syncthreads();
+  if (!active || t0 >= T) return;
+  const uint4* rows = &tile[warp * R][lane];  // rows[r * kRowU4]: token t0 - S + r
+  auto put = [&](int64_t t, float(&z)[kV]) {
+    if constexpr (kSilu) {
+#pragma unroll
+      for (int v = 0; v < kV; ++v) z[v] *= sigmoid(z[v]);
+    }
+    put16<true>(y + t * C + c, pack8(z));
+  };
+  if (t0 - S >= d.s && t0 + R <= d.e) {  // d.e <= T
+    float win[W][kV];
+#pragma unroll
+    for (int j = 0; j < S; ++j) unpack8(rows[j * kRowU4], win[j]);
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      unpack8(rows[(i + S) * kRowU4], win[S]);
+      float z[kV];
+      preact<W>(wr, br, win, z);
+      put(t0 + i, z);
+      shift<W>(win);
+    }
+  } else {  // rare (a document edge, the end of T, a state): not unrolled, fewer registers
+#pragma unroll 1
+    for (int i = 0; i < R; ++i) {
+      const int64_t t = t0 + i;
+      if (t >= T) break;
+      if (t >= d.e) advance_doc(d, cu, N, T, t);
+      float e[W][kV];
+#pragma unroll
+      for (int j = 0; j < W; ++j) {
+        const int64_t p = t - S + j;
+        if (p >= d.s) {  // a row of x (0 <= d.s <= p <= t < T), staged since p >= tb - S
+          unpack8(rows[(i + j) * kRowU4], e[j]);
         } else {  // p - d.s + S in [0, S) since d.s <= t
           state_cols<S>(init, d.n, static_cast<int>(p - d.s + S), c, C, true, e[j]);
         }
@@ -614,6 +761,55 @@ void forward_runs(const CausalConv1dFwd& a) {
   });
 }
 
+// Forward through the staged kernel (same coverage as forward_runs).
+template <int R, int MB, bool kWarpSearch>
+void forward_staged(const CausalConv1dFwd& a) {
+  if (!covered(a.x, a.weight, a.y, a.weight, a.bias)) {
+    tiled().forward(a);
+    return;
+  }
+  const Shape k = shape_of(a.x, a.weight, a.cu_seqlens);
+  if (k.C == 0) return;
+  const bf16_t* x = dev_in(a.x);                 // [T, C]
+  const bf16_t* w = dev_in(a.weight);            // [C, W]
+  const bf16_t* bias = dev_in(a.bias);           // [C] or null
+  const bf16_t* init = dev_in(a.initial_state);  // [N, C, W-1] or null
+  bf16_t* y = dev_out(a.y);                      // [T, C]
+  bf16_t* fin = dev_out(a.final_state);          // [N, C, W-1] or null
+  const int N = static_cast<int>(k.N);
+  cudaStream_t s = cuda::stream();
+  with_width<kMaxW>(k.W, "cuda.v2", [&](auto wc) {
+    constexpr int W = decltype(wc)::value;
+    if (k.T > 0) {
+      const int64_t tiles = (k.T + kStWarps * R - 1) / (kStWarps * R);
+      const int64_t blocks = tiles * k.ncb;
+      GDN_CHECK(blocks <= INT_MAX, "causal_conv1d (cuda.v2st): [{}, {}] is too large", k.T, k.C);
+      auto launch = [&](auto kernel) {
+        // The residency the launch bounds promise (four blocks of up to 51 KB) needs more than
+        // the default carveout and, past 48 KB, the opt-in; set on every call, per device (cheap:
+        // driver attributes).
+        constexpr size_t smem = st_smem<W, R>();
+        GDN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                            cudaSharedmemCarveoutMaxShared));
+        GDN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem)));
+        kernel<<<static_cast<unsigned>(blocks), kStWarps * 32, smem, s>>>(x, w, bias, k.cu, init, y,
+                                                                          k.T, k.C, N, k.ncb);
+        GDN_CUDA_LAUNCH_CHECK("conv2_fwd_staged_kernel");
+      };
+      if (a.silu)
+        launch(conv2_fwd_staged_kernel<W, R, MB, kWarpSearch, true>);
+      else
+        launch(conv2_fwd_staged_kernel<W, R, MB, kWarpSearch, false>);
+    }
+    if (fin != nullptr && W > 1 && N > 0) {
+      conv_final_state_kernel<W>
+          <<<small_grid(k.N * k.C), 256, 0, s>>>(x, k.cu, init, fin, k.T, k.C, N);
+      GDN_CUDA_LAUNCH_CHECK("conv_final_state_kernel");
+    }
+  });
+}
+
 template <bool kStream>
 void backward_impl(const CausalConv1dBwd& a) {
   if (!covered(a.x, a.weight, a.dy, a.dx, Tensor())) {
@@ -659,12 +855,29 @@ const CausalConv1dTable kTable{forward_runs<8, false>, backward_impl<false>};
 // 126.6 / 126.8. cuda.v2 (plain stores) stays for A/B.
 const CausalConv1dTable kTableCs{forward_runs<8, true>, backward_impl<true>};
 
+// Staged forwards (cuda.v2cs's backward), 16 tokens a thread, five blocks a multiprocessor.
+// Measured on the H200 ([8192, 8192] W 4 SiLU, 1 / 4 / 16 documents, one process, 3 rounds, us):
+// cuda.v2st5 70.2-70.4 / 71.4-71.7 / 76.1-76.5 (0.896 / 0.881 / 0.825 of copy) against cuda.v2cs's
+// 82.8-83.4 / 82.7-83.0 / 83.5-83.7 (0.755-0.762 / 0.759-0.762 / 0.753-0.754); dropped after that
+// run: four blocks (<= 128 registers) 70.1-70.4 / 71.7-71.8 / 76.8-77.1, 24 tokens a thread at
+// four blocks 71.1-71.5 / 73.0-73.2 / 79.3-79.5. cuda.v2sw, the default: cuda.v2st5 with the warp's
+// document found by find_doc_warp; second run (one process, 3 rounds): 70.3-70.7 / 71.5-71.9 /
+// 74.5-74.8 (0.897-0.903 / 0.882-0.887 / 0.848-0.852) against cuda.v2st5's 70.5-70.7 / 71.5-72.2
+// / 76.5-76.6 (0.828-0.830 at 16 documents) and cuda.v2cs's 83.8-84.7 / 83.4-83.6 / 84.2-84.7
+// (0.749-0.760). Backward unchanged (cuda.v2cs's): 122.6 / 121.8 / 121.4 (0.777-0.785).
+const CausalConv1dTable kTableSt5{forward_staged<16, 5, false>, backward_impl<true>};
+const CausalConv1dTable kTableSw{forward_staged<16, 5, true>, backward_impl<true>};
+
 }  // namespace
 
 GDN_REGISTER(causal_conv1d_cuda_v2) {
   Registry::global().add_impl({"causal_conv1d", "cuda.v2", Backend::Cuda, 20, nullptr, &kTable});
   Registry::global().add_impl(
       {"causal_conv1d", "cuda.v2cs", Backend::Cuda, 25, nullptr, &kTableCs});
+  Registry::global().add_impl(
+      {"causal_conv1d", "cuda.v2st5", Backend::Cuda, 26, nullptr, &kTableSt5});
+  Registry::global().add_impl(
+      {"causal_conv1d", "cuda.v2sw", Backend::Cuda, 27, nullptr, &kTableSw});
 }
 
 }  // namespace gdn::ops

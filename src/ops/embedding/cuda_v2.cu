@@ -1,8 +1,8 @@
 // Embedding on CUDA, second version ("cuda.v2"; "cuda.v2r", the same with 64 tokens ranked per
-// block; "cuda.v2ry", the default, v2r prefetching only the dy rows: see the registration; all
-// three bitwise equal): the forward of cuda.sorted_windows and a
-// backward rebuilt around where that one spends its time (op.h has the contract; cuda.cu keeps the
-// first version for A/B timing).
+// block; "cuda.v2ry", v2r prefetching only the dy rows; "cuda.v2re", the default, v2ry with
+// evict-first dW rows: see the registration; all four bitwise equal): the forward of
+// cuda.sorted_windows and a backward rebuilt around where that one spends its time (op.h has the
+// contract; cuda.cu keeps the first version for A/B timing).
 //
 // Where cuda.sorted_windows' backward loses time (T = 8192 uniform ids over V = 248320, D = 4096:
 // 127.7 us against 78 us of bytes at copy bandwidth):
@@ -316,6 +316,32 @@ __device__ __forceinline__ void store_f(float* p, const float (&f)[V]) {
   }
 }
 
+// dW rows with evict-first loads and stores (ld.global.cs / st.global.cs; kEf, cuda.v2re): each
+// row is read and written once, by one thread, so L2 need not keep it at the expense of lines
+// still to be read. Coherent loads (not .nc), as load_f's.
+template <int V, bool kEf>
+__device__ __forceinline__ void load_dw(const float* p, float (&f)[V]) {
+  if constexpr (!kEf) {
+    load_f<V>(p, f);
+  } else if constexpr (V == 4) {
+    const float4 a = __ldcs(reinterpret_cast<const float4*>(p));
+    f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w;
+  } else {
+    f[0] = __ldcs(p);
+  }
+}
+
+template <int V, bool kEf>
+__device__ __forceinline__ void store_dw(float* p, const float (&f)[V]) {
+  if constexpr (!kEf) {
+    store_f<V>(p, f);
+  } else if constexpr (V == 4) {
+    __stcs(reinterpret_cast<float4*>(p), make_float4(f[0], f[1], f[2], f[3]));
+  } else {
+    __stcs(p, f[0]);
+  }
+}
+
 struct DwArgs {
   const uint32_t* keys;   // [T] (16-byte aligned, readable up to the next 16 bytes)
   const uint32_t* toks;   // [T] (same)
@@ -376,7 +402,7 @@ __device__ __forceinline__ void combine(const DwArgs& a, uint32_t k, int w0, int
 // cp.async ring of 4 positions in shared memory instead of register batches and prefetch, 102.7,
 // 102.6 / 96.7, 97.5 (not kept); 32 tokens ranked per block instead of 64, 107.9, 106.7 / 99.7,
 // 99.5.
-template <int V, int kPf = 1>
+template <int V, int kPf = 1, bool kEf = false>
 __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w, int chunk,
                                         int* s_last) {
   const int D = a.D;
@@ -424,7 +450,7 @@ __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w,
         for (int g = 0; g < kGroups; ++g) {
           if (has[g]) {
             d[j][g] = load_dy<V>(a.dy + t * D + c[g]);
-            if (direct) load_f<V>(a.dw + static_cast<int64_t>(k) * D + c[g], cur[j][g]);
+            if (direct) load_dw<V, kEf>(a.dw + static_cast<int64_t>(k) * D + c[g], cur[j][g]);
           }
         }
       }
@@ -463,7 +489,7 @@ __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w,
             if (slot < 0) {
 #pragma unroll
               for (int v = 0; v < V; ++v) cur[j][g][v] += acc[g][v];
-              store_f<V>(a.dw + static_cast<int64_t>(k) * D + c[g], cur[j][g]);
+              store_dw<V, kEf>(a.dw + static_cast<int64_t>(k) * D + c[g], cur[j][g]);
             } else {
               store_f<V>(part + static_cast<int64_t>(slot) * D + c[g], acc[g]);
             }
@@ -506,7 +532,7 @@ __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w,
 }
 
 // Persistent grid over items (window-major: item = w * chunks + chunk); kDwThreads threads.
-template <int V, int kPf = 1>
+template <int V, int kPf = 1, bool kEf = false>
 __global__ void __launch_bounds__(kDwThreads, 8) emb2_dw_kernel(const DwArgs a) {
   pdl_wait();  // step 1's ranks and zeroed counters
   __shared__ Stage stage[2];
@@ -536,7 +562,7 @@ __global__ void __launch_bounds__(kDwThreads, 8) emb2_dw_kernel(const DwArgs a) 
     const int next = item + static_cast<int>(gridDim.x);
     if (next < nitems) stage_window(next, stage[buf ^ 1]);
     const int w = item / a.chunks;
-    dw_item<V, kPf>(a, stage[buf], w, item - w * a.chunks, s_last);
+    dw_item<V, kPf, kEf>(a, stage[buf], w, item - w * a.chunks, s_last);
     cuda::cp_async_wait<0>();
     __syncthreads();
   }
@@ -568,10 +594,10 @@ void rank_opt_in(size_t limit) {
   });
 }
 
-template <int V, int kPf>
+template <int V, int kPf, bool kEf>
 void launch_dw(const DwArgs& args, cudaStream_t s) {
   int per_sm = 0;
-  GDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, emb2_dw_kernel<V, kPf>,
+  GDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, emb2_dw_kernel<V, kPf, kEf>,
                                                                kDwThreads, 0));
   const int64_t items = static_cast<int64_t>(args.nwin) * args.chunks;
   const auto grid = static_cast<unsigned>(std::min<int64_t>(
@@ -586,11 +612,12 @@ void launch_dw(const DwArgs& args, cudaStream_t s) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  GDN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, emb2_dw_kernel<V, kPf>, args));
+  GDN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, emb2_dw_kernel<V, kPf, kEf>, args));
   GDN_CUDA_LAUNCH_CHECK("emb2_dw_kernel");
 }
 
-template <int kWin, int kPerBlock, int kPf = 1>
+// kEf: dW rows evict-first (load_dw, store_dw).
+template <int kWin, int kPerBlock, int kPf = 1, bool kEf = false>
 void backward(const EmbeddingBwd& a) {
   // Staging: 16-byte pieces of the window (kWin % 4 == 0), at most 16 per array.
   static_assert(kWin >= 4 && kWin % 4 == 0 && kWin <= kMaxWin && kMaxWin <= 64);
@@ -694,15 +721,16 @@ void backward(const EmbeddingBwd& a) {
               chunks,
               static_cast<uint32_t>(vocab)};
   if (V == 4) {
-    launch_dw<4, kPf>(args, s);
+    launch_dw<4, kPf, kEf>(args, s);
   } else {
-    launch_dw<1, kPf>(args, s);
+    launch_dw<1, kPf, kEf>(args, s);
   }
 }
 
 const EmbeddingTable kTable16{forward, backward<16, kRankTokens>};
 const EmbeddingTable kTable16Fine{forward, backward<16, kRankTokensFine>};
 const EmbeddingTable kTable16FineDyPf{forward, backward<16, kRankTokensFine, -1>};
+const EmbeddingTable kTableEf{forward, backward<16, kRankTokensFine, -1, true>};
 
 }  // namespace
 
@@ -719,6 +747,17 @@ GDN_REGISTER(embedding_cuda_v2) {
   // (0.766 / 0.761 of copy), skewed 96.1 / 96.0 against 96.4 / 97.0 (0.688).
   Registry::global().add_impl(
       {"embedding", "cuda.v2ry", Backend::Cuda, 22, nullptr, &kTable16FineDyPf});
+  // The default since mem8: cuda.v2ry with evict-first dW rows. H200, T 8192, V 248320, D 4096,
+  // us, one process each, 3 rounds: run 1 uniform ids 101.5-101.7 against cuda.v2ry's 102.3-102.7
+  // (0.765-0.767 of copy against 0.759-0.761), skewed 93.9-94.8 against 95.0-95.4 (0.697-0.704
+  // against 0.693-0.696); run 2 uniform 101.0-101.3 against 101.7-102.1 (0.773-0.775 against
+  // 0.767-0.770), skewed 94.3-94.7 against 95.1-95.5 (0.702-0.705 against 0.697-0.699).
+  // Measured and dropped: dy's first 25 / 38 MB prefetched into L2 by the rank kernel
+  // (cp.async.bulk.prefetch, with evict-first dW rows), uniform / skewed 114.1-117.4 /
+  // 106.2-107.8 us, also without the dW kernel's own dy prefetch 111.6-112.3 / 103.2-103.8 (run
+  // 1); the dW items dealt by an atomic counter one item ahead instead of b, b + grid, ...
+  // 107.8-108.9 / 99.5-100.4, the same in reverse item order 104.6-104.7 / 98.6-98.9 (run 2).
+  Registry::global().add_impl({"embedding", "cuda.v2re", Backend::Cuda, 23, nullptr, &kTableEf});
 }
 
 }  // namespace gdn::ops
