@@ -203,11 +203,20 @@ void Qwen35Model::place_grads_in_activations(size_t forward_peak) {
   group_of[static_cast<size_t>(ids_.final_norm)] = L;
   group_of[static_cast<size_t>(ids_.embed)] = ids_.lm_head >= 0 ? L + 1 : L;
   if (ids_.lm_head >= 0) group_of[static_cast<size_t>(ids_.lm_head)] = L;
-  std::vector<size_t> bytes(static_cast<size_t>(L + 2), 0);
+  // The layer GEMMs' weights, whose gradients the backward writes (=, run(): `ow`); the others
+  // (norm weights, conv, gates, embedding, LM head) accumulate and are zeroed first.
+  std::vector<bool> written(specs_.size(), false);
+  for (const LayerParamIds& w : ids_.layers)
+    for (int64_t id : {w.mlp_gate, w.mlp_up, w.mlp_down, w.in_proj_qkv, w.in_proj_z, w.in_proj_b,
+                       w.in_proj_a, w.out_proj, w.q_proj, w.k_proj, w.v_proj, w.o_proj})
+      if (id >= 0) written[static_cast<size_t>(id)] = true;
+  std::vector<size_t> bytes(static_cast<size_t>(L + 2), 0), zeroed(bytes.size(), 0);
   for (size_t i = 0; i < specs_.size(); ++i) {
     GDN_CHECK(group_of[i] >= 0, "model: parameter '{}' belongs to no gradient group",
               specs_[i].name);
-    bytes[static_cast<size_t>(group_of[i])] += align256(bytes_of(specs_[i], gdt));
+    const size_t b = align256(bytes_of(specs_[i], gdt));
+    bytes[static_cast<size_t>(group_of[i])] += b;
+    if (!written[i]) zeroed[static_cast<size_t>(group_of[i])] += b;
   }
   // Top-down order and each group's live-activation floor.
   std::vector<std::pair<int64_t, size_t>> order{{L, forward_peak}};
@@ -221,18 +230,21 @@ void Qwen35Model::place_grads_in_activations(size_t forward_peak) {
   }
   act_arena_ = Arena("activations and gradients", backend_device(backend_), capacity);
   grad_group_.assign(static_cast<size_t>(L + 2), Tensor());
-  std::vector<size_t> next(grad_group_.size());
+  // Within a group: the zeroed gradients first (one memset covers them), then the written ones.
+  std::vector<size_t> next_zeroed(grad_group_.size()), next_written(grad_group_.size());
   size_t top = capacity;
   for (const auto& [g, floor] : order) {
-    const size_t b = bytes[static_cast<size_t>(g)];
-    top -= b;
-    next[static_cast<size_t>(g)] = top;
-    if (b > 0)
-      grad_group_[static_cast<size_t>(g)] =
-          act_arena_.view_at(top, DType::I32, std::array<int64_t, 1>{static_cast<int64_t>(b / 4)});
+    const size_t gi = static_cast<size_t>(g), z = zeroed[gi];
+    top -= bytes[gi];
+    next_zeroed[gi] = top;
+    next_written[gi] = top + z;
+    if (z > 0)
+      grad_group_[gi] =
+          act_arena_.view_at(top, DType::I32, std::array<int64_t, 1>{static_cast<int64_t>(z / 4)});
   }
   for (size_t i = 0; i < specs_.size(); ++i) {
-    size_t& at = next[static_cast<size_t>(group_of[i])];
+    const size_t gi = static_cast<size_t>(group_of[i]);
+    size_t& at = written[i] ? next_written[gi] : next_zeroed[gi];
     grads_.push_back(act_arena_.view_at(at, gdt, specs_[i].shape));
     at += align256(bytes_of(specs_[i], gdt));
   }
@@ -795,6 +807,10 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
   }
 
   // ---------------------------------------------------------------- backward
+  // GradMemory::InActivations: every layer GEMM's weight gradient is written (=) by its one
+  // linear_backward of the step (the q/k/v blocks of in_proj_qkv are disjoint rows), so those
+  // gradients need no zeroing; the group memset covers the others (place_grads_in_activations).
+  const bool ow = grad_memory_ == GradMemory::InActivations;
   Tensor dh = p.balloc_act({T, D});  // gradient of the residual stream, carried down the layers
   Tensor dtmp = p.balloc_act({T, D});
   if (live) {
@@ -814,7 +830,7 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
       if (live) {
         {
           ProfileRange pr("mlp.down.bwd");
-          linear_backward({s.act, P(w.mlp_down), dh, dact, G(w.mlp_down), false});
+          linear_backward({s.act, P(w.mlp_down), dh, dact, G(w.mlp_down), false, ow});
         }
         {
           ProfileRange pr("swiglu.bwd");
@@ -833,8 +849,8 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
         }
         {
           ProfileRange pr("mlp.gate_up.bwd");
-          linear_backward({s.xn2, P(w.mlp_gate), dgate, dxn2, G(w.mlp_gate), false});
-          linear_backward({s.xn2, P(w.mlp_up), dup, dxn2, G(w.mlp_up), true});
+          linear_backward({s.xn2, P(w.mlp_gate), dgate, dxn2, G(w.mlp_gate), false, ow});
+          linear_backward({s.xn2, P(w.mlp_up), dup, dxn2, G(w.mlp_up), true, ow});
         }
         ProfileRange pr("rmsnorm.bwd");
         rmsnorm_backward({s.h_mid, NW(w.post_norm), s.rstd_post, dxn2, dtmp, G(w.post_norm), zc});
@@ -856,7 +872,7 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
         if (live) {
           {
             ProfileRange pr("out_proj.bwd");
-            linear_backward({s.y, P(w.out_proj), dh, dy, G(w.out_proj), false});
+            linear_backward({s.y, P(w.out_proj), dh, dy, G(w.out_proj), false, ow});
           }
           ProfileRange pr_n("gated_rmsnorm.bwd");
           gated_rmsnorm_backward({s.o.reshape({T * Hv, dv}), s.z.reshape({T * Hv, dv}),
@@ -902,11 +918,11 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
             const QkvBlock& b = blocks[i];
             linear_backward({s.xn, P(w.in_proj_qkv).slice0(b.col, b.col + b.width),
                              block_of(dqkv, b), dxn,
-                             G(w.in_proj_qkv).slice0(b.col, b.col + b.width), i > 0});
+                             G(w.in_proj_qkv).slice0(b.col, b.col + b.width), i > 0, ow});
           }
-          linear_backward({s.xn, P(w.in_proj_z), dz, dxn, G(w.in_proj_z), true});
-          linear_backward({s.xn, P(w.in_proj_b), db, dxn, G(w.in_proj_b), true});
-          linear_backward({s.xn, P(w.in_proj_a), da, dxn, G(w.in_proj_a), true});
+          linear_backward({s.xn, P(w.in_proj_z), dz, dxn, G(w.in_proj_z), true, ow});
+          linear_backward({s.xn, P(w.in_proj_b), db, dxn, G(w.in_proj_b), true, ow});
+          linear_backward({s.xn, P(w.in_proj_a), da, dxn, G(w.in_proj_a), true, ow});
         }
       } else {
         Tensor dqg = p.balloc_act({T, Hq, 2 * hd}), dk = p.balloc_act({T, Hkv, hd}),
@@ -914,7 +930,7 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
         if (live) {
           Tensor y2 = s.y.reshape({T, Hq * hd});
           ProfileRange pr("out_proj.bwd");
-          linear_backward({y2, P(w.o_proj), dh, dy, G(w.o_proj), false});
+          linear_backward({y2, P(w.o_proj), dh, dy, G(w.o_proj), false, ow});
           pr.next("attn.core.bwd");
           gated_attention_backward({s.qg,
                                     s.ak,
@@ -939,9 +955,11 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
                                     eps});
           pr.next("attn.in_proj.bwd");
           linear_backward(
-              {s.xn, P(w.q_proj), dqg.reshape({T, Hq * 2 * hd}), dxn, G(w.q_proj), false});
-          linear_backward({s.xn, P(w.k_proj), dk.reshape({T, Hkv * hd}), dxn, G(w.k_proj), true});
-          linear_backward({s.xn, P(w.v_proj), dv2.reshape({T, Hkv * hd}), dxn, G(w.v_proj), true});
+              {s.xn, P(w.q_proj), dqg.reshape({T, Hq * 2 * hd}), dxn, G(w.q_proj), false, ow});
+          linear_backward(
+              {s.xn, P(w.k_proj), dk.reshape({T, Hkv * hd}), dxn, G(w.k_proj), true, ow});
+          linear_backward(
+              {s.xn, P(w.v_proj), dv2.reshape({T, Hkv * hd}), dxn, G(w.v_proj), true, ow});
         }
       }
       if (live) {

@@ -85,11 +85,14 @@ Recompute recompute_from_name(std::string_view name);  // throws naming the bad 
 //                    LM head's (and final norm's) gradients sit above all activations and an untied
 //                    embedding's, written last, below the layers'. The arena then needs about one
 //                    layer's and the head's gradients more than the activations instead of all of
-//                    them (4B: about 13 GiB less). Each group's gradients are zeroed just before
-//                    its first write, so every backward step writes (=) its own micro-batch's
-//                    gradients, valid until the next step() (a step without backward overwrites
-//                    them); zero_grads() does nothing. One micro-batch per optimizer step.
-// Both give bitwise the same gradients for one micro-batch (the same ops in the same order).
+//                    them (4B: about 13 GiB less). The layer GEMMs' weight gradients are
+//                    written (=, their one linear_backward of the step); the others of a group
+//                    are zeroed just before its first write. So every backward step writes its
+//                    own micro-batch's gradients, valid until the next step() (a step without
+//                    backward overwrites them); zero_grads() does nothing. One micro-batch per
+//                    optimizer step.
+// Both give bitwise the same gradients for one micro-batch (the same ops in the same order; a GEMM
+// writing dy^T x equals one adding it to zeros, up to the sign of an exact zero).
 enum class GradMemory : uint8_t { Separate, InActivations };
 
 // Fused kernel routes and their unfused A/B counterparts (issue 8), one GDN_FUSED_* environment

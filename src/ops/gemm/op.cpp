@@ -206,7 +206,7 @@ void linear_backward(const LinearBwd& a) {
     expect_shape(a.dw, op, "dw", {out, in});
     if (!(a.x.dtype() == DType::BF16 && a.dw.dtype() == DType::F32))
       expect_dtype(a.dw, op, "dw", a.x.dtype());
-    gemm({a.dy, a.x, a.dw, true, false, 1.0, 1.0});  // dW += dy^T x
+    gemm({a.dy, a.x, a.dw, true, false, 1.0, a.overwrite_dw ? 0.0 : 1.0});  // dW (+)= dy^T x
   }
 }
 

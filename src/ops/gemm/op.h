@@ -20,7 +20,8 @@
 // Linear layer (HF nn.Linear without bias, W [out, in]):
 //   linear_forward:  y  = x W^T                   x [T, in], W [out, in], y [T, out]   (=)
 //   linear_backward: dx = dy W                    dx [T, in]   (= or += with accumulate_dx)
-//                    dW += dy^T x                 dW [out, in] (+=: gradient accumulation buffer)
+//                    dW += dy^T x                 dW [out, in] (+=: gradient accumulation buffer;
+//                                                 = with overwrite_dw)
 // Both are plain gemm calls, so they run on whatever gemm resolves to.
 //
 // Dtypes: ref F64 for A, B, C (plain fp64 loops); cpu F32 (OpenBLAS cblas_sgemm, fp32
@@ -80,6 +81,7 @@ struct LinearBwd {
   Tensor dx;                   // [T, in] out (= or += with accumulate_dx); undefined: skipped
   Tensor dw;                   // [out, in] out (+=); undefined: skipped (frozen weight)
   bool accumulate_dx = false;  // x feeds several linears (q/k/v, gate/up): sum their dx
+  bool overwrite_dw = false;   // dW = dy^T x (its first write of a step, nothing to accumulate)
 };
 
 void linear_forward(const LinearFwd& a);
