@@ -66,9 +66,8 @@ constexpr Knob kKnobs[] = {
      false, nullptr},
     {"GDN_GDR_SAVED_MIN_DOC_TOKENS", KnobType::Int, "128",
      "Training with recompute none or selective on cuda keeps each GDN layer's gated delta rule "
-     "states for its "
-     "backward (which then skips a sequential pass), planned for micro-batches of up to "
-     "max_tokens / this many documents; a batch with more documents recomputes them (same "
+     "states for its backward (which then skips a sequential pass), planned for micro-batches of "
+     "up to max_tokens / this many documents; a batch with more documents recomputes them (same "
      "gradients, slower). 0 keeps none (less activation memory).",
      false, nullptr},
     {"GDN_GDR_STATE_COLS", KnobType::Int, "0",
