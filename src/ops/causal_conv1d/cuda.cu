@@ -592,15 +592,10 @@ Common common(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens) {
 void forward(const CausalConv1dFwd& a) {
   const Common k = common(a.x, a.weight, a.cu_seqlens);
   if (k.C == 0) return;
-  const bf16_t* x = dev_in(a.x);                 // [T, C]
-  const bf16_t* w = dev_in(a.weight);            // [C, W]
-  const bf16_t* bias = dev_in(a.bias);           // [C] or null
-  const bf16_t* init = dev_in(a.initial_state);  // [N, C, W-1] or null
-  bf16_t* y = dev_out(a.y);                      // [T, C]
-  bf16_t* fin = dev_out(a.final_state);          // [N, C, W-1] or null
-  const bool vec_load = k.C % 8 == 0 && aligned(x, 16);
-  const bool vec_store = k.C % 4 == 0 && aligned(y, 8);
-  const int N = static_cast<int>(k.N), S = static_cast<int>(k.W) - 1;
+  const ConvFwdPtrs p = conv_fwd_ptrs(a);
+  const bool vec_load = k.C % 8 == 0 && aligned(p.x, 16);
+  const bool vec_store = k.C % 4 == 0 && aligned(p.y, 8);
+  const int N = static_cast<int>(k.N);
   cudaStream_t s = cuda::stream();
   with_width<8>(k.W, "cuda", [&](auto wc) {
     constexpr int W = decltype(wc)::value;
@@ -610,15 +605,11 @@ void forward(const CausalConv1dFwd& a) {
           resident_blocks(reinterpret_cast<const void*>(conv_fwd_kernel<W>), kThreads, fwd_smem(W));
       const int64_t G = std::clamp<int64_t>(fit / k.ncb, 1, k.ntiles);
       const dim3 grid(static_cast<unsigned>(G), static_cast<unsigned>(k.ncb));
-      conv_fwd_kernel<W><<<grid, kThreads, fwd_smem(W), s>>>(x, w, bias, k.cu, init, y, k.T, k.C, N,
-                                                             k.ntiles, a.silu, vec_load, vec_store);
+      conv_fwd_kernel<W><<<grid, kThreads, fwd_smem(W), s>>>(
+          p.x, p.w, p.bias, k.cu, p.init, p.y, k.T, k.C, N, k.ntiles, a.silu, vec_load, vec_store);
       GDN_CUDA_LAUNCH_CHECK("conv_fwd_kernel");
     }
-    if (fin != nullptr && S > 0 && N > 0) {
-      conv_final_state_kernel<W>
-          <<<small_grid(k.N * k.C), 256, 0, s>>>(x, k.cu, init, fin, k.T, k.C, N);
-      GDN_CUDA_LAUNCH_CHECK("conv_final_state_kernel");
-    }
+    launch_final_state<W>(p, k, s);
   });
 }
 

@@ -227,6 +227,31 @@ inline int64_t resident_blocks(const void* kernel, int threads, size_t smem) {
   return static_cast<int64_t>(cuda::Context::get().sm_count()) * std::max(per_sm, 1);
 }
 
+// The forward's tensors as device pointers (null where absent).
+struct ConvFwdPtrs {
+  const bf16_t* x;     // [T, C]
+  const bf16_t* w;     // [C, W]
+  const bf16_t* bias;  // [C] or null
+  const bf16_t* init;  // [N, C, W-1] or null
+  bf16_t* y;           // [T, C]
+  bf16_t* fin;         // [N, C, W-1] or null
+};
+
+inline ConvFwdPtrs conv_fwd_ptrs(const CausalConv1dFwd& a) {
+  return {dev_in(a.x),  dev_in(a.weight),      dev_in(a.bias), dev_in(a.initial_state),
+          dev_out(a.y), dev_out(a.final_state)};
+}
+
+// The final states after a forward's main kernel (width W > 1, N documents), on `s`.
+template <int W>
+void launch_final_state(const ConvFwdPtrs& p, const ConvDims& k, cudaStream_t s) {
+  const int N = static_cast<int>(k.N);
+  if (p.fin == nullptr || W <= 1 || N <= 0) return;
+  conv_final_state_kernel<W>
+      <<<small_grid(k.N * k.C), 256, 0, s>>>(p.x, k.cu, p.init, p.fin, k.T, k.C, N);
+  GDN_CUDA_LAUNCH_CHECK("conv_final_state_kernel");
+}
+
 // The backward's tensors as device pointers (null where absent).
 struct ConvBwdPtrs {
   const bf16_t* x;     // [T, C]

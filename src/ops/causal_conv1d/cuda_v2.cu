@@ -719,94 +719,71 @@ int64_t blocks_per_column(const void* kernel, int warps, size_t smem, const Shap
   return std::clamp<int64_t>(fit / k.ncb, 1, std::min<int64_t>(useful, 65535));
 }
 
-// Forward: the register-streamed kernel above for the calls it covers (weight and bias 16-byte
-// aligned too: they are read as 16-byte pieces), cuda.tiled otherwise.
-template <int R, bool kStream>
-void forward_runs(const CausalConv1dFwd& a) {
+// What the forwards below share: calls it does not cover go to cuda.tiled (weight and bias must
+// be 16-byte aligned too: they are read as 16-byte pieces); then, per width W, main(W as an
+// integral constant, shape, pointers, stream) launches the kernel over the tokens, and the final
+// states follow.
+template <class Main>
+void forward_with(const CausalConv1dFwd& a, Main main) {
   if (!covered(a.x, a.weight, a.y, a.weight, a.bias)) {
     tiled().forward(a);
     return;
   }
   const Shape k = shape_of(a.x, a.weight, a.cu_seqlens);
   if (k.C == 0) return;
-  const bf16_t* x = dev_in(a.x);                 // [T, C]
-  const bf16_t* w = dev_in(a.weight);            // [C, W]
-  const bf16_t* bias = dev_in(a.bias);           // [C] or null
-  const bf16_t* init = dev_in(a.initial_state);  // [N, C, W-1] or null
-  bf16_t* y = dev_out(a.y);                      // [T, C]
-  bf16_t* fin = dev_out(a.final_state);          // [N, C, W-1] or null
-  const int N = static_cast<int>(k.N);
+  const ConvFwdPtrs p = conv_fwd_ptrs(a);
   cudaStream_t s = cuda::stream();
   with_width<kMaxW>(k.W, "cuda.v2", [&](auto wc) {
-    constexpr int W = decltype(wc)::value;
-    if (k.T > 0) {
-      const int64_t packs = k.C / kV, nruns = (k.T + R - 1) / R;
-      const int64_t blocks = (nruns * packs + kFwdThreads - 1) / kFwdThreads;
-      GDN_CHECK(blocks <= INT_MAX, "causal_conv1d (cuda.v2): [{}, {}] is too large", k.T, k.C);
-      auto launch = [&](auto kernel) {
-        kernel<<<static_cast<unsigned>(blocks), kFwdThreads, 0, s>>>(x, w, bias, k.cu, init, y, k.T,
-                                                                     k.C, N, packs, nruns);
-        GDN_CUDA_LAUNCH_CHECK("conv2_fwd_kernel");
-      };
-      if (a.silu)
-        launch(conv2_fwd_kernel<W, R, true, kStream>);
-      else
-        launch(conv2_fwd_kernel<W, R, false, kStream>);
-    }
-    if (fin != nullptr && W > 1 && N > 0) {
-      conv_final_state_kernel<W>
-          <<<small_grid(k.N * k.C), 256, 0, s>>>(x, k.cu, init, fin, k.T, k.C, N);
-      GDN_CUDA_LAUNCH_CHECK("conv_final_state_kernel");
-    }
+    if (k.T > 0) main(wc, k, p, s);
+    launch_final_state<decltype(wc)::value>(p, k, s);
   });
 }
 
-// Forward through the staged kernel (same coverage as forward_runs).
+// Forward through the register-streamed kernel above.
+template <int R, bool kStream>
+void forward_runs(const CausalConv1dFwd& a) {
+  forward_with(a, [&](auto wc, const Shape& k, const ConvFwdPtrs& p, cudaStream_t s) {
+    constexpr int W = decltype(wc)::value;
+    const int64_t packs = k.C / kV, nruns = (k.T + R - 1) / R;
+    const int64_t blocks = (nruns * packs + kFwdThreads - 1) / kFwdThreads;
+    GDN_CHECK(blocks <= INT_MAX, "causal_conv1d (cuda.v2): [{}, {}] is too large", k.T, k.C);
+    auto launch = [&](auto kernel) {
+      kernel<<<static_cast<unsigned>(blocks), kFwdThreads, 0, s>>>(
+          p.x, p.w, p.bias, k.cu, p.init, p.y, k.T, k.C, static_cast<int>(k.N), packs, nruns);
+      GDN_CUDA_LAUNCH_CHECK("conv2_fwd_kernel");
+    };
+    if (a.silu)
+      launch(conv2_fwd_kernel<W, R, true, kStream>);
+    else
+      launch(conv2_fwd_kernel<W, R, false, kStream>);
+  });
+}
+
+// Forward through the staged kernel.
 template <int R, int MB, bool kWarpSearch>
 void forward_staged(const CausalConv1dFwd& a) {
-  if (!covered(a.x, a.weight, a.y, a.weight, a.bias)) {
-    tiled().forward(a);
-    return;
-  }
-  const Shape k = shape_of(a.x, a.weight, a.cu_seqlens);
-  if (k.C == 0) return;
-  const bf16_t* x = dev_in(a.x);                 // [T, C]
-  const bf16_t* w = dev_in(a.weight);            // [C, W]
-  const bf16_t* bias = dev_in(a.bias);           // [C] or null
-  const bf16_t* init = dev_in(a.initial_state);  // [N, C, W-1] or null
-  bf16_t* y = dev_out(a.y);                      // [T, C]
-  bf16_t* fin = dev_out(a.final_state);          // [N, C, W-1] or null
-  const int N = static_cast<int>(k.N);
-  cudaStream_t s = cuda::stream();
-  with_width<kMaxW>(k.W, "cuda.v2", [&](auto wc) {
+  forward_with(a, [&](auto wc, const Shape& k, const ConvFwdPtrs& p, cudaStream_t s) {
     constexpr int W = decltype(wc)::value;
-    if (k.T > 0) {
-      const int64_t tiles = (k.T + kStWarps * R - 1) / (kStWarps * R);
-      const int64_t blocks = tiles * k.ncb;
-      GDN_CHECK(blocks <= INT_MAX, "causal_conv1d (cuda.v2st): [{}, {}] is too large", k.T, k.C);
-      auto launch = [&](auto kernel) {
-        // The residency the launch bounds promise (four blocks of up to 51 KB) needs more than
-        // the default carveout and, past 48 KB, the opt-in; set on every call, per device (cheap:
-        // driver attributes).
-        constexpr size_t smem = st_smem<W, R>();
-        GDN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                            cudaSharedmemCarveoutMaxShared));
-        GDN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(smem)));
-        kernel<<<static_cast<unsigned>(blocks), kStWarps * 32, smem, s>>>(x, w, bias, k.cu, init, y,
-                                                                          k.T, k.C, N, k.ncb);
-        GDN_CUDA_LAUNCH_CHECK("conv2_fwd_staged_kernel");
-      };
-      if (a.silu)
-        launch(conv2_fwd_staged_kernel<W, R, MB, kWarpSearch, true>);
-      else
-        launch(conv2_fwd_staged_kernel<W, R, MB, kWarpSearch, false>);
-    }
-    if (fin != nullptr && W > 1 && N > 0) {
-      conv_final_state_kernel<W>
-          <<<small_grid(k.N * k.C), 256, 0, s>>>(x, k.cu, init, fin, k.T, k.C, N);
-      GDN_CUDA_LAUNCH_CHECK("conv_final_state_kernel");
-    }
+    const int64_t tiles = (k.T + kStWarps * R - 1) / (kStWarps * R);
+    const int64_t blocks = tiles * k.ncb;
+    GDN_CHECK(blocks <= INT_MAX, "causal_conv1d (cuda.v2st): [{}, {}] is too large", k.T, k.C);
+    auto launch = [&](auto kernel) {
+      // The residency the launch bounds promise (four blocks of up to 51 KB) needs more than
+      // the default carveout and, past 48 KB, the opt-in; set on every call, per device (cheap:
+      // driver attributes).
+      constexpr size_t smem = st_smem<W, R>();
+      GDN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                          cudaSharedmemCarveoutMaxShared));
+      GDN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
+      kernel<<<static_cast<unsigned>(blocks), kStWarps * 32, smem, s>>>(
+          p.x, p.w, p.bias, k.cu, p.init, p.y, k.T, k.C, static_cast<int>(k.N), k.ncb);
+      GDN_CUDA_LAUNCH_CHECK("conv2_fwd_staged_kernel");
+    };
+    if (a.silu)
+      launch(conv2_fwd_staged_kernel<W, R, MB, kWarpSearch, true>);
+    else
+      launch(conv2_fwd_staged_kernel<W, R, MB, kWarpSearch, false>);
   });
 }
 
