@@ -84,6 +84,30 @@ __device__ __forceinline__ float group_allreduce_sum(float v, int tpr, float* re
   return s;
 }
 
+// This thread's part of a row's sum of squares: its P register packs xc (zeros where the row has
+// no pack), then the packs c = lane + P * tpr, lane + (P + 1) * tpr, ... < npacks, re-read from
+// x + off (only when active). The caller reduces it over the row group.
+template <int P, int V>
+__device__ __forceinline__ float row_sum_squares(const Pack<V> (&xc)[P], const bf16_t* x,
+                                                 int64_t off, int lane, int tpr, int npacks,
+                                                 bool active) {
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    float f[V];
+    unpack(xc[k], f);
+#pragma unroll
+    for (int v = 0; v < V; ++v) ss += f[v] * f[v];
+  }
+  for (int c = lane + P * tpr; active && c < npacks; c += tpr) {
+    float f[V];
+    unpack(load_pack<V>(x, off + static_cast<int64_t>(c) * V), f);
+#pragma unroll
+    for (int v = 0; v < V; ++v) ss += f[v] * f[v];
+  }
+  return ss;
+}
+
 // Programmatic dependent launch (sm_90): a kernel launched with programmatic stream serialisation
 // may have its blocks created while the previous kernel in the stream (the primary) still runs;
 // pdl_wait (griddepcontrol.wait) returns once the primary grid has completed and its memory is

@@ -99,20 +99,7 @@ __global__ void __launch_bounds__(kBlock)
     xc[k] = active && c < npacks ? cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V)
                                  : zero_pack<V>();
   }
-  float ss = 0.f;
-#pragma unroll
-  for (int k = 0; k < P; ++k) {
-    float f[V];
-    cuda::unpack(xc[k], f);
-#pragma unroll
-    for (int v = 0; v < V; ++v) ss += f[v] * f[v];
-  }
-  for (int c = lane + P * tpr; active && c < npacks; c += tpr) {
-    float f[V];
-    cuda::unpack(cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V), f);
-#pragma unroll
-    for (int v = 0; v < V; ++v) ss += f[v] * f[v];
-  }
+  float ss = cuda::row_sum_squares<P, V>(xc, x, off, lane, tpr, npacks, active);
   ss = group_sum(ss, tpr, red);
   if (!active) return;  // past the last barrier
   const float r = rsqrtf(ss / static_cast<float>(D) + eps);
