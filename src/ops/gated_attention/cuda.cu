@@ -367,44 +367,49 @@ void backward_with(const GatedAttentionBwd& a, const attn::AttnKernels& kernels,
   mark();
 }
 
+// The kernel sets, one per implementation: forward, dq and dk/dv launchers.
 constexpr attn::AttnKernels kMmaSync{attn::launch_fwd, attn::launch_bwd_dq, attn::launch_bwd_dkdv};
 constexpr attn::AttnKernels kPipe{attn::launch_fwd_pipe, attn::launch_bwd_dq_pipe,
                                   attn::launch_bwd_dkdv_pipe};
-void forward_mma(const GatedAttentionFwd& a) { forward_with(a, kMmaSync); }
-void backward_mma(const GatedAttentionBwd& a) { backward_with(a, kMmaSync); }
 constexpr attn::AttnKernels kPipeXi{attn::launch_fwd_pipe, attn::launch_bwd_dq_pipe,
                                     attn::launch_bwd_dkdv_xi};
-void forward_pipe(const GatedAttentionFwd& a) { forward_with(a, kPipe); }
-void backward_pipe(const GatedAttentionBwd& a) { backward_with(a, kPipe); }
-void forward_pipe_xi(const GatedAttentionFwd& a) { forward_with(a, kPipeXi); }
-void backward_pipe_xi(const GatedAttentionBwd& a) { backward_with(a, kPipeXi); }
 constexpr attn::AttnKernels kTma{attn::launch_fwd_tma, attn::launch_bwd_dq_pipe,
                                  attn::launch_bwd_dkdv_xi};
-void forward_tma(const GatedAttentionFwd& a) { forward_with(a, kTma); }
-void backward_tma(const GatedAttentionBwd& a) { backward_with(a, kTma); }
 constexpr attn::AttnKernels kTmaKv{attn::launch_fwd_tma, attn::launch_bwd_dq_pipe,
                                    attn::launch_bwd_dkdv_tma};
-void forward_tma_kv(const GatedAttentionFwd& a) { forward_with(a, kTmaKv); }
-void backward_tma_kv(const GatedAttentionBwd& a) { backward_with(a, kTmaKv); }
 constexpr attn::AttnKernels kTmaAll{attn::launch_fwd_tma, attn::launch_bwd_dq_tma,
                                     attn::launch_bwd_dkdv_tma};
-void forward_tma_all(const GatedAttentionFwd& a) { forward_with(a, kTmaAll); }
-void backward_tma_all(const GatedAttentionBwd& a) { backward_with(a, kTmaAll); }
-const GatedAttentionTable kTable{forward_mma, backward_mma};
-const GatedAttentionTable kTablePipe{forward_pipe, backward_pipe};
-const GatedAttentionTable kTablePipeXi{forward_pipe_xi, backward_pipe_xi};
-const GatedAttentionTable kTableTma{forward_tma, backward_tma};
-const GatedAttentionTable kTableTmaKv{forward_tma_kv, backward_tma_kv};
-const GatedAttentionTable kTableTmaAll{forward_tma_all, backward_tma_all};
+
+// The op table of kernel set K: the one host side above over K's kernels.
+template <const attn::AttnKernels& K>
+constexpr GatedAttentionTable table_of() {
+  return {[](const GatedAttentionFwd& a) { forward_with(a, K); },
+          [](const GatedAttentionBwd& a) { backward_with(a, K); }};
+}
+const GatedAttentionTable kTables[] = {table_of<kMmaSync>(), table_of<kPipe>(),
+                                       table_of<kPipeXi>(),  table_of<kTma>(),
+                                       table_of<kTmaKv>(),   table_of<kTmaAll>()};
+
+// The implementations: the Hopper ones (wgmma) by priority, "cuda.flash" the fallback the
+// resolver takes when none of them can run or passes its probe.
+struct Variant {
+  const char* name;
+  int priority;
+  bool wgmma;
+  const attn::AttnKernels* kernels;
+  const GatedAttentionTable* table;
+};
+const Variant kVariants[] = {{"cuda.flash", 10, false, &kMmaSync, &kTables[0]},
+                             {"cuda.pipe", 30, true, &kPipe, &kTables[1]},
+                             {"cuda.pipe_xi", 35, true, &kPipeXi, &kTables[2]},
+                             {"cuda.tma", 33, true, &kTma, &kTables[3]},
+                             {"cuda.tma_kv", 38, true, &kTmaKv, &kTables[4]},
+                             {"cuda.tma_all", 39, true, &kTmaAll, &kTables[5]}};
 
 const attn::AttnKernels& kernels_of(std::string_view impl) {
-  if (impl == "cuda.flash") return kMmaSync;
-  if (impl == "cuda.pipe_xi") return kPipeXi;
-  if (impl == "cuda.tma") return kTma;
-  if (impl == "cuda.tma_kv") return kTmaKv;
-  if (impl == "cuda.tma_all") return kTmaAll;
-  GDN_CHECK(impl == "cuda.pipe", "{}: no implementation named '{}'", kName, impl);
-  return kPipe;
+  for (const Variant& v : kVariants)
+    if (impl == v.name) return *v.kernels;
+  GDN_FAIL("{}: no implementation named '{}'", kName, impl);
 }
 
 std::string supports(const OpQuery& q) {
@@ -430,22 +435,12 @@ void attn::backward_marked(const GatedAttentionBwd& a, std::string_view impl, cu
   backward_with(a, kernels_of(impl), marks);
 }
 
-// The implementations, one host side and the same row kernels (see the top of this file): the
-// Hopper ones by priority, "cuda.flash" the fallback the resolver takes when none of them can run
-// or passes its probe.
+// The implementations (kVariants), one host side and the same row kernels (see the top of this
+// file).
 GDN_REGISTER(gated_attention_cuda) {
-  Registry::global().add_impl(
-      {"gated_attention", "cuda.flash", Backend::Cuda, 10, supports, &kTable});
-  Registry::global().add_impl(
-      {"gated_attention", "cuda.pipe", Backend::Cuda, 30, supports_wgmma, &kTablePipe});
-  Registry::global().add_impl(
-      {"gated_attention", "cuda.pipe_xi", Backend::Cuda, 35, supports_wgmma, &kTablePipeXi});
-  Registry::global().add_impl(
-      {"gated_attention", "cuda.tma", Backend::Cuda, 33, supports_wgmma, &kTableTma});
-  Registry::global().add_impl(
-      {"gated_attention", "cuda.tma_kv", Backend::Cuda, 38, supports_wgmma, &kTableTmaKv});
-  Registry::global().add_impl(
-      {"gated_attention", "cuda.tma_all", Backend::Cuda, 39, supports_wgmma, &kTableTmaAll});
+  for (const Variant& v : kVariants)
+    Registry::global().add_impl({"gated_attention", v.name, Backend::Cuda, v.priority,
+                                 v.wgmma ? supports_wgmma : supports, v.table});
 }
 
 }  // namespace gdn::ops
