@@ -20,36 +20,17 @@
 
 #include <cstdint>
 
+#include "backend/cuda/mma_sync.cuh"
+
 namespace gdn::ops::attn {
 
 using bf16_t = __nv_bfloat16;
 
-// 32-bit shared-state-space address of a generic pointer into shared memory.
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// Four 8x8 b16 matrices; `row` is this lane's row address (see the header comment).
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16_t* row) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(row)));
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const bf16_t* row) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(row)));
-}
-
-// d += A · B for one 16x8x16 tile (A row-major, B k x n "col"), fp32 accumulation.
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+// ldmatrix and mma.sync (backend/cuda/mma_sync.cuh, shared with the gated delta rule's kernels).
+using cuda::ldsm_x4;
+using cuda::ldsm_x4_trans;
+using cuda::mma_bf16;
+using cuda::smem_u32;
 
 // 16-byte asynchronous global -> shared copy; when !valid nothing is read and the 16 bytes are
 // zero-filled (src-size 0), so `src` only has to be some valid address.

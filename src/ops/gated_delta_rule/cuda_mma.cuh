@@ -24,35 +24,24 @@
 
 #include <cstdint>
 
+#include "backend/cuda/mma_sync.cuh"
+
 namespace gdn::ops::gdr::fast {
 
 using bf16_t = __nv_bfloat16;
 
 __device__ __forceinline__ int lane_id() { return static_cast<int>(threadIdx.x) & 31; }
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16_t* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(p)));
-}
+// ldmatrix and mma.sync: backend/cuda/mma_sync.cuh (shared with the gated attention kernels).
+using cuda::ldsm_x4;
+using cuda::smem_u32;
 __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const bf16_t* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(p)));
+  cuda::ldsm_x4_trans(r, p);
 }
-
 // d += A B for one 16 x 8 tile (k = 16).
 __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                     uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  cuda::mma_bf16(d, a, b0, b1);
 }
 
 // Two bf16 (round to nearest) in one register, `lo` in the low half.
