@@ -41,6 +41,7 @@ namespace {
 using fast::c_col;
 using fast::c_row;
 using fast::c_to_a;
+using fast::decayed_kkt_lower;
 using fast::hi_f;
 using fast::lo_f;
 using fast::load_a_km;
@@ -142,32 +143,9 @@ __global__ void __launch_bounds__(kThreads, 3)
     bG[tid] = bs[tid] * expf(mine);
     gam[(static_cast<int64_t>(c) * d.Hv + h) * kC + tid] = mine;
   }
-  // K K^T: warp (mt, nh) computes rows 16 mt.., columns 32 nh.. (4 tiles).
+  // M (K K^T, decayed and masked; the barrier inside publishes gamma and beta G).
   const int mt = warp & 3, nh = warp >> 2;
-  float kk[4][4] = {};
-  for (int kb = 0; kb < nkb; ++kb) {
-    uint32_t a[4], b[4];
-    load_a_mk(a, Ks, ldk, 16 * mt, 16 * kb);
-#pragma unroll
-    for (int np = 0; np < 2; ++np) {
-      load_b_nk(b, Ks, ldk, 32 * nh + 16 * np, 16 * kb);
-      mma(kk[2 * np], a, b[0], b[1]);
-      mma(kk[2 * np + 1], a, b[2], b[3]);
-    }
-  }
-  __syncthreads();  // gamma, beta G
-  // M_ij = beta_i e^{gamma_i - gamma_j} (k_i . k_j) for j < i (0 past L: beta_i = 0, K rows 0).
-#pragma unroll
-  for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const int i = 16 * mt + c_row(2 * hf), j = 32 * nh + 8 * nt + c_col(0);
-      const float bi = bs[i], gi = gm[i];
-      const float m0 = j < i ? bi * expf(gi - gm[j]) * kk[nt][2 * hf] : 0.f;
-      const float m1 = j + 1 < i ? bi * expf(gi - gm[j + 1]) * kk[nt][2 * hf + 1] : 0.f;
-      *reinterpret_cast<float2*>(Mf + i * kLdF + j) = make_float2(m0, m1);
-    }
-  }
+  decayed_kkt_lower(Ks, ldk, nkb, mt, nh, bs, gm, Mf);
   __syncthreads();
   unit_lower_inverse_blocked(Mf, Tf, Xf);  // ends with a barrier: M and X are dead
   for (int p = tid; p < kC * kC; p += kThreads) {

@@ -51,6 +51,7 @@ namespace {
 using fast::c_col;
 using fast::c_row;
 using fast::c_to_a;
+using fast::decayed_kkt_lower;
 using fast::load_a_km;
 using fast::load_a_mk;
 using fast::load_b_kn;
@@ -217,32 +218,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       gm[tid] = mine;
       bG[tid] = br[tid] * expf(mine);
     }
-    // K K^T: warp (mt, nh) computes rows 16 mt.., columns 32 nh.. (4 tiles), as prep.
-    {
-      float kk[4][4] = {};
-      for (int kb = 0; kb < nkb; ++kb) {
-        uint32_t a[4], bb[4];
-        load_a_mk(a, Ks, ldk, 16 * mt, 16 * kb);
-#pragma unroll
-        for (int np = 0; np < 2; ++np) {
-          load_b_nk(bb, Ks, ldk, 32 * nh + 16 * np, 16 * kb);
-          mma(kk[2 * np], a, bb[0], bb[1]);
-          mma(kk[2 * np + 1], a, bb[2], bb[3]);
-        }
-      }
-      __syncthreads();  // gamma, beta G
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          const int i = 16 * mt + c_row(2 * hf), j = 32 * nh + 8 * nt + c_col(0);
-          const float bi = br[i], gi = gm[i];
-          const float m0 = j < i ? bi * expf(gi - gm[j]) * kk[nt][2 * hf] : 0.f;
-          const float m1 = j + 1 < i ? bi * expf(gi - gm[j + 1]) * kk[nt][2 * hf + 1] : 0.f;
-          *reinterpret_cast<float2*>(Mf + i * kLdF + j) = make_float2(m0, m1);
-        }
-      }
-    }
+    // M as prep computes it (the barrier inside publishes gamma and beta G).
+    decayed_kkt_lower(Ks, ldk, nkb, mt, nh, br, gm, Mf);
     __syncthreads();
     unit_lower_inverse_blocked(Mf, Tf, Xf);
     for (int p = tid; p < kC * kC; p += kThreads) {

@@ -4,11 +4,46 @@
 #pragma once
 
 #include "ops/gated_delta_rule/cuda_common.cuh"
+#include "ops/gated_delta_rule/cuda_mma.cuh"
 
 namespace gdn::ops::gdr::fast {
 
 constexpr int kInvLd = 68;        // fp32 64 x 64 tiles: rows 272 B apart (16 B mod 128)
 constexpr int kInvThreads = 256;  // the block size the inverse is written for: 8 warps
+
+// The M that unit_lower_inverse_blocked inverts, into Mf [64][kInvLd]: M_ij = beta_i
+// e^{gamma_i - gamma_j} (k_i . k_j) for j < i, else 0 (0 past the chunk: beta_i = 0, K's rows 0).
+// Warp (mt, nh) = (warp & 3, warp >> 2) computes K K^T rows 16 mt.., columns 32 nh.. (4 tiles)
+// from Ks [64][ldk] over nkb 16-column blocks, then meets a block barrier (the caller's beta in bs
+// and gamma in gm are written before it) and writes its part of Mf. Mf is complete only after
+// the caller's next barrier.
+__device__ __forceinline__ void decayed_kkt_lower(const bf16_t* Ks, int ldk, int nkb, int mt,
+                                                  int nh, const float* bs, const float* gm,
+                                                  float* Mf) {
+  float kk[4][4] = {};
+  for (int kb = 0; kb < nkb; ++kb) {
+    uint32_t a[4], b[4];
+    load_a_mk(a, Ks, ldk, 16 * mt, 16 * kb);
+#pragma unroll
+    for (int np = 0; np < 2; ++np) {
+      load_b_nk(b, Ks, ldk, 32 * nh + 16 * np, 16 * kb);
+      mma(kk[2 * np], a, b[0], b[1]);
+      mma(kk[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+  __syncthreads();  // gamma, beta G
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int i = 16 * mt + c_row(2 * hf), j = 32 * nh + 8 * nt + c_col(0);
+      const float bi = bs[i], gi = gm[i];
+      const float m0 = j < i ? bi * expf(gi - gm[j]) * kk[nt][2 * hf] : 0.f;
+      const float m1 = j + 1 < i ? bi * expf(gi - gm[j + 1]) * kk[nt][2 * hf + 1] : 0.f;
+      *reinterpret_cast<float2*>(Mf + i * kInvLd + j) = make_float2(m0, m1);
+    }
+  }
+}
 
 // T = (I + M)^{-1} for the strictly lower M
 // (fp32 [64, 64], ld kInvLd) into Tm (same layout; every entry written: zeros above the diagonal),
