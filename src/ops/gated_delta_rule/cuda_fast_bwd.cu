@@ -47,6 +47,7 @@ using fast::load_a_mk;
 using fast::load_b_kn;
 using fast::load_b_nk;
 using fast::mma;
+using fast::mma_tile_16x32;
 using fast::pack;
 using fast::row_dot_bf16;
 using fast::scale2;
@@ -836,16 +837,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     // columns 32 nh...
     float a1[4][4] = {}, a2[4][4] = {};
     if (32 * nh <= 16 * mt + 15) {
-      for (int kb = 0; kb < nvk; ++kb) {
-        uint32_t a[4], bb[4];
-        load_a_km(a, dVts, kLdP, 16 * mt, 16 * kb);
-#pragma unroll
-        for (int np = 0; np < 2; ++np) {
-          load_b_nk(bb, Vs, ldv, 32 * nh + 16 * np, 16 * kb);
-          mma(a1[2 * np], a, bb[0], bb[1]);
-          mma(a1[2 * np + 1], a, bb[2], bb[3]);
-        }
-      }
+      mma_tile_16x32<true, false>(a1, dVts, kLdP, Vs, ldv, 16 * mt, 32 * nh, 0, nvk);
       for (int kb = 0; kb < nkb; ++kb) {
         uint32_t aw[4], ak[4], bb[4];
         load_a_mk(aw, dWs, ldk, 16 * mt, 16 * kb);
@@ -880,16 +872,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   {
     // X = dT T^T: B[m][j] = T[j][m] (NK on bf16(T)); dT is strictly lower, so k-blocks <= mt.
     float xm[4][4] = {};
-    for (int kb = 0; kb <= mt; ++kb) {
-      uint32_t a[4], bb[4];
-      load_a_mk(a, dTs, kLdP, 16 * mt, 16 * kb);
-#pragma unroll
-      for (int np = 0; np < 2; ++np) {
-        load_b_nk(bb, Tb, kLdP, 32 * nh + 16 * np, 16 * kb);
-        mma(xm[2 * np], a, bb[0], bb[1]);
-        mma(xm[2 * np + 1], a, bb[2], bb[3]);
-      }
-    }
+    mma_tile_16x32<false, false>(xm, dTs, kLdP, Tb, kLdP, 16 * mt, 32 * nh, 0, mt + 1);
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
@@ -952,16 +935,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     // dM' = T^T X (dM = -dM'); for j < i: gd = dM_ij D_ij, dKK_ij = beta_i gd, pair term
     // dKK_ij KK_ij, dbeta part gd KK_ij.
     float dm[4][4] = {};
-    for (int kb = mt; kb < 4; ++kb) {
-      uint32_t a[4], bb[4];
-      load_a_km(a, Tb, kLdP, 16 * mt, 16 * kb);
-#pragma unroll
-      for (int np = 0; np < 2; ++np) {
-        load_b_kn(bb, Xs, kLdP, 32 * nh + 16 * np, 16 * kb);
-        mma(dm[2 * np], a, bb[0], bb[1]);
-        mma(dm[2 * np + 1], a, bb[2], bb[3]);
-      }
-    }
+    mma_tile_16x32<true, true>(dm, Tb, kLdP, Xs, kLdP, 16 * mt, 32 * nh, mt, 4);
     float rsum[2] = {0.f, 0.f};
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {

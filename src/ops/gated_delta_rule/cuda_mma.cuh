@@ -114,6 +114,33 @@ __device__ __forceinline__ void warp_mma(float (&acc)[2 * NP][4], int kb0, int k
   }
 }
 
+// acc += A B for a warp's 16 x 32 tile (four n8 C tiles, column order) over the k-blocks kb in
+// [kb0, kb1): A is the 16 x 16 block at (m0, 16 kb) of As (stored MK, or KM when kAT), B the
+// 16 x 32 block at (16 kb, n0) of Bs as two 16-column halves (stored NK, or KN when kBT).
+template <bool kAT, bool kBT>
+__device__ __forceinline__ void mma_tile_16x32(float (&acc)[4][4], const bf16_t* As, int lda,
+                                               const bf16_t* Bs, int ldb, int m0, int n0, int kb0,
+                                               int kb1) {
+  for (int kb = kb0; kb < kb1; ++kb) {
+    uint32_t a[4], bb[4];
+    if constexpr (kAT) {
+      load_a_km(a, As, lda, m0, 16 * kb);
+    } else {
+      load_a_mk(a, As, lda, m0, 16 * kb);
+    }
+#pragma unroll
+    for (int np = 0; np < 2; ++np) {
+      if constexpr (kBT) {
+        load_b_kn(bb, Bs, ldb, n0 + 16 * np, 16 * kb);
+      } else {
+        load_b_nk(bb, Bs, ldb, n0 + 16 * np, 16 * kb);
+      }
+      mma(acc[2 * np], a, bb[0], bb[1]);
+      mma(acc[2 * np + 1], a, bb[2], bb[3]);
+    }
+  }
+}
+
 // Row and column of element e (0..3) of this lane's C fragment, relative to the tile origin.
 __device__ __forceinline__ int c_row(int e) { return (lane_id() >> 2) + 8 * (e >> 1); }
 __device__ __forceinline__ int c_col(int e) { return 2 * (lane_id() & 3) + (e & 1); }
