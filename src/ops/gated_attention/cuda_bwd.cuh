@@ -46,14 +46,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_dq_kernel(const BwdParam
   const int g = lane >> 2, c = lane & 3;
   const int t0 = q0 + warp * 16 + g, t1 = t0 + 8;
   float lse2[2], Dr[2];  // lse in base-2 units and D of rows t0, t1
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int t = r == 0 ? t0 : t1;
-    const bool ok = t < q_end;
-    const size_t row = static_cast<size_t>(ok ? t : q0) * p.Hq + h;
-    lse2[r] = ok ? p.lse[row] * kLog2e : INFINITY;
-    Dr[r] = ok ? p.D[row] : 0.f;
-  }
+  dq_row_stats(p, t0, t1, q0, q_end, h, lse2, Dr);
   float acc[HD / 8][4];  // dQ
 #pragma unroll
   for (int i = 0; i < HD / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;

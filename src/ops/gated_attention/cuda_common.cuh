@@ -298,6 +298,21 @@ __device__ __forceinline__ void fwd_epilogue(const FwdParams& p, const Acc& acc,
   }
 }
 
+// The dq kernels' row statistics (cuda_bwd.cuh, sm90_pipe.cuh, sm90_tma.cuh): lse in base-2
+// units and D of this thread's rows t0, t1 of head h; a row past the document (t >= q_end) gets
+// lse +inf (its probabilities are 0) and D 0, reading no memory past the document's rows.
+__device__ __forceinline__ void dq_row_stats(const BwdParams& p, int t0, int t1, int q0, int q_end,
+                                             int h, float (&lse2)[2], float (&Dr)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int t = r == 0 ? t0 : t1;
+    const bool ok = t < q_end;
+    const size_t row = static_cast<size_t>(ok ? t : q0) * p.Hq + h;
+    lse2[r] = ok ? p.lse[row] * kLog2e : INFINITY;
+    Dr[r] = ok ? p.D[row] : 0.f;
+  }
+}
+
 // The dq kernels' epilogue (cuda_bwd.cuh, sm90_pipe.cuh, sm90_tma.cuh): dq_hat = scale · dQ for
 // this thread's two rows t0, t1 inside the document (t < q_end), fp32, columns < hd; acc(nt, e)
 // reads the dQ accumulator (m16n8 C layout, as in fwd_epilogue).
