@@ -132,6 +132,23 @@ __device__ __forceinline__ void fwd_tile_products(float (&s)[BN / 2], float (&ac
   }
 }
 
+// The forward's last O += P V (attn_fwd_pipe_kernel and attn_fwd_tma_kernel): P from the A
+// fragments pa, V the key tile at Vp, waited for before returning.
+template <int BN, int HD, class LN>
+__device__ __forceinline__ void fwd_last_pv(float (&acc)[HD / 2], uint32_t (&pa)[BN / 16][4],
+                                            const unsigned char* Vp) {
+  reg_fence_u(pa);
+  reg_fence(acc);
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < BN / 16; ++ks)
+    wgmma_rs<HD, 1>(acc, pa[ks], LN::desc_mn(Vp) + LN::mn_step(ks), 1);
+  wgmma_commit();
+  wgmma_wait<0>();
+  reg_fence(acc);
+  reg_fence_u(pa);
+}
+
 // Forward. Iteration j (0 <= j < nk) issues S_j = Q K_jᵀ and then O += P_{j-1} V_{j-1} (j > 0)
 // as two wgmma groups, waits for the first, does the softmax of S_j while the second runs,
 // waits for it, rescales O to the new running max and keeps P_j (bf16 A fragments) for the next
@@ -222,17 +239,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_fwd_pipe_kernel(const FwdPar
     cp_async_wait<0>();  // V_{nk-1}
     fence_proxy_async();
     __syncthreads();
-    const unsigned char* Vp = reinterpret_cast<const unsigned char*>(sV + ((nk - 1) & 1) * BN * HD);
-    reg_fence_u(pa);
-    reg_fence(acc);
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < BN / 16; ++ks)
-      wgmma_rs<HD, 1>(acc, pa[ks], LN::desc_mn(Vp) + LN::mn_step(ks), 1);
-    wgmma_commit();
-    wgmma_wait<0>();
-    reg_fence(acc);
-    reg_fence_u(pa);
+    fwd_last_pv<BN, HD, LN>(acc, pa,
+                            reinterpret_cast<const unsigned char*>(sV + ((nk - 1) & 1) * BN * HD));
   }
 
   // Epilogue: normalise, gate, write the rows inside the document.

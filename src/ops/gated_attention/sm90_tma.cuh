@@ -226,17 +226,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   }
   {  // the last O += P V
     mbar_wait(full_v + ((nk - 1) & 1), static_cast<uint32_t>((nk - 1) >> 1) & 1u);
-    const unsigned char* Vp = reinterpret_cast<const unsigned char*>(sV + ((nk - 1) & 1) * BN * HD);
-    reg_fence_u(pa);
-    reg_fence(acc);
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < BN / 16; ++ks)
-      wgmma_rs<HD, 1>(acc, pa[ks], LN::desc_mn(Vp) + LN::mn_step(ks), 1);
-    wgmma_commit();
-    wgmma_wait<0>();
-    reg_fence(acc);
-    reg_fence_u(pa);
+    fwd_last_pv<BN, HD, LN>(acc, pa,
+                            reinterpret_cast<const unsigned char*>(sV + ((nk - 1) & 1) * BN * HD));
   }
 
   // Epilogue: normalise, gate, write the rows inside the document (attn_fwd_pipe_kernel's).
