@@ -132,17 +132,17 @@ __device__ __forceinline__ void fwd_tile_products(float (&s)[BN / 2], float (&ac
   }
 }
 
-// The forward's last O += P V (attn_fwd_pipe_kernel and attn_fwd_tma_kernel): P from the A
-// fragments pa, V the key tile at Vp, waited for before returning.
+// acc += P B, P from the A fragments pa (BN columns), B the BN x HD tile at Bp (MN-major), waited
+// for before returning: the forwards' last O += P V, the dq kernels' dQ += dS K.
 template <int BN, int HD, class LN>
-__device__ __forceinline__ void fwd_last_pv(float (&acc)[HD / 2], uint32_t (&pa)[BN / 16][4],
-                                            const unsigned char* Vp) {
+__device__ __forceinline__ void rs_product_wait(float (&acc)[HD / 2], uint32_t (&pa)[BN / 16][4],
+                                                const unsigned char* Bp) {
   reg_fence_u(pa);
   reg_fence(acc);
   wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < BN / 16; ++ks)
-    wgmma_rs<HD, 1>(acc, pa[ks], LN::desc_mn(Vp) + LN::mn_step(ks), 1);
+    wgmma_rs<HD, 1>(acc, pa[ks], LN::desc_mn(Bp) + LN::mn_step(ks), 1);
   wgmma_commit();
   wgmma_wait<0>();
   reg_fence(acc);
@@ -239,8 +239,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_fwd_pipe_kernel(const FwdPar
     cp_async_wait<0>();  // V_{nk-1}
     fence_proxy_async();
     __syncthreads();
-    fwd_last_pv<BN, HD, LN>(acc, pa,
-                            reinterpret_cast<const unsigned char*>(sV + ((nk - 1) & 1) * BN * HD));
+    rs_product_wait<BN, HD, LN>(
+        acc, pa, reinterpret_cast<const unsigned char*>(sV + ((nk - 1) & 1) * BN * HD));
   }
 
   // Epilogue: normalise, gate, write the rows inside the document.
@@ -269,15 +269,7 @@ __device__ __forceinline__ void dq_tile_update(float (&s)[BN / 2], const float (
     }
   uint32_t pa[BN / 16][4];
   acc_to_a<BN>(s, pa);
-  reg_fence_u(pa);
-  wgmma_fence();
-#pragma unroll
-  for (int ks = 0; ks < BN / 16; ++ks)
-    wgmma_rs<HD, 1>(acc, pa[ks], LN::desc_mn(K) + LN::mn_step(ks), 1);
-  wgmma_commit();
-  wgmma_wait<0>();
-  reg_fence(acc);
-  reg_fence_u(pa);
+  rs_product_wait<BN, HD, LN>(acc, pa, K);
 }
 
 // dq. One block per (document, kBigTile query rows, query head), warpgroup w owning rows

@@ -226,8 +226,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   }
   {  // the last O += P V
     mbar_wait(full_v + ((nk - 1) & 1), static_cast<uint32_t>((nk - 1) >> 1) & 1u);
-    fwd_last_pv<BN, HD, LN>(acc, pa,
-                            reinterpret_cast<const unsigned char*>(sV + ((nk - 1) & 1) * BN * HD));
+    rs_product_wait<BN, HD, LN>(
+        acc, pa, reinterpret_cast<const unsigned char*>(sV + ((nk - 1) & 1) * BN * HD));
   }
 
   // Epilogue: normalise, gate, write the rows inside the document (attn_fwd_pipe_kernel's).
