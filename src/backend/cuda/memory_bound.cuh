@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 
 #include "backend/cuda/vec.cuh"
 #include "gdn/backend/cuda_check.h"
@@ -158,6 +159,24 @@ __global__ void __launch_bounds__(32 * kSlices)
   }
 }
 
+// kernel<<<grid, block, 0, s>>>(args...) as a programmatic dependent of the kernel before it on s
+// (its blocks may start while that one finishes; the kernel calls pdl_wait() before reading what
+// that one wrote).
+template <class... Params, class... Args>
+void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t s, Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  GDN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
 // The norm backwards' dw sum (rmsnorm cuda.bulkp2, gated_rmsnorm cuda.rowwise_pf) as a
 // programmatic dependent of the kernel that wrote the partials, on `s`: its blocks sit on the
 // multiprocessors the main kernel's blocks have left and start the moment the last one ends,
@@ -168,19 +187,9 @@ __global__ void __launch_bounds__(32 * kSlices)
 // (A template only so that a unit instantiates the kernel when it calls this.)
 template <int kSlices = 32>
 void launch_column_sum_add_pdl(const float* partial, float* out, int P, int D, cudaStream_t s) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>((D + 31) / 32));
-  cfg.blockDim = dim3(32 * kSlices);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
   float* no_second_plane = nullptr;
-  GDN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, column_sum_add_kernel<kSlices, true>, partial, out, P, D,
-                                    no_second_plane));
+  launch_pdl(column_sum_add_kernel<kSlices, true>, dim3(static_cast<unsigned>((D + 31) / 32)),
+             dim3(32 * kSlices), s, partial, out, P, D, no_second_plane);
   GDN_CUDA_LAUNCH_CHECK("column_sum_add_kernel (programmatic dependent)");
 }
 

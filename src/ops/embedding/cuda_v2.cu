@@ -602,17 +602,7 @@ void launch_dw(const DwArgs& args, cudaStream_t s) {
   const int64_t items = static_cast<int64_t>(args.nwin) * args.chunks;
   const auto grid = static_cast<unsigned>(std::min<int64_t>(
       items, static_cast<int64_t>(cuda::Context::get().sm_count()) * std::max(per_sm, 1)));
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(kDwThreads);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  GDN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, emb2_dw_kernel<V, kPf, kEf>, args));
+  cuda::launch_pdl(emb2_dw_kernel<V, kPf, kEf>, dim3(grid), dim3(kDwThreads), s, args);
   GDN_CUDA_LAUNCH_CHECK("emb2_dw_kernel");
 }
 
