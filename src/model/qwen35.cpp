@@ -798,13 +798,9 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
     stats->z_loss_dev = zl;
   }
   if (!backward && live) return;
-  if (!live) {  // the plan of the LM head's part; the backward's is measured from here
-    plan_lm_end_ = bwd.peak();
-    bwd.release_to(lm_mark);
-    bwd.reset_peak();
-  } else {
-    bwd.release_to(lm_mark);
-  }
+  if (!live) plan_lm_end_ = bwd.peak();  // the LM head's part; the backward's peak from here
+  bwd.release_to(lm_mark);
+  bwd.reset_peak();
 
   // ---------------------------------------------------------------- backward
   // GradMemory::InActivations: every layer GEMM's weight gradient is written (=) by its one
