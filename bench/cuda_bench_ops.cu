@@ -2,7 +2,8 @@
 // forward and backward, each as time, bytes moved, achieved GB/s and the ratio to the copy
 // bandwidth measured in the same run.
 //
-//   cuda_bench_ops [JSON_PATH] [--iters N] [--filter SUBSTRING] [--peers DIR [--peer-steps LIST]]
+//   cuda_bench_ops [JSON_PATH] [--iters N] [--filter SUBSTRING] [--shape SUBSTRING]
+//                  [--peers DIR [--peer-steps LIST]]
 //                  [--impls A,B,... [--rounds N]]
 //
 // --impls: every case whose op has CUDA implementations of these names runs once per name and
@@ -1209,7 +1210,8 @@ nlohmann::json print_peers(const nlohmann::json& peers, const std::vector<Row>& 
 }
 
 int run(int argc, char** argv) {
-  std::string json_path, filter, peers_dir, peer_steps = "ceil,norms,conv,gdn,attn,flce";
+  std::string json_path, filter, shape_filter, peers_dir,
+      peer_steps = "ceil,norms,conv,gdn,attn,flce";
   int iters = 50, rounds = 1;
   std::vector<std::string> impls;
   for (int i = 1; i < argc; ++i) {
@@ -1218,6 +1220,8 @@ int run(int argc, char** argv) {
       iters = std::max(20, std::atoi(argv[++i]));
     } else if (a == "--filter" && i + 1 < argc) {
       filter = argv[++i];
+    } else if (a == "--shape" && i + 1 < argc) {
+      shape_filter = argv[++i];
     } else if (a == "--peers" && i + 1 < argc) {
       peers_dir = argv[++i];
     } else if (a == "--peer-steps" && i + 1 < argc) {
@@ -1233,8 +1237,8 @@ int run(int argc, char** argv) {
       rounds = std::max(1, std::atoi(argv[++i]));
     } else if (a == "-h" || a == "--help") {
       std::printf(
-          "usage: %s [JSON_PATH] [--iters N (>= 20)] [--filter SUBSTRING] [--peers DIR "
-          "[--peer-steps LIST]] [--impls A,B,... [--rounds N]]\n",
+          "usage: %s [JSON_PATH] [--iters N (>= 20)] [--filter SUBSTRING] [--shape SUBSTRING] "
+          "[--peers DIR [--peer-steps LIST]] [--impls A,B,... [--rounds N]]\n",
           argv[0]);
       return 0;
     } else if (!a.empty() && a[0] != '-') {
@@ -1327,7 +1331,7 @@ int run(int argc, char** argv) {
     Registry::global().clear_resolutions();
   };
   for (OpCase& c : cases) {
-    if (!want(c.name)) continue;
+    if (!want(c.name) || c.shape.find(shape_filter) == std::string::npos) continue;
     std::vector<std::string> runs;  // forced implementations, in round order ("" = no forcing)
     for (int round = 0; round < rounds; ++round)
       for (const std::string& name : impls)

@@ -1002,7 +1002,11 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 // --- reduce over the value heads of each key head, then the l2norm backward
 // --------------------------- One warp per row of dq (rows [0, R)) or dk (rows [R, 2R)); lane l
-// owns columns 4 l .. 4 l + 3 (dk <= 128, a multiple of 8).
+// owns columns 4 l .. 4 l + 3 (dk <= 128, a multiple of 8). kR: the value heads per key head (d.r)
+// when it is 1, 2 or 4, so that all of a lane's loads are issued before the first sum (a run-time
+// loop waited for each head's row before loading the next); 0: any d.r, loaded one head at a time.
+// The fp32 rows are read once (evict-first loads). The same sums in the same order either way.
+template <int kR>
 __global__ void __launch_bounds__(kThreads)
     gdr_fast_reduce_qk_kernel(Dims d,
                               const bf16_t* __restrict__ q,   // [T, Hk, dk]
@@ -1023,14 +1027,28 @@ __global__ void __launch_bounds__(kThreads)
   float acc[4] = {0.f, 0.f, 0.f, 0.f}, x[4] = {0.f, 0.f, 0.f, 0.f};
   if (on) {
     const float* src = (is_k ? dkh : dqh) + (t * d.Hv + kh * d.r) * d.dk + col;  // [r, dk]
-    for (int j = 0; j < d.r; ++j) {
-      const float4 p = *reinterpret_cast<const float4*>(src + static_cast<int64_t>(j) * d.dk);
+    auto head = [&](int j) {
+      return __ldcs(reinterpret_cast<const float4*>(src + static_cast<int64_t>(j) * d.dk));
+    };
+    auto add = [&](const float4& p) {
       acc[0] += p.x;
       acc[1] += p.y;
       acc[2] += p.z;
       acc[3] += p.w;
+    };
+    const uint2* xp = reinterpret_cast<const uint2*>((is_k ? k : q) + row * d.dk + col);
+    uint2 xv;
+    if constexpr (kR > 0) {
+      float4 p[kR];
+#pragma unroll
+      for (int j = 0; j < kR; ++j) p[j] = head(j);
+      xv = *xp;
+#pragma unroll
+      for (int j = 0; j < kR; ++j) add(p[j]);
+    } else {
+      for (int j = 0; j < d.r; ++j) add(head(j));
+      xv = *xp;
     }
-    const uint2 xv = *reinterpret_cast<const uint2*>((is_k ? k : q) + row * d.dk + col);
     x[0] = lo_f(xv.x);
     x[1] = hi_f(xv.x);
     x[2] = lo_f(xv.y);
@@ -1139,9 +1157,24 @@ void fast_reduce_qk(const Dims& d, const bf16_t* q, const bf16_t* k, const float
   const int64_t rows = static_cast<int64_t>(d.T) * d.Hk;
   if (rows == 0) return;
   const int64_t blocks = (2 * rows * 32 + kThreads - 1) / kThreads;
-  gdr_fast_reduce_qk_kernel<<<grid_x(blocks, "gdr_fast_reduce_qk_kernel"), kThreads, 0, s>>>(
-      d, q, k, dqh, dkh, dq, dk);
-  GDN_CUDA_LAUNCH_CHECK("gdr_fast_reduce_qk_kernel");
+  const dim3 grid = grid_x(blocks, "gdr_fast_reduce_qk_kernel");
+  auto launch = [&](auto kernel) {
+    kernel<<<grid, kThreads, 0, s>>>(d, q, k, dqh, dkh, dq, dk);
+    GDN_CUDA_LAUNCH_CHECK("gdr_fast_reduce_qk_kernel");
+  };
+  switch (d.r) {
+    case 1:
+      launch(gdr_fast_reduce_qk_kernel<1>);
+      break;
+    case 2:
+      launch(gdr_fast_reduce_qk_kernel<2>);
+      break;
+    case 4:
+      launch(gdr_fast_reduce_qk_kernel<4>);
+      break;
+    default:
+      launch(gdr_fast_reduce_qk_kernel<0>);
+  }
 }
 
 }  // namespace gdn::ops::gdr
