@@ -66,6 +66,55 @@ __global__ void __launch_bounds__(kL2Threads)
   }
 }
 
+// The same for dk = 128 with 8-byte aligned rows: lane l owns columns 4 l .. 4 l + 3 (8-byte loads
+// and stores) of kL2Rows consecutive rows of the warp, all of whose loads are issued before the
+// first sum. The one-warp-per-row kernel above loaded 2 bytes a lane at a time, one row in flight
+// per warp: 180 us at T 32768, Hk 16 on the H200 (1.5 TB/s; PERF.md run 25). The sum of squares
+// runs in the order of the fast backward's reduce kernel (cuda_fast_bwd.cu), which recomputes
+// rstd from the raw rows: forward and backward now see the same rstd.
+constexpr int kL2Rows = 4;
+
+__global__ void __launch_bounds__(kL2Threads)
+    gdr_l2norm128_kernel(const bf16_t* __restrict__ q,  // [T, Hk, 128]
+                         const bf16_t* __restrict__ k,  // [T, Hk, 128]
+                         bf16_t* __restrict__ qn,       // [T, Hk, 128]
+                         bf16_t* __restrict__ kn,       // [T, Hk, 128]
+                         int64_t rows) {
+  constexpr int kD = 128;
+  const int64_t w = (static_cast<int64_t>(blockIdx.x) * kL2Threads + threadIdx.x) >> 5;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int64_t r0 = w * kL2Rows;  // rows [0, rows) are q's, [rows, 2 rows) k's
+  if (r0 >= 2 * rows) return;      // whole warps
+  uint2 xv[kL2Rows];
+#pragma unroll
+  for (int i = 0; i < kL2Rows; ++i) {
+    const int64_t r = r0 + i;
+    xv[i] = make_uint2(0u, 0u);
+    if (r < 2 * rows) {
+      const bf16_t* x = r < rows ? q + r * kD : k + (r - rows) * kD;
+      xv[i] = *reinterpret_cast<const uint2*>(x + 4 * lane);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kL2Rows; ++i) {
+    const int64_t r = r0 + i;
+    if (r >= 2 * rows) break;  // uniform over the warp
+    const float x[4] = {__uint_as_float(xv[i].x << 16), __uint_as_float(xv[i].x & 0xffff0000u),
+                        __uint_as_float(xv[i].y << 16), __uint_as_float(xv[i].y & 0xffff0000u)};
+    float ss = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) ss += x[e] * x[e];
+    const float rs = 1.f / sqrtf(warp_sum(ss) + static_cast<float>(kGdrL2NormEps));
+    __nv_bfloat162 lo = __floats2bfloat162_rn(x[0] * rs, x[1] * rs);
+    __nv_bfloat162 hi = __floats2bfloat162_rn(x[2] * rs, x[3] * rs);
+    uint2 out;
+    out.x = *reinterpret_cast<uint32_t*>(&lo);
+    out.y = *reinterpret_cast<uint32_t*>(&hi);
+    bf16_t* y = r < rows ? qn + r * kD : kn + (r - rows) * kD;
+    *reinterpret_cast<uint2*>(y + 4 * lane) = out;
+  }
+}
+
 // --- prep: T, W, U per (chunk, value head) -----------------------------------------------------
 size_t prep_smem(int KP, int VP) {
   return tile_bytes_bf16(kC, KP) + tile_bytes_bf16(kC, VP) + 3 * tile_bytes_f32(kC, kC) +
@@ -396,6 +445,15 @@ void launch_l2norm(const Dims& d, const bf16_t* q, const bf16_t* k, bf16_t* qn, 
                    cudaStream_t s) {
   const int64_t rows = static_cast<int64_t>(d.T) * d.Hk;
   if (rows == 0) return;
+  auto aligned8 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 8 == 0; };
+  if (d.dk == 128 && aligned8(q) && aligned8(k) && aligned8(qn) && aligned8(kn)) {
+    const int64_t warps = (2 * rows + kL2Rows - 1) / kL2Rows;
+    const int64_t blocks = (warps * 32 + kL2Threads - 1) / kL2Threads;
+    gdr_l2norm128_kernel<<<grid_x(blocks, "gdr_l2norm128_kernel"), kL2Threads, 0, s>>>(q, k, qn, kn,
+                                                                                       rows);
+    GDN_CUDA_LAUNCH_CHECK("gdr_l2norm128_kernel");
+    return;
+  }
   const int64_t blocks = (2 * rows * 32 + kL2Threads - 1) / kL2Threads;
   gdr_l2norm_kernel<<<grid_x(blocks, "gdr_l2norm_kernel"), kL2Threads, 0, s>>>(q, k, qn, kn, rows,
                                                                                d.dk);
