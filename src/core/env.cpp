@@ -60,6 +60,11 @@ constexpr Knob kKnobs[] = {
      "the parameter dtype: bf16 on cuda) and runs the plain RMSNorm; the weight gradient is the "
      "same sum (d(1+w)/dw = 1). Not scheduling-only on cuda (bf16 rounding of 1 + w).",
      false, nullptr},
+    {"GDN_GDR_DQKW_WARPS", KnobType::Int, "16",
+     "gated_delta_rule on CUDA, fast route's backward (A/B): warps of the dq/dk/dW kernel's block, "
+     "8 or 16 (cuda_fast_bwd.cu). The gradients of q, k, v and beta are the same bitwise; g's "
+     "differs in rounding only (its partial sums are grouped by the warps).",
+     false, nullptr},
     {"GDN_GDR_GENERIC", KnobType::Bool, "0",
      "gated_delta_rule on CUDA: 1 takes the generic WMMA route for every shape (the reference for "
      "the fast route, which otherwise runs head dims <= 128 that are multiples of 8).",

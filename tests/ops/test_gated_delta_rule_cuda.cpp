@@ -361,6 +361,61 @@ TEST_F(GdrCuda, StateSplitChoice) {
   }
 }
 
+// The dq/dk/dW kernel of the fast backward at 8 and 16 warps a block (GDN_GDR_DQKW_WARPS): every
+// output but dg bitwise the same (each dq, dk and dW element is the same sum in the same order),
+// dg the same to fp32 rounding (its partial sums are grouped by the warps), both against ref; dk =
+// dv = 128 over several documents with partial chunks and r = 2, dk = 64 (half the key columns: the
+// 8-warp kernel's second column half has none), and dk = 48, dv = 24. A value other than 8 or 16 is
+// an error naming the knob.
+TEST_F(GdrCuda, DqkwWarpsGiveTheSameGradients) {
+  struct Warps {
+    explicit Warps(const char* n) { setenv("GDN_GDR_DQKW_WARPS", n, 1); }
+    ~Warps() { unsetenv("GDN_GDR_DQKW_WARPS"); }
+  };
+  const Spec specs[] = {
+      {.name = "d128_docs",
+       .lens = {300, 1, 63, 130},
+       .Hk = 2,
+       .r = 2,
+       .dk = 128,
+       .dv = 128,
+       .g_lo = -2,
+       .seed = 45},
+      {.name = "d64", .lens = {190, 70}, .Hk = 1, .r = 2, .dk = 64, .dv = 64, .seed = 46},
+      {.name = "dk48_dv24", .lens = {130, 7}, .r = 2, .dk = 48, .dv = 24, .seed = 47}};
+  for (const Spec& s : specs) {
+    Inputs in = make_inputs(s, true);
+    const Result ref = run_ref(in, true);
+    Dev d = to_device(in);
+    Result w8, w16;
+    {
+      Warps w("8");
+      w8 = run_cuda(in, d, true);
+    }
+    {
+      Warps w("16");
+      w16 = run_cuda(in, d, true);
+    }
+    compare(w8, ref, s.name + " dqkw 8 warps");
+    compare(w16, ref, s.name + " dqkw 16 warps");
+    const std::pair<const OwnedTensor*, const OwnedTensor*> same[] = {
+        {&w8.o, &w16.o},   {&w8.dq, &w16.dq},       {&w8.dk, &w16.dk},
+        {&w8.dv, &w16.dv}, {&w8.dbeta, &w16.dbeta}, {&w8.dh0, &w16.dh0}};
+    for (const auto& [a, b] : same)
+      EXPECT_EQ(to_f64_vector(*a), to_f64_vector(*b)) << s.name << ": 8 and 16 warps differ";
+    testing::expect_close(w16.dg, w8.dg, 1e-5, s.name + " dg, 16 against 8 warps");
+  }
+  Inputs in = make_inputs(specs[2], true);
+  Dev d = to_device(in);
+  Warps w("12");
+  try {
+    run_cuda(in, d, true);
+    ADD_FAILURE() << "GDN_GDR_DQKW_WARPS=12 was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("GDN_GDR_DQKW_WARPS"), std::string::npos) << e.what();
+  }
+}
+
 TEST_F(GdrCuda, RunsAreBitwiseReproducible) {
   Spec s{.name = "det", .lens = {200, 1, 33}, .Hk = 2, .r = 2, .dk = 128, .dv = 128, .seed = 41};
   Inputs in = make_inputs(s, true);

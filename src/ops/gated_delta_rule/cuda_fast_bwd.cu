@@ -29,6 +29,8 @@
 #include <climits>
 
 #include "gdn/backend/cuda_check.h"
+#include "gdn/core/env.h"
+#include "gdn/core/error.h"
 #include "ops/gated_delta_rule/cuda_fast.h"
 #include "ops/gated_delta_rule/cuda_mma.cuh"
 #include "ops/gated_delta_rule/op.h"
@@ -75,20 +77,25 @@ __device__ __forceinline__ void stage_gamma(float* dst, const float* src) {
 // pair[t] = sum_{i >= t} sum_{j < t} F[i][j] for t < 64 (0 for t = 0): the pair terms h_ij that
 // reach dg_t (j < t <= i). F is fp32 [64, 64] (ld kLdF) with zeros on and above the diagonal; it is
 // overwritten by its row prefix sums. Direct sums in a fixed order (quarters of 16, then the
-// quarters in order). 256 threads; barriers inside; qtot and ppart hold 256 floats; pair is
-// complete for the whole block on return.
+// quarters in order). Threads 0..255 of a block of kT >= 256 compute; barriers inside (every thread
+// of the block must call it); qtot and ppart hold 256 floats; pair is complete for the whole
+// block on return.
+template <int kT = kThreads>
 __device__ void pair_sums(float* F, float* qtot, float* ppart, float* pair) {
   const int tid = static_cast<int>(threadIdx.x), i = tid >> 2, q = tid & 3;
+  const bool on = kT == 256 || tid < 256;  // threads 256.. of a larger block only join barriers
   float* row = F + i * kLdF + 16 * q;
-  float run = 0.f;
+  if (on) {
+    float run = 0.f;
 #pragma unroll
-  for (int jj = 0; jj < 16; ++jj) {
-    run += row[jj];
-    row[jj] = run;
+    for (int jj = 0; jj < 16; ++jj) {
+      run += row[jj];
+      row[jj] = run;
+    }
+    qtot[tid] = run;
   }
-  qtot[tid] = run;
   __syncthreads();
-  if (q > 0) {
+  if (on && q > 0) {
     float off = 0.f;
     for (int qq = 0; qq < q; ++qq) off += qtot[4 * i + qq];
 #pragma unroll
@@ -97,7 +104,7 @@ __device__ void pair_sums(float* F, float* qtot, float* ppart, float* pair) {
   __syncthreads();
   const int t = i;  // now: token t, rows 16 q .. 16 q + 15
   float s = 0.f;
-  if (t > 0) {
+  if (on && t > 0) {
 #pragma unroll
     for (int jj = 0; jj < 16; ++jj) {  // rows ii = max(16 q, t) .. 16 q + 15, in order
       const int ii = 16 * q + jj;
@@ -105,7 +112,7 @@ __device__ void pair_sums(float* F, float* qtot, float* ppart, float* pair) {
       if (ii >= t) s += x;
     }
   }
-  ppart[tid] = s;
+  if (on) ppart[tid] = s;
   __syncthreads();
   if (tid < kC)
     pair[tid] = ((ppart[4 * tid] + ppart[4 * tid + 1]) + ppart[4 * tid + 2]) + ppart[4 * tid + 3];
@@ -511,13 +518,21 @@ __global__ void __launch_bounds__(kStateThreads* KS)
 
 // --- dqkw
 // ------------------------------------------------------------------------------------------
-size_t dqkw_smem(const Dims& d) {
+// NW warps a block (8 or 16, GDN_GDR_DQKW_WARPS): warp (mt, nh) = (warp & 3, warp >> 2) owns rows
+// 16 mt.. of the chunk and the nh-th of NW / 4 column slices: 64 / (NW / 4) score columns, 128 /
+// (NW / 4) key columns. The shared memory (about 170 KB at dk = dv = 128) allows one block a
+// multiprocessor, so 8 warps left the SM two warps a scheduler, mostly waiting on fixed-latency
+// dependencies (ncu at T 32768, Hv 32: 34% issue, 2.35 ms; PERF.md run 25); 16 warps give it four.
+// Every dq_h, dk_h and dW element is the same sum in the same order for either NW; the dg part
+// differs in rounding only (its per-warp row dots and warp sums are grouped by NW).
+size_t dqkw_smem(const Dims& d, int nw) {
   return 2 * tile_bytes_bf16(kC, d.KP) + tile_bytes_bf16(kC, d.VP) + 2 * tile_bytes_bf16(d.VP, kC) +
          2 * tile_bytes_bf16(d.VP, d.KP) + tile_bytes_bf16(kC, kC) + kF32Tile + 2 * kVec256 +
-         8 * kVecBytes;
+         (4 + 2 * (nw / 4)) * kVecBytes;
 }
 
-__global__ void __launch_bounds__(kThreads, 1)
+template <int NW>
+__global__ void __launch_bounds__(NW * 32, 1)
     gdr_fast_dqkw_kernel(Dims d, IndexView ix,
                          const bf16_t* __restrict__ qn,    // [T, Hk, dk]
                          const bf16_t* __restrict__ kn,    // [T, Hk, dk]
@@ -536,6 +551,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (ci.len <= 0) return;
   const int h = static_cast<int>(blockIdx.y), kh = h / d.r, L = ci.len;
   const int64_t t0 = ci.t0;
+  constexpr int kT = NW * 32, NQ = NW / 4;
+  constexpr int SC = 64 / NQ;    // score columns a warp: 32 or 16
+  constexpr int KCW = 128 / NQ;  // key columns a warp: 64 or 32
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const int g8 = lane >> 2, t4 = lane & 3;
   const int ldk = ld_of(d.KP), ldv = ld_of(d.VP), nkb = d.KP / 16, nvk = d.VP / 16;
@@ -553,13 +571,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* qtot = sc.take<float>(kVec256);                        // [256]
   float* ppart = sc.take<float>(kVec256);                       // [256]
   float* gm = sc.vec();                                         // [64] gamma
-  float* rq0 = sc.vec();                                        // [64] q . (dO H^T), columns 0..63
-  float* rq1 = sc.vec();                                        // [64] same, columns 64..
-  float* rk0 = sc.vec();                                        // [64] k . (V' dH^T), columns 0..63
-  float* rk1 = sc.vec();                                        // [64] same, columns 64..
-  float* dgam = sc.vec();                                       // [64]
-  float* phi = sc.vec();                                        // [64]
-  float* pair = sc.vec();                                       // [64] pair sums
+  float* rq = sc.take<float>(NQ * kVecBytes);  // [NQ, 64] q . (dO H^T) over column slice nh
+  float* rk = sc.take<float>(NQ * kVecBytes);  // [NQ, 64] k . (V' dH^T) over column slice nh
+  float* dgam = sc.vec();                      // [64]
+  float* phi = sc.vec();                       // [64]
+  float* pair = sc.vec();                      // [64] pair sums
   sc.done();
 
   const int64_t ldq = static_cast<int64_t>(d.Hk) * d.dk, ldV = static_cast<int64_t>(d.Hv) * d.dv;
@@ -585,16 +601,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int mt = warp & 3, nh = warp >> 2;
   {
-    // E = s dO V'^T and Q K^T for rows 16 mt.., columns 32 nh..; dP and the pair terms
+    // E = s dO V'^T and Q K^T for rows 16 mt.., columns SC nh..; dP and the pair terms
     // h_ij = E_ij (q_i . k_j) D_ij (j < i).
-    float e[4][4] = {}, qk[4][4] = {};
-    if (32 * nh <= 16 * mt + 15) {
+    float e[SC / 8][4] = {}, qk[SC / 8][4] = {};
+    if (SC * nh <= 16 * mt + 15) {
       for (int kb = 0; kb < nvk; ++kb) {
         uint32_t a[4], bb[4];
         load_a_mk(a, dOs, ldv, 16 * mt, 16 * kb);
 #pragma unroll
-        for (int np = 0; np < 2; ++np) {
-          load_b_kn(bb, Vts, kLdP, 32 * nh + 16 * np, 16 * kb);
+        for (int np = 0; np < SC / 16; ++np) {
+          load_b_kn(bb, Vts, kLdP, SC * nh + 16 * np, 16 * kb);
           mma(e[2 * np], a, bb[0], bb[1]);
           mma(e[2 * np + 1], a, bb[2], bb[3]);
         }
@@ -603,18 +619,18 @@ __global__ void __launch_bounds__(kThreads, 1)
         uint32_t a[4], bb[4];
         load_a_mk(a, Qs, ldk, 16 * mt, 16 * kb);
 #pragma unroll
-        for (int np = 0; np < 2; ++np) {
-          load_b_nk(bb, Ks, ldk, 32 * nh + 16 * np, 16 * kb);
+        for (int np = 0; np < SC / 16; ++np) {
+          load_b_nk(bb, Ks, ldk, SC * nh + 16 * np, 16 * kb);
           mma(qk[2 * np], a, bb[0], bb[1]);
           mma(qk[2 * np + 1], a, bb[2], bb[3]);
         }
       }
     }
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
+    for (int nt = 0; nt < SC / 8; ++nt) {
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int i = 16 * mt + g8 + 8 * hf, j = 32 * nh + 8 * nt + 2 * t4;
+        const int i = 16 * mt + g8 + 8 * hf, j = SC * nh + 8 * nt + 2 * t4;
         float dp[2], f[2];
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
@@ -630,17 +646,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   cp_async_wait<1>();
   __syncthreads();  // dP, the pair terms and the second group
-  // Warp (mt, nh): rows 16 mt.., key columns 64 nh...
-  const int col0 = 64 * nh;
+  // Warp (mt, nh): rows 16 mt.., key columns KCW nh...
+  const int col0 = KCW * nh;
   {
     // Y = dO H_c^T and dW = -dV' H_c^T share their B fragments.
-    float y[8][4] = {}, w[8][4] = {};
+    float y[KCW / 8][4] = {}, w[KCW / 8][4] = {};
     for (int kb = 0; kb < nvk; ++kb) {
       uint32_t ao[4], av[4];
       load_a_mk(ao, dOs, ldv, 16 * mt, 16 * kb);
       load_a_km(av, dVts, kLdP, 16 * mt, 16 * kb);
 #pragma unroll
-      for (int np = 0; np < 4; ++np) {
+      for (int np = 0; np < KCW / 16; ++np) {
         if (col0 + 16 * np >= d.KP) break;
         uint32_t bb[4];
         load_b_kn(bb, Hts, ldk, col0 + 16 * np, 16 * kb);
@@ -654,14 +670,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     float rd[2];
     row_dot_bf16(y, Qs, ldk, 16 * mt, col0, d.dk, rd);
     if (t4 == 0) {
-      float* rq = nh == 0 ? rq0 : rq1;
-      rq[16 * mt + g8] = rd[0];
-      rq[16 * mt + g8 + 8] = rd[1];
+      rq[kC * nh + 16 * mt + g8] = rd[0];
+      rq[kC * nh + 16 * mt + g8 + 8] = rd[1];
     }
     // dQ = s diag(G) Y + dP K (dP is lower: k-blocks <= mt).
     const float s0 = d.scale * expf(gm[16 * mt + g8]), s1 = d.scale * expf(gm[16 * mt + g8 + 8]);
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
+    for (int nt = 0; nt < KCW / 8; ++nt) {
       y[nt][0] *= s0;
       y[nt][1] *= s0;
       y[nt][2] *= s1;
@@ -671,7 +686,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       uint32_t a[4];
       load_a_mk(a, dPs, kLdP, 16 * mt, 16 * kb);
 #pragma unroll
-      for (int np = 0; np < 4; ++np) {
+      for (int np = 0; np < KCW / 16; ++np) {
         if (col0 + 16 * np >= d.KP) break;
         uint32_t bb[4];
         load_b_kn(bb, Ks, ldk, col0 + 16 * np, 16 * kb);
@@ -685,12 +700,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();  // the third group (dH)
   {
     // Z = V' dH_c^T; dK_a = diag(dec) Z + dP^T Q (dP^T is upper: k-blocks >= mt).
-    float z[8][4] = {};
+    float z[KCW / 8][4] = {};
     for (int kb = 0; kb < nvk; ++kb) {
       uint32_t av[4];
       load_a_km(av, Vts, kLdP, 16 * mt, 16 * kb);
 #pragma unroll
-      for (int np = 0; np < 4; ++np) {
+      for (int np = 0; np < KCW / 16; ++np) {
         if (col0 + 16 * np >= d.KP) break;
         uint32_t bb[4];
         load_b_kn(bb, dHts, ldk, col0 + 16 * np, 16 * kb);
@@ -701,20 +716,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     float rd[2];
     row_dot_bf16(z, Ks, ldk, 16 * mt, col0, d.dk, rd);
     if (t4 == 0) {
-      float* rk = nh == 0 ? rk0 : rk1;
-      rk[16 * mt + g8] = rd[0];
-      rk[16 * mt + g8 + 8] = rd[1];
+      rk[kC * nh + 16 * mt + g8] = rd[0];
+      rk[kC * nh + 16 * mt + g8 + 8] = rd[1];
     }
     const float glast = gm[kC - 1];
     const float e0 = expf(glast - gm[16 * mt + g8]), e1 = expf(glast - gm[16 * mt + g8 + 8]);
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
+    for (int nt = 0; nt < KCW / 8; ++nt) {
       z[nt][0] *= e0;
       z[nt][1] *= e0;
       z[nt][2] *= e1;
       z[nt][3] *= e1;
     }
-    warp_mma<4>(
+    warp_mma<KCW / 16>(
         z, mt, 4, col0, d.KP, [&](uint32_t(&a)[4], int k) { load_a_km(a, dPs, kLdP, 16 * mt, k); },
         [&](uint32_t(&b)[4], int n, int k) { load_b_kn(b, Qs, ldk, n, k); });
     fast::store_acc_f32(z, dkh + (t0 * d.Hv + h) * d.dk, ldh, 16 * mt, col0, L, d.dk, 1.f);
@@ -723,7 +737,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   {
     float part = 0.f;
     const int half = d.KP / 2;
-    for (int p = tid; p < d.VP * half; p += kThreads) {
+    for (int p = tid; p < d.VP * half; p += kT) {
       const int vv = p / half, k = 2 * (p % half);
       const uint32_t a = *reinterpret_cast<const uint32_t*>(Hts + vv * ldk + k);
       const uint32_t bq = *reinterpret_cast<const uint32_t*>(dHts + vv * ldk + k);
@@ -734,15 +748,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   float dg_all = 0.f;
-  for (int w8 = 0; w8 < kThreads / 32; ++w8) dg_all += qtot[w8];
+  for (int w8 = 0; w8 < NW; ++w8) dg_all += qtot[w8];
   dg_all *= expf(gm[kC - 1]);
   if (tid < kC) {
     const float gi = gm[tid];
-    dgam[tid] = d.scale * expf(gi) * (rq0[tid] + rq1[tid]);
-    phi[tid] = tid < L - 1 ? expf(gm[kC - 1] - gi) * (rk0[tid] + rk1[tid]) : 0.f;
+    float sq = rq[tid], sk = rk[tid];
+#pragma unroll
+    for (int i = 1; i < NQ; ++i) {
+      sq += rq[kC * i + tid];
+      sk += rk[kC * i + tid];
+    }
+    dgam[tid] = d.scale * expf(gi) * sq;
+    phi[tid] = tid < L - 1 ? expf(gm[kC - 1] - gi) * sk : 0.f;
   }
   __syncthreads();  // every thread has read qtot
-  pair_sums(Ff, qtot, ppart, pair);
+  pair_sums<kT>(Ff, qtot, ppart, pair);
   if (tid < L)
     dgp[(t0 + tid) * d.Hv + h] = suffix_plus_prefix(dgam, phi, tid, L) + pair[tid] + dg_all;
 }
@@ -1129,12 +1149,19 @@ void fast_dqkw(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_
                const bf16_t* dHt, const float* gam, float* dqh, float* dkh, bf16_t* dW, float* dgp,
                cudaStream_t s) {
   if (d.nt_max == 0) return;
-  const size_t smem = dqkw_smem(d);
-  allow_smem(reinterpret_cast<const void*>(&gdr_fast_dqkw_kernel), smem, "gdr_fast_dqkw_kernel",
-             d.dk, d.dv);
+  const int64_t nw = env::get_int("GDN_GDR_DQKW_WARPS");
+  GDN_CHECK(nw == 8 || nw == 16, "GDN_GDR_DQKW_WARPS={} is not 8 or 16", nw);
+  const size_t smem = dqkw_smem(d, static_cast<int>(nw));
   const dim3 grid(grid_x(d.nt_max, "gdr_fast_dqkw_kernel"), static_cast<unsigned>(d.Hv));
-  gdr_fast_dqkw_kernel<<<grid, kThreads, smem, s>>>(d, ix, qn, kn, dout, Vt, dVt, Ht, dHt, gam, dqh,
-                                                    dkh, dW, dgp);
+  auto launch = [&](auto kernel, int threads) {
+    allow_smem(reinterpret_cast<const void*>(kernel), smem, "gdr_fast_dqkw_kernel", d.dk, d.dv);
+    kernel<<<grid, threads, smem, s>>>(d, ix, qn, kn, dout, Vt, dVt, Ht, dHt, gam, dqh, dkh, dW,
+                                       dgp);
+  };
+  if (nw == 16)
+    launch(&gdr_fast_dqkw_kernel<16>, 16 * 32);
+  else
+    launch(&gdr_fast_dqkw_kernel<8>, 8 * 32);
   GDN_CUDA_LAUNCH_CHECK("gdr_fast_dqkw_kernel");
 }
 
