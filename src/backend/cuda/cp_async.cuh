@@ -22,6 +22,12 @@ __device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, i
                : "memory");
 }
 
+// A hint to bring the 128-byte line holding `gmem` into L2 (prefetch.global.L2): no register, no
+// completion to wait for; a later load of the line then waits for an L2 hit at most.
+__device__ __forceinline__ void prefetch_l2(const void* gmem) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(gmem));
+}
+
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }

@@ -290,10 +290,7 @@ __device__ __forceinline__ void add_dy(float (&acc)[V], const DyBits<V>& d) {
   }
 }
 
-// A hint: the L2 line holding p, fetched now (no register, no effect on results).
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
+using cuda::prefetch_l2;  // a hint: the L2 line, fetched now (no register, no effect on results)
 
 // fp32 rows (dW and the partials) through L2 only (__ldcg): a partial written by another block
 // must not come from a stale L1 line, and dW lines are not reused by this block.

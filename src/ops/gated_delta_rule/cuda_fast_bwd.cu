@@ -950,6 +950,14 @@ __global__ void __launch_bounds__(kThreads, 2)
       dk[nt][3] *= s1;
     }
   }
+  // The dk_h lines this warp adds to at the end (add_acc_f32), towards L2 now, a few products
+  // ahead: within the register budget the compiler issues those loads one at a time between the
+  // stores, each waiting for its line (ncu at T 32768: long scoreboard, the largest stall of this
+  // kernel; PERF.md run 25). One line a lane: rows g8 and g8 + 8, the two 32-column halves.
+  {
+    const int r = 16 * mt + g8 + 8 * (t4 >> 1), cc = col0 + 32 * (t4 & 1);
+    if (r < L && cc < d.dk) cuda::prefetch_l2(dkh + (t0 * d.Hv + h) * d.dk + r * ldh + cc);
+  }
   __syncthreads();  // Xs complete
   {
     // dM' = T^T X (dM = -dM'); for j < i: gd = dM_ij D_ij, dKK_ij = beta_i gd, pair term
