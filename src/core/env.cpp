@@ -64,7 +64,7 @@ constexpr Knob kKnobs[] = {
      "gated_delta_rule on CUDA, fast route's backward (A/B): warps of the dq/dk/dW kernel's block, "
      "8 or 16 (cuda_fast_bwd.cu). The gradients of q, k, v and beta are the same bitwise; g's "
      "differs in rounding only (its partial sums are grouped by the warps).",
-     false, nullptr},
+     true, nullptr},
     {"GDN_GDR_GENERIC", KnobType::Bool, "0",
      "gated_delta_rule on CUDA: 1 takes the generic WMMA route for every shape (the reference for "
      "the fast route, which otherwise runs head dims <= 128 that are multiples of 8).",
