@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "backend/cuda/memory_bound.cuh"
 #include "backend/cuda/vec.cuh"
 #include "gdn/backend/cuda_check.h"
 #include "gdn/backend/cuda_context.h"
@@ -81,19 +82,34 @@ __global__ void __launch_bounds__(256)
 }
 
 // dweight[c, j] += sum_b partial[b, j, c] (j < W), dbias[c] += sum_b partial[b, W, c], b in order.
+// Launched as a programmatic dependent of the backward kernel that wrote the partials
+// (launch_dw_reduce): its blocks wait on the device (pdl_wait) instead of behind a drain and a
+// launch. The partials are loaded 8 at a time before they are added (a plain loop over b waited
+// for each load in turn); the sum is the same sequence of additions.
 __global__ void __launch_bounds__(256)
     conv_dw_reduce_kernel(const float* __restrict__ partial,  // [G, W+1, C]
                           float* __restrict__ dw,             // [C, W]
                           float* __restrict__ db,             // [C] or null
                           int G, int W, int64_t C) {
+  cuda::pdl_wait();  // the partials of the kernel before
   const int64_t total = static_cast<int64_t>(W + 1) * C;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int j = static_cast<int>(idx / C);
     const int64_t c = idx % C;
     if (j == W && db == nullptr) continue;
+    const float* col = partial + static_cast<int64_t>(j) * C + c;
+    const int64_t step = static_cast<int64_t>(W + 1) * C;  // one block's row set
     float sum = 0.f;
-    for (int b = 0; b < G; ++b) sum += partial[(static_cast<int64_t>(b) * (W + 1) + j) * C + c];
+    int b = 0;
+    for (; b + 8 <= G; b += 8) {
+      float v[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) v[u] = col[(b + u) * step];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) sum += v[u];
+    }
+    for (; b < G; ++b) sum += col[b * step];
     if (j < W)
       dw[c * W + j] += sum;
     else
@@ -283,9 +299,9 @@ inline ConvBwdPtrs conv_bwd_ptrs(const CausalConv1dBwd& a) {
 template <int W>
 void launch_dw_reduce(const ConvBwdPtrs& p, const ConvDims& k, const float* partial, int64_t G,
                       cudaStream_t s) {
-  conv_dw_reduce_kernel<<<small_grid((W + 1) * k.C), 256, 0, s>>>(partial, p.dw, p.db,
-                                                                  static_cast<int>(G), W, k.C);
-  GDN_CUDA_LAUNCH_CHECK("conv_dw_reduce_kernel");
+  cuda::launch_pdl(conv_dw_reduce_kernel, dim3(small_grid((W + 1) * k.C)), dim3(256), s, partial,
+                   p.dw, p.db, static_cast<int>(G), static_cast<int>(W), k.C);
+  GDN_CUDA_LAUNCH_CHECK("conv_dw_reduce_kernel (programmatic dependent)");
 }
 
 // dinitial_state, when asked for (W = 1: the state has no columns).

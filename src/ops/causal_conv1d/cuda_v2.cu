@@ -502,6 +502,7 @@ __global__ void __launch_bounds__(kBwdWarps * 32, kBwdMinBlocks)
                      bf16_t* __restrict__ dx,          // [T, C]
                      float* __restrict__ partial,      // [gridDim.x, W+1, C]
                      int64_t T, int64_t C, int N) {
+  cuda::pdl_launch_dependents();  // the dweight reduction's blocks may wait on the device now
   constexpr int S = W - 1;
   constexpr int NS = kBwdStages;
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
