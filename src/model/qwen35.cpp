@@ -203,13 +203,15 @@ void Qwen35Model::place_grads_in_activations(size_t forward_peak) {
   group_of[static_cast<size_t>(ids_.final_norm)] = L;
   group_of[static_cast<size_t>(ids_.embed)] = ids_.lm_head >= 0 ? L + 1 : L;
   if (ids_.lm_head >= 0) group_of[static_cast<size_t>(ids_.lm_head)] = L;
-  // The layer GEMMs' weights, whose gradients the backward writes (=, run(): `ow`); the others
-  // (norm weights, conv, gates, embedding, LM head) accumulate and are zeroed first.
-  std::vector<bool> written(specs_.size(), false);
+  // The layer GEMMs' weights, whose gradients the backward writes (=): run() passes
+  // overwrite_dw to exactly these (grad_written_ decides both); the others (norm weights, conv,
+  // gates, embedding, LM head) accumulate and are zeroed first.
+  grad_written_.assign(specs_.size(), false);
   for (const LayerParamIds& w : ids_.layers)
     for (int64_t id : {w.mlp_gate, w.mlp_up, w.mlp_down, w.in_proj_qkv, w.in_proj_z, w.in_proj_b,
                        w.in_proj_a, w.out_proj, w.q_proj, w.k_proj, w.v_proj, w.o_proj})
-      if (id >= 0) written[static_cast<size_t>(id)] = true;
+      if (id >= 0) grad_written_[static_cast<size_t>(id)] = true;
+  const std::vector<bool>& written = grad_written_;
   std::vector<size_t> bytes(static_cast<size_t>(L + 2), 0), zeroed(bytes.size(), 0);
   for (size_t i = 0; i < specs_.size(); ++i) {
     GDN_CHECK(group_of[i] >= 0, "model: parameter '{}' belongs to no gradient group",
@@ -806,7 +808,11 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
   // GradMemory::InActivations: every layer GEMM's weight gradient is written (=) by its one
   // linear_backward of the step (the q/k/v blocks of in_proj_qkv are disjoint rows), so those
   // gradients need no zeroing; the group memset covers the others (place_grads_in_activations).
-  const bool ow = grad_memory_ == GradMemory::InActivations;
+  // ow(id): whether the GEMM of weight id writes its gradient, from the same grad_written_ that
+  // placed it among the unzeroed ones (empty with GradMemory::Separate: every GEMM accumulates).
+  auto ow = [&](int64_t id) {
+    return !grad_written_.empty() && grad_written_.at(static_cast<size_t>(id));
+  };
   Tensor dh = p.balloc_act({T, D});  // gradient of the residual stream, carried down the layers
   Tensor dtmp = p.balloc_act({T, D});
   if (live) {
@@ -826,7 +832,7 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
       if (live) {
         {
           ProfileRange pr("mlp.down.bwd");
-          linear_backward({s.act, P(w.mlp_down), dh, dact, G(w.mlp_down), false, ow});
+          linear_backward({s.act, P(w.mlp_down), dh, dact, G(w.mlp_down), false, ow(w.mlp_down)});
         }
         {
           ProfileRange pr("swiglu.bwd");
@@ -845,8 +851,9 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
         }
         {
           ProfileRange pr("mlp.gate_up.bwd");
-          linear_backward({s.xn2, P(w.mlp_gate), dgate, dxn2, G(w.mlp_gate), false, ow});
-          linear_backward({s.xn2, P(w.mlp_up), dup, dxn2, G(w.mlp_up), true, ow});
+          linear_backward(
+              {s.xn2, P(w.mlp_gate), dgate, dxn2, G(w.mlp_gate), false, ow(w.mlp_gate)});
+          linear_backward({s.xn2, P(w.mlp_up), dup, dxn2, G(w.mlp_up), true, ow(w.mlp_up)});
         }
         ProfileRange pr("rmsnorm.bwd");
         rmsnorm_backward({s.h_mid, NW(w.post_norm), s.rstd_post, dxn2, dtmp, G(w.post_norm), zc});
@@ -868,7 +875,7 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
         if (live) {
           {
             ProfileRange pr("out_proj.bwd");
-            linear_backward({s.y, P(w.out_proj), dh, dy, G(w.out_proj), false, ow});
+            linear_backward({s.y, P(w.out_proj), dh, dy, G(w.out_proj), false, ow(w.out_proj)});
           }
           ProfileRange pr_n("gated_rmsnorm.bwd");
           gated_rmsnorm_backward({s.o.reshape({T * Hv, dv}), s.z.reshape({T * Hv, dv}),
@@ -912,13 +919,13 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
           pr_n.next("gdn.in_proj.bwd");
           for (int i = 0; i < 3; ++i) {
             const QkvBlock& b = blocks[i];
-            linear_backward({s.xn, P(w.in_proj_qkv).slice0(b.col, b.col + b.width),
-                             block_of(dqkv, b), dxn,
-                             G(w.in_proj_qkv).slice0(b.col, b.col + b.width), i > 0, ow});
+            linear_backward(
+                {s.xn, P(w.in_proj_qkv).slice0(b.col, b.col + b.width), block_of(dqkv, b), dxn,
+                 G(w.in_proj_qkv).slice0(b.col, b.col + b.width), i > 0, ow(w.in_proj_qkv)});
           }
-          linear_backward({s.xn, P(w.in_proj_z), dz, dxn, G(w.in_proj_z), true, ow});
-          linear_backward({s.xn, P(w.in_proj_b), db, dxn, G(w.in_proj_b), true, ow});
-          linear_backward({s.xn, P(w.in_proj_a), da, dxn, G(w.in_proj_a), true, ow});
+          linear_backward({s.xn, P(w.in_proj_z), dz, dxn, G(w.in_proj_z), true, ow(w.in_proj_z)});
+          linear_backward({s.xn, P(w.in_proj_b), db, dxn, G(w.in_proj_b), true, ow(w.in_proj_b)});
+          linear_backward({s.xn, P(w.in_proj_a), da, dxn, G(w.in_proj_a), true, ow(w.in_proj_a)});
         }
       } else {
         Tensor dqg = p.balloc_act({T, Hq, 2 * hd}), dk = p.balloc_act({T, Hkv, hd}),
@@ -926,7 +933,7 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
         if (live) {
           Tensor y2 = s.y.reshape({T, Hq * hd});
           ProfileRange pr("out_proj.bwd");
-          linear_backward({y2, P(w.o_proj), dh, dy, G(w.o_proj), false, ow});
+          linear_backward({y2, P(w.o_proj), dh, dy, G(w.o_proj), false, ow(w.o_proj)});
           pr.next("attn.core.bwd");
           gated_attention_backward({s.qg,
                                     s.ak,
@@ -950,12 +957,12 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
                                     c.rope_theta,
                                     eps});
           pr.next("attn.in_proj.bwd");
+          linear_backward({s.xn, P(w.q_proj), dqg.reshape({T, Hq * 2 * hd}), dxn, G(w.q_proj),
+                           false, ow(w.q_proj)});
           linear_backward(
-              {s.xn, P(w.q_proj), dqg.reshape({T, Hq * 2 * hd}), dxn, G(w.q_proj), false, ow});
-          linear_backward(
-              {s.xn, P(w.k_proj), dk.reshape({T, Hkv * hd}), dxn, G(w.k_proj), true, ow});
-          linear_backward(
-              {s.xn, P(w.v_proj), dv2.reshape({T, Hkv * hd}), dxn, G(w.v_proj), true, ow});
+              {s.xn, P(w.k_proj), dk.reshape({T, Hkv * hd}), dxn, G(w.k_proj), true, ow(w.k_proj)});
+          linear_backward({s.xn, P(w.v_proj), dv2.reshape({T, Hkv * hd}), dxn, G(w.v_proj), true,
+                           ow(w.v_proj)});
         }
       }
       if (live) {

@@ -178,6 +178,10 @@ class Qwen35Model {
   // before its first write: [0, L) the layers, [L] the head (final norm and LM head, or the tied
   // embedding), [L + 1] an untied embedding (undefined when tied).
   std::vector<Tensor> grad_group_;
+  // GradMemory::InActivations: per parameter, whether its gradient is written (=) by a layer GEMM
+  // rather than accumulated. It decides both where the gradient lies (outside its group's memset)
+  // and the GEMM's overwrite_dw in run(); empty with GradMemory::Separate.
+  std::vector<bool> grad_written_;
   // The gated delta rule's optional `saved` per GDN layer (None or Selective on cuda, run() has the
   // policy): elements planned for each layer (0: none) and the documents per batch that fit them.
   int64_t gdr_saved_plan_ = 0, gdr_saved_docs_ = 0;
