@@ -25,6 +25,7 @@
 #include <type_traits>
 
 #include "backend/cuda/cp_async.cuh"
+#include "ops/gated_delta_rule/op.h"
 
 namespace gdn::ops::gdr {
 
@@ -304,6 +305,17 @@ __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
   return v;
+}
+
+// rstd = 1 / sqrt(sum of squares + eps) of one row of dk <= 128 spread over a warp, lane l holding
+// columns 4 l .. 4 l + 3 in x (zeros past the row). The q/k l2norm at dk = 128 (cuda_fwd.cu) and
+// the fast backward's reduce (cuda_fast_bwd.cu, which recomputes it from the raw rows) both take it
+// from here, so the two see the same rstd bitwise. Every lane of the warp must call it.
+__device__ __forceinline__ float lane4_l2_rstd(const float (&x)[4]) {
+  float ss = 0.f;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) ss += x[e] * x[e];
+  return 1.f / sqrtf(warp_sum(ss) + static_cast<float>(kGdrL2NormEps));
 }
 
 // Block-wide sum of one value per thread, in a fixed order (warp butterflies, then the warp sums in

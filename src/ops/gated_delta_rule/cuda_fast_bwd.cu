@@ -1083,11 +1083,8 @@ __global__ void __launch_bounds__(kThreads)
     x[3] = hi_f(xv.y);
   }
   if (d.l2norm) {
-    // dx = rstd (dy - <dy, y> y), y = x rstd recomputed in fp32.
-    float ss = 0.f;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) ss += x[e] * x[e];
-    const float rs = 1.f / sqrtf(warp_sum(ss) + static_cast<float>(kGdrL2NormEps));
+    // dx = rstd (dy - <dy, y> y), y = x rstd recomputed in fp32 (the forward's rstd).
+    const float rs = lane4_l2_rstd(x);
     float dot = 0.f;
 #pragma unroll
     for (int e = 0; e < 4; ++e) dot += acc[e] * x[e] * rs;

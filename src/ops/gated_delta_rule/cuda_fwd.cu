@@ -69,9 +69,9 @@ __global__ void __launch_bounds__(kL2Threads)
 // The same for dk = 128 with 8-byte aligned rows: lane l owns columns 4 l .. 4 l + 3 (8-byte loads
 // and stores) of kL2Rows consecutive rows of the warp, all of whose loads are issued before the
 // first sum. The one-warp-per-row kernel above loaded 2 bytes a lane at a time, one row in flight
-// per warp: 180 us at T 32768, Hk 16 on the H200 (1.5 TB/s; PERF.md run 25). The sum of squares
-// runs in the order of the fast backward's reduce kernel (cuda_fast_bwd.cu), which recomputes
-// rstd from the raw rows: forward and backward now see the same rstd.
+// per warp: 180 us at T 32768, Hk 16 on the H200 for 537 MB (3.0 TB/s; PERF.md run 25; this one
+// 128 us, run 26). rstd is lane4_l2_rstd, which the fast backward's reduce kernel also uses when it
+// recomputes rstd from the raw rows: forward and backward see the same rstd.
 constexpr int kL2Rows = 4;
 
 __global__ void __launch_bounds__(kL2Threads)
@@ -101,10 +101,7 @@ __global__ void __launch_bounds__(kL2Threads)
     if (r >= 2 * rows) break;  // uniform over the warp
     const float x[4] = {__uint_as_float(xv[i].x << 16), __uint_as_float(xv[i].x & 0xffff0000u),
                         __uint_as_float(xv[i].y << 16), __uint_as_float(xv[i].y & 0xffff0000u)};
-    float ss = 0.f;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) ss += x[e] * x[e];
-    const float rs = 1.f / sqrtf(warp_sum(ss) + static_cast<float>(kGdrL2NormEps));
+    const float rs = lane4_l2_rstd(x);
     __nv_bfloat162 lo = __floats2bfloat162_rn(x[0] * rs, x[1] * rs);
     __nv_bfloat162 hi = __floats2bfloat162_rn(x[2] * rs, x[3] * rs);
     uint2 out;
