@@ -211,14 +211,13 @@ void Qwen35Model::place_grads_in_activations(size_t forward_peak) {
     for (int64_t id : {w.mlp_gate, w.mlp_up, w.mlp_down, w.in_proj_qkv, w.in_proj_z, w.in_proj_b,
                        w.in_proj_a, w.out_proj, w.q_proj, w.k_proj, w.v_proj, w.o_proj})
       if (id >= 0) grad_written_[static_cast<size_t>(id)] = true;
-  const std::vector<bool>& written = grad_written_;
   std::vector<size_t> bytes(static_cast<size_t>(L + 2), 0), zeroed(bytes.size(), 0);
   for (size_t i = 0; i < specs_.size(); ++i) {
     GDN_CHECK(group_of[i] >= 0, "model: parameter '{}' belongs to no gradient group",
               specs_[i].name);
     const size_t b = align256(bytes_of(specs_[i], gdt));
     bytes[static_cast<size_t>(group_of[i])] += b;
-    if (!written[i]) zeroed[static_cast<size_t>(group_of[i])] += b;
+    if (!grad_written_[i]) zeroed[static_cast<size_t>(group_of[i])] += b;
   }
   // Top-down order and each group's live-activation floor.
   std::vector<std::pair<int64_t, size_t>> order{{L, forward_peak}};
@@ -246,7 +245,7 @@ void Qwen35Model::place_grads_in_activations(size_t forward_peak) {
   }
   for (size_t i = 0; i < specs_.size(); ++i) {
     const size_t gi = static_cast<size_t>(group_of[i]);
-    size_t& at = written[i] ? next_written[gi] : next_zeroed[gi];
+    size_t& at = grad_written_[i] ? next_written[gi] : next_zeroed[gi];
     grads_.push_back(act_arena_.view_at(at, gdt, specs_[i].shape));
     at += align256(bytes_of(specs_[i], gdt));
   }
