@@ -416,6 +416,64 @@ TEST_F(GdrCuda, DqkwWarpsGiveTheSameGradients) {
   }
 }
 
+// The forward's output beside the state pass (cuda_fast.h: fast_state_output) changes no
+// arithmetic: with it (the automatic choice at few documents) o and hT, and so every gradient, are
+// bitwise those of the pass followed by the output (GDN_GDR_TRAIL=off), and match ref; one long
+// document (47 chunks: the output waits on counts published every 4 chunks), several documents
+// with a 1-token one and partial chunks, and dk = 48, dv = 24. The first two must take it. A bad
+// knob value is an error naming the knob.
+TEST_F(GdrCuda, TrailingOutputGivesTheSameBits) {
+  struct Trail {
+    explicit Trail(const char* v) { setenv("GDN_GDR_TRAIL", v, 1); }
+    ~Trail() { unsetenv("GDN_GDR_TRAIL"); }
+  };
+  const Spec specs[] = {
+      {.name = "d128_T3000_one_doc",
+       .lens = {3000},
+       .Hk = 2,
+       .r = 2,
+       .dk = 128,
+       .dv = 128,
+       .g_lo = -0.5,
+       .seed = 48},
+      {.name = "d128_docs",
+       .lens = {300, 1, 63, 130},
+       .Hk = 2,
+       .r = 1,
+       .dk = 128,
+       .dv = 128,
+       .g_lo = -2,
+       .seed = 49},
+      {.name = "dk48_dv24", .lens = {130, 7}, .r = 2, .dk = 48, .dv = 24, .seed = 50}};
+  for (const Spec& s : specs) {
+    Inputs in = make_inputs(s, true);
+    const bool trails = gdr_trailing_output_for(in.T, in.N, in.Hk, in.Hv, in.dk, in.dv);
+    if (s.dk == 128) {
+      EXPECT_TRUE(trails) << s.name << ": the output should run beside the pass";
+    }
+    const Result ref = run_ref(in, true);
+    Dev d = to_device(in);
+    Result off;
+    {
+      Trail t("off");
+      EXPECT_FALSE(gdr_trailing_output_for(in.T, in.N, in.Hk, in.Hv, in.dk, in.dv));
+      off = run_cuda(in, d, true);
+    }
+    const Result got = run_cuda(in, d, true);
+    compare(got, ref, s.name + (trails ? " trailing output" : " output after the pass"));
+    expect_bitwise_equal(got, off, s.name + ": trailing output against GDN_GDR_TRAIL=off");
+  }
+  Inputs in = make_inputs(specs[2], true);
+  Dev d = to_device(in);
+  Trail t("sometimes");
+  try {
+    run_cuda(in, d, true);
+    ADD_FAILURE() << "GDN_GDR_TRAIL=sometimes was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("GDN_GDR_TRAIL"), std::string::npos) << e.what();
+  }
+}
+
 TEST_F(GdrCuda, RunsAreBitwiseReproducible) {
   Spec s{.name = "det", .lens = {200, 1, 33}, .Hk = 2, .r = 2, .dk = 128, .dv = 128, .seed = 41};
   Inputs in = make_inputs(s, true);

@@ -159,15 +159,16 @@ __global__ void __launch_bounds__(32 * kSlices)
   }
 }
 
-// kernel<<<grid, block, 0, s>>>(args...) as a programmatic dependent of the kernel before it on s
-// (its blocks may start while that one finishes; the kernel calls pdl_wait() before reading what
+// kernel<<<grid, block, smem, s>>>(args...) as a programmatic dependent of the kernel before it on
+// s (its blocks may start while that one finishes; the kernel calls pdl_wait() before reading what
 // that one wrote).
 template <class... Params, class... Args>
-void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t s, Args&&... args) {
+void launch_pdl_smem(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                     Args&&... args) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = block;
-  cfg.dynamicSmemBytes = 0;
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = s;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -175,6 +176,10 @@ void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t s
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   GDN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+template <class... Params, class... Args>
+void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t s, Args&&... args) {
+  launch_pdl_smem(kernel, grid, block, 0, s, std::forward<Args>(args)...);
 }
 
 // The norm backwards' dw sum (rmsnorm cuda.bulkp2, gated_rmsnorm cuda.rowwise_pf) as a

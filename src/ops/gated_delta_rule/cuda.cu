@@ -4,7 +4,8 @@
 //
 // fast (cuda_fast.h; dk, dv <= 128, multiples of 8, 16-byte aligned tensors): mma.sync kernels
 //   with the sequential passes' state in registers:
-//   forward:  [index] [l2norm] prep (gamma, W, U) -> state_fwd (Ht, Vt, hT) -> output (o)
+//   forward:  [index] [l2norm] prep (gamma, W, U) -> state_fwd (Ht, Vt, hT) -> output (o), the
+//             output beside the state pass at few documents (cuda_fast.h: fast_state_output)
 //   backward: [index] [l2norm] prep (+ T) -> state_fwd -> dvloc -> state_bwd (dHt, dVt, dh0) ->
 //             dqkw (dq_h, dk_h, dW, dg part) -> wy (dv, dbeta, dg, dk_h +=) -> reduce (dq, dk)
 // generic (cuda_kernels.h; any dims up to 256, unaligned tensors; every shape with
@@ -199,17 +200,29 @@ struct FastFwd {
   const bf16_t* Ht;
   const bf16_t* Vt;
 };
-// prep, then the state pass into `saved` or scratch (the forward; the backward without `saved`), or
-// prep without U and Ht, Vt from `saved` (the backward given it: `run_state` false).
+// The forward's o and the trailing output's progress counts (fast_state_output); both null in
+// the backward.
+struct FastOut {
+  bf16_t* o;
+  int* prog;
+};
+// prep, then the state pass into `saved` or scratch (the backward without `saved`; with `out`, the
+// forward's pass and output), or prep without U and Ht, Vt from `saved` (the backward given it:
+// `run_state` false).
 FastFwd run_fast_fwd(const gdr::Dims& d, const FastFwdScratch& f, char* base, const Prologue& p,
                      const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& h0,
-                     float* hT, bf16_t* Tinv, const Saved& sv, bool run_state, cudaStream_t s) {
+                     float* hT, bf16_t* Tinv, const Saved& sv, bool run_state, const FastOut& out,
+                     cudaStream_t s) {
   bf16_t* Ht = sv ? sv.Ht : at<bf16_t>(base, f.Ht);
   bf16_t* Vt = sv ? sv.Vt : at<bf16_t>(base, f.Vt);
   FastFwd r{at<bf16_t>(base, f.W), at<float>(base, f.gam), Ht, Vt};
   bf16_t* U = run_state ? at<bf16_t>(base, f.U) : nullptr;
   gdr::fast_prep(d, p.ix, p.kn, bf(v), g.ptr<float>(), beta.ptr<float>(), r.W, U, r.gam, Tinv, s);
-  if (run_state) gdr::fast_state_fwd(d, p.ix, r.W, p.kn, U, r.gam, f32_or_null(h0), Ht, Vt, hT, s);
+  if (run_state && out.o != nullptr)
+    gdr::fast_state_output(d, p.ix, r.W, p.qn, p.kn, U, r.gam, f32_or_null(h0), Ht, Vt, hT, out.o,
+                           out.prog, s);
+  else if (run_state)
+    gdr::fast_state_fwd(d, p.ix, r.W, p.kn, U, r.gam, f32_or_null(h0), Ht, Vt, hT, s);
   return r;
 }
 
@@ -219,12 +232,12 @@ void forward_fast(const GatedDeltaRuleFwd& a, const gdr::Dims& d) {
   ScratchPlan sp;
   const PrologueScratch ps = plan_prologue(sp, d);
   const FastFwdScratch f = plan_fast_fwd(sp, d, true, !sv);
+  const size_t o_prog = sp.add(static_cast<int64_t>(gdr::fast_trail_prog_bytes(d)));
   char* base = static_cast<char*>(ctx.scratch(sp.total()));
   cudaStream_t s = ctx.stream();
   const Prologue p = run_prologue(d, ps, base, a.q, a.k, a.cu_seqlens, s);
-  const FastFwd r = run_fast_fwd(d, f, base, p, a.v, a.g, a.beta, a.h0, f32_out_or_null(a.hT),
-                                 nullptr, sv, true, s);
-  gdr::fast_output(d, p.ix, p.qn, p.kn, r.Ht, r.Vt, r.gam, bf_out(a.o), s);
+  run_fast_fwd(d, f, base, p, a.v, a.g, a.beta, a.h0, f32_out_or_null(a.hT), nullptr, sv, true,
+               {bf_out(a.o), at<int>(base, o_prog)}, s);
 }
 
 void backward_fast(const GatedDeltaRuleBwd& a, const gdr::Dims& d) {
@@ -245,7 +258,8 @@ void backward_fast(const GatedDeltaRuleBwd& a, const gdr::Dims& d) {
   cudaStream_t s = ctx.stream();
   const Prologue p = run_prologue(d, ps, base, a.q, a.k, a.cu_seqlens, s);
   bf16_t* Tinv = at<bf16_t>(base, o_Tinv);
-  const FastFwd r = run_fast_fwd(d, f, base, p, a.v, a.g, a.beta, a.h0, nullptr, Tinv, sv, !sv, s);
+  const FastFwd r =
+      run_fast_fwd(d, f, base, p, a.v, a.g, a.beta, a.h0, nullptr, Tinv, sv, !sv, {}, s);
   float* dvl = at<float>(base, o_dvl);
   bf16_t* dHt = at<bf16_t>(base, o_dHt);
   bf16_t* dVt = at<bf16_t>(base, o_dVt);

@@ -58,9 +58,10 @@ constexpr size_t state_red_bytes(int ks) {
 // resident at once, then snapshots through shared memory (ks > 1, whole-row pieces: KP / 8 divides
 // 32) and dV'_loc through the ring as long as they fit too; the dk partials summed scattered over
 // the warps. GDN_GDR_STATE_STAGES / _COLS / _SNAP / _EXCHANGE force one choice (A/B; every choice
-// gives bitwise the same results).
+// gives bitwise the same results). leave: shared memory per SM to keep free for a block of another
+// kernel running beside the pass (the trailing output, fast_state_output).
 StatePipe state_pipe(const Dims& d, int ks, int64_t blocks32, int ns_max,
-                     size_t (*smem)(const Dims&, int, const StatePipe&));
+                     size_t (*smem)(const Dims&, int, const StatePipe&), size_t leave = 0);
 
 #ifdef __CUDACC__
 // x (this warp's partial over its k-blocks, C fragments of 8 token tiles) <- the sum over the KS
@@ -133,6 +134,15 @@ void fast_state_fwd(const Dims& d, const IndexView& ix, const bf16_t* W, const b
 // O = s (diag(G) Q H_c + (Q K^T .* D, j <= i) V'), per chunk and value head.
 void fast_output(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
                  const bf16_t* Ht, const bf16_t* Vt, const float* gam, bf16_t* o, cudaStream_t s);
+// The forward's state pass and output: fast_state_fwd then fast_output, or, when the pass has no
+// more blocks than the GPU has SMs and a block of each fits an SM together (registers, shared
+// memory), the output beside the pass, each chunk's output as soon as the pass has published that
+// chunk (cuda_fast_fwd.cu: the trailing output; GDN_GDR_TRAIL=off forces the sequence for A/B).
+// Bitwise the same o, Ht, Vt and hT either way. prog: fast_trail_prog_bytes of scratch.
+void fast_state_output(const Dims& d, const IndexView& ix, const bf16_t* W, const bf16_t* qn,
+                       const bf16_t* kn, const bf16_t* U, const float* gam, const float* h0,
+                       bf16_t* Ht, bf16_t* Vt, float* hT, bf16_t* o, int* prog, cudaStream_t s);
+size_t fast_trail_prog_bytes(const Dims& d);
 
 // --- the fused forward (cuda_fused_fwd.cu, GDN_FUSED_FWD=1) ---
 // Whether the fused forward takes these dims: the fast path's (d.vec must be set first).

@@ -25,6 +25,7 @@
 #include <climits>
 #include <string>
 
+#include "backend/cuda/memory_bound.cuh"
 #include "gdn/backend/cuda_check.h"
 #include "gdn/backend/cuda_context.h"
 #include "gdn/core/env.h"
@@ -38,6 +39,7 @@ namespace gdn::ops::gdr {
 
 namespace {
 
+using cuda::pdl_launch_dependents;
 using fast::c_col;
 using fast::c_row;
 using fast::c_to_a;
@@ -65,6 +67,30 @@ unsigned grid_x(int64_t n, const char* what) {
   GDN_CHECK(n >= 1 && n <= INT_MAX, "gated_delta_rule (cuda): {} needs a grid of {} blocks", what,
             n);
   return static_cast<unsigned>(n);
+}
+
+// --- the trailing output (fast_state_output) ---
+// The output kernel can run beside the state pass instead of after it: the pass, one block per SM
+// at one long document, is bound by the latency of its chunk steps and leaves most of each SM idle,
+// while the output is per chunk and needs only that chunk's H and V'. The pass publishes each
+// block's count of finished chunks in `prog` (zeroed before it) and lets the output grid start at
+// once (programmatic dependent launch); an output block stages Q and K, waits until the counts of
+// its document and head pass its chunk, then stages H and V'. The output grid starts only after
+// every block of the pass has started (griddepcontrol.launch_dependents), and the pass never waits
+// for the output, so the waits always end. Publication: after a block barrier that orders every
+// thread's stores of the chunks, one thread fences at GPU scope and stores the count (the
+// reader's acquire load then sees every store before the barrier: the grid-sync pattern), every
+// kPublishEvery chunks so that the fence is rare on the pass's critical path.
+constexpr int kPublishEvery = 4;
+
+__device__ __forceinline__ void publish_count(int* p, int v) {
+  __threadfence();
+  asm volatile("st.relaxed.gpu.global.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ int acquire_count(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
 }
 
 // The 16-byte pieces of one chunk's gamma record (64 fp32) staged by threads 0..15.
@@ -235,7 +261,8 @@ __global__ void __launch_bounds__(kStateThreads* KS)
                               const float* __restrict__ h0,   // [N, Hv, dk, dv] or null
                               bf16_t* __restrict__ Ht,        // [nt_max, Hv, dv, dk]
                               bf16_t* __restrict__ Vt,        // [nt_max, Hv, dv, 64]
-                              float* __restrict__ hT) {       // [N, Hv, dk, dv] or null
+                              float* __restrict__ hT,         // [N, Hv, dk, dv] or null
+                              int* __restrict__ prog) {       // [N, Hv, nvb] or null: trailing
   constexpr int KBW = 8 / KS;                                 // k-blocks of 16 per warp
   // FULL: dk = dv = 128, as constants (no bound checks, no general staging path compiled in).
   Dims d = dd;
@@ -266,6 +293,11 @@ __global__ void __launch_bounds__(kStateThreads* KS)
 
   const int bos = ix.bos[n], eos = ix.bos[n + 1], c0 = ix.chunk0[n], c1 = ix.chunk0[n + 1];
   const int nch = c1 - c0;
+  // Trailing output (fast_state_output): this block's count of finished chunks, and the output
+  // kernel may start now (it waits for each chunk's count, never for the grid).
+  int* const myprog =
+      prog != nullptr ? prog + (static_cast<int64_t>(n) * d.Hv + h) * nvb + vb : nullptr;
+  if (myprog != nullptr) pdl_launch_dependents();
   const int64_t ldW = static_cast<int64_t>(d.Hv) * d.dk, ldK = static_cast<int64_t>(d.Hk) * d.dk;
   const int64_t ldU = static_cast<int64_t>(d.Hv) * d.dv;
   // This thread's staging pieces, fixed for the pass (no division per chunk).
@@ -319,6 +351,10 @@ __global__ void __launch_bounds__(kStateThreads* KS)
     cp_async_wait_pending(ns - 2);
     __syncthreads();  // chunk i staged and visible; every warp is done with chunk i - 1's buffer,
                       // red and the previous V' tile
+    // Chunks 0 .. i - 2 are in Ht and Vt (V' of chunk i - 1 may still be in Vs): published every
+    // kPublishEvery chunks, by one thread after the barrier that ordered every thread's stores.
+    if (myprog != nullptr && tid == 0 && i >= 2 && i % kPublishEvery == 0)
+      publish_count(myprog, i - 1);
     stage(i + ns - 1, b == 0 ? ns - 1 : b - 1);  // the buffer chunk i - 1 used
     if (snap && i > 0)  // V' of the previous chunk, written before the barrier above
       store_rows(Vt + (slot - d.Hv) * d.dv * kC + static_cast<int64_t>(col0) * kC, kC, Vs, kLdP,
@@ -456,6 +492,10 @@ __global__ void __launch_bounds__(kStateThreads* KS)
       }
     }
   }
+  if (myprog != nullptr) {  // every chunk and hT: the trailing output's last wait ends here
+    __syncthreads();
+    if (tid == 0) publish_count(myprog, nch);
+  }
 }
 
 // --- output
@@ -465,18 +505,23 @@ size_t output_smem(const Dims& d) {
          kVecBytes;
 }
 
+// kTrail: beside the state pass (fast_state_output): grid (Hv, chunks), so that the blocks start
+// chunk by chunk in the order the pass finishes them, and H, V' staged once `prog` (the pass's
+// pvb blocks of this document and head) has passed the chunk. Otherwise grid (chunks, Hv).
+template <bool kTrail>
 __global__ void __launch_bounds__(kThreads, 2)
     gdr_fast_output_kernel(Dims d, IndexView ix,
-                           const bf16_t* __restrict__ qn,  // [T, Hk, dk]
-                           const bf16_t* __restrict__ kn,  // [T, Hk, dk]
-                           const bf16_t* __restrict__ Ht,  // [nt_max, Hv, dv, dk]
-                           const bf16_t* __restrict__ Vt,  // [nt_max, Hv, dv, 64]
-                           const float* __restrict__ gam,  // [nt_max, Hv, 64]
-                           bf16_t* __restrict__ o) {       // [T, Hv, dv]
-  const int c = static_cast<int>(blockIdx.x);
+                           const bf16_t* __restrict__ qn,            // [T, Hk, dk]
+                           const bf16_t* __restrict__ kn,            // [T, Hk, dk]
+                           const bf16_t* __restrict__ Ht,            // [nt_max, Hv, dv, dk]
+                           const bf16_t* __restrict__ Vt,            // [nt_max, Hv, dv, 64]
+                           const float* __restrict__ gam,            // [nt_max, Hv, 64]
+                           bf16_t* __restrict__ o,                   // [T, Hv, dv]
+                           const int* __restrict__ prog, int pvb) {  // kTrail: [N, Hv, pvb]
+  const int c = static_cast<int>(kTrail ? blockIdx.y : blockIdx.x);
   const ChunkInfo ci = ix.table[c];
   if (ci.len <= 0) return;
-  const int h = static_cast<int>(blockIdx.y), kh = h / d.r, L = ci.len;
+  const int h = static_cast<int>(kTrail ? blockIdx.x : blockIdx.y), kh = h / d.r, L = ci.len;
   const int64_t t0 = ci.t0;
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const int g8 = lane >> 2;
@@ -494,10 +539,18 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int64_t slot = static_cast<int64_t>(c) * d.Hv + h;
   stage_tile(Qs, ldk, qn + (t0 * d.Hk + kh) * d.dk, ldq, L, d.dk, kC, d.KP, true);
   stage_tile(Ks, ldk, kn + (t0 * d.Hk + kh) * d.dk, ldq, L, d.dk, kC, d.KP, true);
+  stage_gamma(gm, gam + slot * kC);
+  if constexpr (kTrail) {  // Q, K and gamma are in flight; H and V' once the pass is past c
+    cp_async_commit();
+    if (tid < pvb) {
+      const int* p = prog + (static_cast<int64_t>(ci.doc) * d.Hv + h) * pvb + tid;
+      while (acquire_count(p) <= ci.idx) __nanosleep(200);
+    }
+    __syncthreads();
+  }
   stage_tile(Hs, ldk, Ht + slot * d.dv * d.dk, static_cast<int64_t>(d.dk), d.dv, d.dk, d.VP, d.KP,
              true);
   stage_tile(Vs, kLdP, Vt + slot * d.dv * kC, static_cast<int64_t>(kC), d.dv, kC, d.VP, kC, true);
-  stage_gamma(gm, gam + slot * kC);
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
@@ -561,7 +614,7 @@ int state_split(int64_t blocks) {
 }
 
 StatePipe state_pipe(const Dims& d, int ks, int64_t blocks32, int ns_max,
-                     size_t (*smem)(const Dims&, int, const StatePipe&)) {
+                     size_t (*smem)(const Dims&, int, const StatePipe&), size_t leave) {
   const int64_t f_ns = env::get_int("GDN_GDR_STATE_STAGES");
   const int64_t f_cols = env::get_int("GDN_GDR_STATE_COLS");
   const std::string f_snap = env::get_string("GDN_GDR_STATE_SNAP");
@@ -590,10 +643,11 @@ StatePipe state_pipe(const Dims& d, int ks, int64_t blocks32, int ns_max,
   const int64_t per_sm = std::max<int64_t>(
       1, (blocks + props.multiProcessorCount - 1) / std::max(1, props.multiProcessorCount));
   size_t cap = static_cast<size_t>(props.sharedMemPerBlockOptin);
-  if (f_ns == 0)
-    cap = std::min(
-        cap, static_cast<size_t>(props.sharedMemPerMultiprocessor) / static_cast<size_t>(per_sm) -
-                 static_cast<size_t>(props.reservedSharedMemPerBlock));
+  if (f_ns == 0) {
+    const size_t sm = static_cast<size_t>(props.sharedMemPerMultiprocessor);
+    cap = std::min(cap, (sm > leave ? sm - leave : 0) / static_cast<size_t>(per_sm) -
+                            static_cast<size_t>(props.reservedSharedMemPerBlock));
+  }
   int ns = std::min(f_ns != 0 ? static_cast<int>(f_ns) : ns_max, ns_max);
   for (;; --ns) {
     pp.ns = ns;
@@ -617,49 +671,139 @@ void fast_prep(const Dims& d, const IndexView& ix, const bf16_t* kn, const bf16_
   GDN_CUDA_LAUNCH_CHECK("gdr_fast_prep_kernel");
 }
 
+namespace {
+
+using StateFwdKernel = void (*)(Dims, IndexView, StatePipe, const bf16_t*, const bf16_t*,
+                                const bf16_t*, const float*, const float*, bf16_t*, bf16_t*, float*,
+                                int*);
+
+// The state pass's kernel for a split: the constant-shape ones at dk = dv = 128 (ks 1, 4, 8).
+StateFwdKernel state_fwd_kernel(int ks, bool full) {
+  if (ks == 8)
+    return full ? &gdr_fast_state_fwd_kernel<8, true> : &gdr_fast_state_fwd_kernel<8, false>;
+  if (ks == 4)
+    return full ? &gdr_fast_state_fwd_kernel<4, true> : &gdr_fast_state_fwd_kernel<4, false>;
+  if (ks == 2) return &gdr_fast_state_fwd_kernel<2, false>;
+  return full ? &gdr_fast_state_fwd_kernel<1, true> : &gdr_fast_state_fwd_kernel<1, false>;
+}
+
+// A state pass launch: its split, pipeline, grid and value-column blocks per (document, head).
+struct StateFwdPlan {
+  int ks, nvb;
+  StatePipe pp;
+  dim3 grid;
+  unsigned threads;
+  size_t smem;
+  StateFwdKernel kernel;
+};
+StateFwdPlan plan_state_fwd(const Dims& d, size_t leave) {
+  StateFwdPlan p{};
+  const int64_t blocks32 = static_cast<int64_t>(d.N) * ((d.VP + kVB - 1) / kVB);
+  p.ks = state_split(blocks32 * d.Hv);
+  p.pp = state_pipe(d, p.ks, blocks32 * d.Hv, 4, &state_fwd_smem, leave);
+  const int vbw = 16 * p.pp.nvw;
+  p.nvb = (d.VP + vbw - 1) / vbw;
+  p.smem = state_fwd_smem(d, p.ks, p.pp);
+  p.grid = dim3(grid_x(static_cast<int64_t>(d.N) * p.nvb, "gdr_fast_state_fwd_kernel"),
+                static_cast<unsigned>(d.Hv));
+  p.threads = static_cast<unsigned>(32 * p.pp.nvw * p.ks);
+  p.kernel = state_fwd_kernel(p.ks, d.dk == 128 && d.dv == 128);
+  return p;
+}
+void launch_state_fwd(const StateFwdPlan& p, const Dims& d, const IndexView& ix, const bf16_t* W,
+                      const bf16_t* kn, const bf16_t* U, const float* gam, const float* h0,
+                      bf16_t* Ht, bf16_t* Vt, float* hT, int* prog, cudaStream_t s) {
+  allow_smem(reinterpret_cast<const void*>(p.kernel), p.smem, "gdr_fast_state_fwd_kernel", d.dk,
+             d.dv);
+  p.kernel<<<p.grid, p.threads, p.smem, s>>>(d, ix, p.pp, W, kn, U, gam, h0, Ht, Vt, hT, prog);
+  GDN_CUDA_LAUNCH_CHECK("gdr_fast_state_fwd_kernel");
+}
+
+// Registers a block of `threads` threads of this kernel takes on an SM (allocated per warp in
+// units of 256: the per-thread count rounded up to 8).
+int64_t block_regs(const void* kernel, unsigned threads) {
+  cudaFuncAttributes fa{};
+  GDN_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+  return static_cast<int64_t>((fa.numRegs + 7) / 8 * 8) * 32 * ((threads + 31) / 32);
+}
+
+}  // namespace
+
 void fast_state_fwd(const Dims& d, const IndexView& ix, const bf16_t* W, const bf16_t* kn,
                     const bf16_t* U, const float* gam, const float* h0, bf16_t* Ht, bf16_t* Vt,
                     float* hT, cudaStream_t s) {
-  const int64_t blocks32 = static_cast<int64_t>(d.N) * ((d.VP + kVB - 1) / kVB);
-  const int ks = state_split(blocks32 * d.Hv);
-  const StatePipe pp = state_pipe(d, ks, blocks32 * d.Hv, 4, &state_fwd_smem);
-  const int vbw = 16 * pp.nvw;
-  const int64_t blocks = static_cast<int64_t>(d.N) * ((d.VP + vbw - 1) / vbw);
-  const size_t smem = state_fwd_smem(d, ks, pp);
-  const dim3 grid(grid_x(blocks, "gdr_fast_state_fwd_kernel"), static_cast<unsigned>(d.Hv));
-  const unsigned threads = static_cast<unsigned>(32 * pp.nvw * ks);
-  auto launch = [&](auto kernel) {
-    allow_smem(reinterpret_cast<const void*>(kernel), smem, "gdr_fast_state_fwd_kernel", d.dk,
-               d.dv);
-    kernel<<<grid, threads, smem, s>>>(d, ix, pp, W, kn, U, gam, h0, Ht, Vt, hT);
-  };
-  const bool full = d.dk == 128 && d.dv == 128;  // the constant-shape kernels (ks 1, 4, 8)
-  if (ks == 8 && full)
-    launch(&gdr_fast_state_fwd_kernel<8, true>);
-  else if (ks == 8)
-    launch(&gdr_fast_state_fwd_kernel<8, false>);
-  else if (ks == 4 && full)
-    launch(&gdr_fast_state_fwd_kernel<4, true>);
-  else if (ks == 4)
-    launch(&gdr_fast_state_fwd_kernel<4, false>);
-  else if (ks == 2)
-    launch(&gdr_fast_state_fwd_kernel<2, false>);
-  else if (full)
-    launch(&gdr_fast_state_fwd_kernel<1, true>);
-  else
-    launch(&gdr_fast_state_fwd_kernel<1, false>);
-  GDN_CUDA_LAUNCH_CHECK("gdr_fast_state_fwd_kernel");
+  launch_state_fwd(plan_state_fwd(d, 0), d, ix, W, kn, U, gam, h0, Ht, Vt, hT, nullptr, s);
 }
 
 void fast_output(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
                  const bf16_t* Ht, const bf16_t* Vt, const float* gam, bf16_t* o, cudaStream_t s) {
   if (d.nt_max == 0) return;
   const size_t smem = output_smem(d);
-  allow_smem(reinterpret_cast<const void*>(&gdr_fast_output_kernel), smem, "gdr_fast_output_kernel",
-             d.dk, d.dv);
+  allow_smem(reinterpret_cast<const void*>(&gdr_fast_output_kernel<false>), smem,
+             "gdr_fast_output_kernel", d.dk, d.dv);
   const dim3 grid(grid_x(d.nt_max, "gdr_fast_output_kernel"), static_cast<unsigned>(d.Hv));
-  gdr_fast_output_kernel<<<grid, kThreads, smem, s>>>(d, ix, qn, kn, Ht, Vt, gam, o);
+  gdr_fast_output_kernel<false>
+      <<<grid, kThreads, smem, s>>>(d, ix, qn, kn, Ht, Vt, gam, o, nullptr, 0);
   GDN_CUDA_LAUNCH_CHECK("gdr_fast_output_kernel");
+}
+
+size_t fast_trail_prog_bytes(const Dims& d) {
+  return static_cast<size_t>(d.N) * static_cast<size_t>(d.Hv) * static_cast<size_t>(d.VP / 16) *
+         sizeof(int);
+}
+
+namespace {
+
+// The state pass's plan for fast_state_output, and whether the output runs beside it.
+bool plan_trail(const Dims& d, bool have_prog, StateFwdPlan* plan) {
+  const std::string knob = env::get_string("GDN_GDR_TRAIL");
+  GDN_CHECK(knob.empty() || knob == "auto" || knob == "off",
+            "GDN_GDR_TRAIL={} is not one of auto, off", knob);
+  const cudaDeviceProp& props = cuda::Context::get().props();
+  const size_t out_smem = output_smem(d);
+  const size_t reserved = static_cast<size_t>(props.reservedSharedMemPerBlock);
+  // Only while the pass's blocks (one per SM: ks > 1) leave SMs idle, the output grid's
+  // (Hv, chunks) shape fits, and a block of each fits an SM together.
+  bool trail = knob != "off" && have_prog && d.nt_max > 0 && d.nt_max <= 65535 &&
+               state_split(static_cast<int64_t>(d.N) * ((d.VP + kVB - 1) / kVB) * d.Hv) > 1;
+  *plan = plan_state_fwd(d, trail ? out_smem + reserved : 0);
+  if (trail) {
+    const int64_t regs =
+        block_regs(reinterpret_cast<const void*>(plan->kernel), plan->threads) +
+        block_regs(reinterpret_cast<const void*>(&gdr_fast_output_kernel<true>), kThreads);
+    trail = plan->smem + out_smem + 2 * reserved <=
+                static_cast<size_t>(props.sharedMemPerMultiprocessor) &&
+            regs <= props.regsPerMultiprocessor &&
+            static_cast<int>(plan->threads) + kThreads <= props.maxThreadsPerMultiProcessor;
+    if (!trail) *plan = plan_state_fwd(d, 0);
+  }
+  return trail;
+}
+
+}  // namespace
+
+void fast_state_output(const Dims& d, const IndexView& ix, const bf16_t* W, const bf16_t* qn,
+                       const bf16_t* kn, const bf16_t* U, const float* gam, const float* h0,
+                       bf16_t* Ht, bf16_t* Vt, float* hT, bf16_t* o, int* prog, cudaStream_t s) {
+  StateFwdPlan p{};
+  if (!plan_trail(d, prog != nullptr, &p)) {
+    launch_state_fwd(p, d, ix, W, kn, U, gam, h0, Ht, Vt, hT, nullptr, s);
+    fast_output(d, ix, qn, kn, Ht, Vt, gam, o, s);
+    return;
+  }
+  GDN_CUDA_CHECK(cudaMemsetAsync(prog, 0, fast_trail_prog_bytes(d), s));
+  launch_state_fwd(p, d, ix, W, kn, U, gam, h0, Ht, Vt, hT, prog, s);
+  void (*const out_kernel)(Dims, IndexView, const bf16_t*, const bf16_t*, const bf16_t*,
+                           const bf16_t*, const float*, bf16_t*, const int*, int) =
+      &gdr_fast_output_kernel<true>;
+  const size_t out_smem = output_smem(d);
+  allow_smem(reinterpret_cast<const void*>(out_kernel), out_smem, "gdr_fast_output_kernel", d.dk,
+             d.dv);
+  cuda::launch_pdl_smem(
+      out_kernel, dim3(static_cast<unsigned>(d.Hv), static_cast<unsigned>(d.nt_max)),
+      dim3(kThreads), out_smem, s, d, ix, qn, kn, static_cast<const bf16_t*>(Ht),
+      static_cast<const bf16_t*>(Vt), gam, o, static_cast<const int*>(prog), p.nvb);
+  GDN_CUDA_LAUNCH_CHECK("gdr_fast_output_kernel (trailing)");
 }
 
 }  // namespace gdn::ops::gdr
@@ -670,6 +814,27 @@ void gdr_set_state_split(int ks) {
   GDN_CHECK(ks == 0 || ks == 1 || ks == 2 || ks == 4 || ks == 8,
             "gated_delta_rule (cuda): state split {} is not one of 0 (automatic), 1, 2, 4, 8", ks);
   gdr::g_state_split.store(ks, std::memory_order_relaxed);
+}
+
+bool gdr_trailing_output_for(int64_t T, int64_t N, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv) {
+  GDN_CHECK(T >= 0 && N >= 1 && Hk >= 1 && Hv >= Hk && Hv % Hk == 0 && dk % 8 == 0 && dv % 8 == 0 &&
+                dk >= 8 && dk <= 128 && dv >= 8 && dv <= 128,
+            "gdr_trailing_output_for: no fast-route batch of T {} N {} Hk {} Hv {} dk {} dv {}", T,
+            N, Hk, Hv, dk, dv);
+  gdr::Dims d{};
+  d.T = static_cast<int>(T);
+  d.N = static_cast<int>(N);
+  d.Hk = static_cast<int>(Hk);
+  d.Hv = static_cast<int>(Hv);
+  d.r = d.Hv / d.Hk;
+  d.dk = static_cast<int>(dk);
+  d.dv = static_cast<int>(dv);
+  d.KP = gdr::pad16(d.dk);
+  d.VP = gdr::pad16(d.dv);
+  d.nt_max = gdr_max_chunks(T, N);
+  d.vec = true;
+  gdr::StateFwdPlan p{};
+  return gdr::plan_trail(d, true, &p);
 }
 
 int gdr_state_split_for(int64_t N, int64_t Hv, int64_t dv) {
