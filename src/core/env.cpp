@@ -93,6 +93,11 @@ constexpr Knob kKnobs[] = {
      "gated_delta_rule on CUDA, fast route's state passes (A/B): chunk buffers of the staging "
      "ring, 2..4 (at most what fits); 0 chooses. Scheduling-only: same results.",
      true, nullptr},
+    {"GDN_GDR_TRAIL", KnobType::Choice, "auto",
+     "gated_delta_rule on CUDA, fast route's forward (A/B): 'off' runs the output kernel after the "
+     "state pass instead of beside it (at few documents the output of each chunk starts once the "
+     "pass has published it: cuda_fast_fwd.cu). Scheduling-only: same results.",
+     true, "auto|off"},
     {"GDN_GRADS_IN_ACTIVATIONS", KnobType::Bool, "1",
      "Training with one micro-batch per step (train.grad_accum 1): 1 places the fp32 parameter "
      "gradients in activation memory the backward has already consumed (layer l's over the "
