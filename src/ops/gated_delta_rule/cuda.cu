@@ -6,8 +6,9 @@
 //   with the sequential passes' state in registers:
 //   forward:  [index] [l2norm] prep (gamma, W, U) -> state_fwd (Ht, Vt, hT) -> output (o), the
 //             output beside the state pass at few documents (cuda_fast.h: fast_state_output)
-//   backward: [index] [l2norm] prep (+ T) -> state_fwd -> dvloc -> state_bwd (dHt, dVt, dh0) ->
-//             dqkw (dq_h, dk_h, dW, dg part) -> wy (dv, dbeta, dg, dk_h +=) -> reduce (dq, dk)
+//   backward: [index] [l2norm] prep (+ T) and dvloc (one grid) -> state_fwd -> state_bwd (dHt,
+//             dVt, dh0) -> dqkw (dq_h, dk_h, dW, dg part) -> wy (dv, dbeta, dg, dk_h +=) ->
+//             reduce (dq, dk)
 // generic (cuda_kernels.h; any dims up to 256, unaligned tensors; every shape with
 //   GDN_GDR_GENERIC=1): WMMA kernels
 //   forward:  [index] [l2norm] prep (W, U) -> state_fwd (H, V', hT) -> output (o)
@@ -200,24 +201,30 @@ struct FastFwd {
   const bf16_t* Ht;
   const bf16_t* Vt;
 };
-// The forward's o and the trailing output's progress counts (fast_state_output); both null in
-// the backward.
-struct FastOut {
-  bf16_t* o;
-  int* prog;
+// What run_fast_fwd adds to prep and the state pass: the forward's o and the trailing output's
+// progress counts (fast_state_output), or the backward's dV'_loc (from dO, in prep's grid).
+struct FastExtra {
+  bf16_t* o = nullptr;
+  int* prog = nullptr;
+  const bf16_t* dout = nullptr;
+  float* dvl = nullptr;
 };
 // prep, then the state pass into `saved` or scratch (the backward without `saved`; with `out`, the
 // forward's pass and output), or prep without U and Ht, Vt from `saved` (the backward given it:
 // `run_state` false).
 FastFwd run_fast_fwd(const gdr::Dims& d, const FastFwdScratch& f, char* base, const Prologue& p,
                      const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& h0,
-                     float* hT, bf16_t* Tinv, const Saved& sv, bool run_state, const FastOut& out,
+                     float* hT, bf16_t* Tinv, const Saved& sv, bool run_state, const FastExtra& out,
                      cudaStream_t s) {
   bf16_t* Ht = sv ? sv.Ht : at<bf16_t>(base, f.Ht);
   bf16_t* Vt = sv ? sv.Vt : at<bf16_t>(base, f.Vt);
   FastFwd r{at<bf16_t>(base, f.W), at<float>(base, f.gam), Ht, Vt};
   bf16_t* U = run_state ? at<bf16_t>(base, f.U) : nullptr;
-  gdr::fast_prep(d, p.ix, p.kn, bf(v), g.ptr<float>(), beta.ptr<float>(), r.W, U, r.gam, Tinv, s);
+  if (out.dvl != nullptr)
+    gdr::fast_prep_dvloc(d, p.ix, p.qn, p.kn, bf(v), g.ptr<float>(), beta.ptr<float>(), out.dout,
+                         r.W, U, r.gam, Tinv, out.dvl, s);
+  else
+    gdr::fast_prep(d, p.ix, p.kn, bf(v), g.ptr<float>(), beta.ptr<float>(), r.W, U, r.gam, Tinv, s);
   if (run_state && out.o != nullptr)
     gdr::fast_state_output(d, p.ix, r.W, p.qn, p.kn, U, r.gam, f32_or_null(h0), Ht, Vt, hT, out.o,
                            out.prog, s);
@@ -237,7 +244,7 @@ void forward_fast(const GatedDeltaRuleFwd& a, const gdr::Dims& d) {
   cudaStream_t s = ctx.stream();
   const Prologue p = run_prologue(d, ps, base, a.q, a.k, a.cu_seqlens, s);
   run_fast_fwd(d, f, base, p, a.v, a.g, a.beta, a.h0, f32_out_or_null(a.hT), nullptr, sv, true,
-               {bf_out(a.o), at<int>(base, o_prog)}, s);
+               {.o = bf_out(a.o), .prog = at<int>(base, o_prog)}, s);
 }
 
 void backward_fast(const GatedDeltaRuleBwd& a, const gdr::Dims& d) {
@@ -258,16 +265,15 @@ void backward_fast(const GatedDeltaRuleBwd& a, const gdr::Dims& d) {
   cudaStream_t s = ctx.stream();
   const Prologue p = run_prologue(d, ps, base, a.q, a.k, a.cu_seqlens, s);
   bf16_t* Tinv = at<bf16_t>(base, o_Tinv);
-  const FastFwd r =
-      run_fast_fwd(d, f, base, p, a.v, a.g, a.beta, a.h0, nullptr, Tinv, sv, !sv, {}, s);
   float* dvl = at<float>(base, o_dvl);
+  const FastFwd r = run_fast_fwd(d, f, base, p, a.v, a.g, a.beta, a.h0, nullptr, Tinv, sv, !sv,
+                                 {.dout = bf(a.dout), .dvl = dvl}, s);
   bf16_t* dHt = at<bf16_t>(base, o_dHt);
   bf16_t* dVt = at<bf16_t>(base, o_dVt);
   float* dqh = at<float>(base, o_dqh);
   float* dkh = at<float>(base, o_dkh);
   float* dgp = at<float>(base, o_dgp);
   bf16_t* dW = r.W;  // W is dead once the reverse pass has run
-  gdr::fast_dvloc(d, p.ix, p.qn, p.kn, bf(a.dout), r.gam, dvl, s);
   gdr::fast_state_bwd(d, p.ix, p.qn, p.kn, r.W, bf(a.dout), dvl, r.gam, f32_or_null(a.dhT), dHt,
                       dVt, f32_out_or_null(a.dh0), s);
   gdr::fast_dqkw(d, p.ix, p.qn, p.kn, bf(a.dout), r.Vt, dVt, r.Ht, dHt, r.gam, dqh, dkh, dW, dgp,

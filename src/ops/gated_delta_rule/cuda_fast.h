@@ -7,9 +7,10 @@
 // mma.sync tensor cores and the sequential passes keeping their state in registers:
 //   forward   prep (per chunk: gamma, T = (I + M)^{-1}, W, U) -> state_fwd (per document, value
 //             head, 32 value columns: chunk-start snapshots H, V', hT) -> output (per chunk)
-//   backward  prep (+ T kept) -> state_fwd -> dvloc (per chunk) -> state_bwd (reverse: dH, dV',
-//             dh0) -> dqkw (per chunk: dq_h, dk_h part, dW, dg part) -> wy (per chunk: dv, dbeta,
-//             dg, dk_h +=) -> reduce (dq, dk over the r value heads, l2norm backward)
+//   backward  prep (+ T kept) and dvloc (per chunk, one grid) -> state_fwd -> state_bwd
+//             (reverse: dH, dV', dh0) -> dqkw (per chunk: dq_h, dk_h part, dW, dg part) -> wy (per
+//             chunk: dv, dbeta, dg, dk_h +=) -> reduce (dq, dk over the r value heads, l2norm
+//             backward)
 // Intermediates that only the op's kernels read are stored per chunk slot c in "transposed" layouts
 // that the register fragments write with 4-byte stores and the next kernel stages as ldmatrix
 // tiles: Ht / dHt [chunks, Hv, dv, dk] (S^T of the chunk-start state / dS^T of the chunk-end
@@ -127,6 +128,11 @@ __device__ __forceinline__ void state_exchange_sum(float (&x)[8][4], float4* red
 void fast_prep(const Dims& d, const IndexView& ix, const bf16_t* kn, const bf16_t* v,
                const float* g, const float* beta, bf16_t* W, bf16_t* U, float* gam, bf16_t* Tinv,
                cudaStream_t s);
+// The backward's prep (as fast_prep) and dvlocT = (s P^T dO)^T per chunk (the intra-chunk part of
+// dV') in one grid, the two kinds of block interleaved (neither reads what the other writes).
+void fast_prep_dvloc(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
+                     const bf16_t* v, const float* g, const float* beta, const bf16_t* dout,
+                     bf16_t* W, bf16_t* U, float* gam, bf16_t* Tinv, float* dvlocT, cudaStream_t s);
 // Sequential over each document's chunks: Ht, Vt and (when not null) hT.
 void fast_state_fwd(const Dims& d, const IndexView& ix, const bf16_t* W, const bf16_t* kn,
                     const bf16_t* U, const float* gam, const float* h0, bf16_t* Ht, bf16_t* Vt,
@@ -157,9 +163,6 @@ void fused_fwd(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_
                float* hT, bf16_t* Ht, bf16_t* Vt, cudaStream_t s);
 
 // --- backward ---
-// dvlocT = (s P^T dO)^T per chunk (the intra-chunk part of dV').
-void fast_dvloc(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
-                const bf16_t* dout, const float* gam, float* dvlocT, cudaStream_t s);
 // Reverse over each document's chunks: dHt (chunk-end state gradients), dVt (dV') and dh0.
 void fast_state_bwd(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
                     const bf16_t* W, const bf16_t* dout, const float* dvlocT, const float* gam,

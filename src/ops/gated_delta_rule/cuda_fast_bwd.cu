@@ -1,7 +1,8 @@
 // Gated delta rule, fast CUDA path: the backward kernels. cuda_fast.h has the chain and the scratch
 // layouts, cuda_mma.cuh the fragment conventions; the formulas are cpu.cpp's backward (its header
 // lists them), split as FLA splits them (fla/ops/gated_delta_rule/chunk.py):
-//   dvloc      dV'_loc = s P^T dO, stored transposed (fla chunk_bwd_kernel_dv_local)
+//   dvloc      dV'_loc = s P^T dO, stored transposed (fla chunk_bwd_kernel_dv_local): in
+//              cuda_fast_fwd.cu, where it runs in one grid with the backward's prep
 //   state_bwd  reverse over chunks, per (document, value head, 16 or 32 value columns), 1 or 2 KS
 //              warps (KS = the dk split, cuda_fast.h), dS^T in fp32 mma accumulators (fla
 //              chunk_gated_delta_rule_bwd_kernel_dhu): per chunk bf16(dS^T) is the snapshot dH_c
@@ -117,91 +118,6 @@ __device__ void pair_sums(float* F, float* qtot, float* ppart, float* pair) {
   if (tid < kC)
     pair[tid] = ((ppart[4 * tid] + ppart[4 * tid + 1]) + ppart[4 * tid + 2]) + ppart[4 * tid + 3];
   __syncthreads();
-}
-
-// --- dV'_loc -------------------------------------------------------------------------------------
-size_t dvloc_smem(const Dims& d) {
-  return 2 * tile_bytes_bf16(kC, d.KP) + tile_bytes_bf16(kC, d.VP) + tile_bytes_bf16(kC, kC) +
-         kVecBytes;
-}
-
-__global__ void __launch_bounds__(kThreads, 2)
-    gdr_fast_dvloc_kernel(Dims d, IndexView ix,
-                          const bf16_t* __restrict__ qn,    // [T, Hk, dk]
-                          const bf16_t* __restrict__ kn,    // [T, Hk, dk]
-                          const bf16_t* __restrict__ dout,  // [T, Hv, dv]
-                          const float* __restrict__ gam,    // [nt_max, Hv, 64]
-                          float* __restrict__ dvlocT) {     // [nt_max, Hv, dv, 64]
-  const int c = static_cast<int>(blockIdx.x);
-  const ChunkInfo ci = ix.table[c];
-  if (ci.len <= 0) return;
-  const int h = static_cast<int>(blockIdx.y), kh = h / d.r, L = ci.len;
-  const int64_t t0 = ci.t0;
-  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5;
-  const int ldk = ld_of(d.KP), ldv = ld_of(d.VP), nkb = d.KP / 16;
-  extern __shared__ __align__(128) char smem[];
-  SmemCarver sc(smem);
-  bf16_t* Qs = sc.take<bf16_t>(tile_bytes_bf16(kC, d.KP));   // [64, KP]
-  bf16_t* Ks = sc.take<bf16_t>(tile_bytes_bf16(kC, d.KP));   // [64, KP]
-  bf16_t* dOs = sc.take<bf16_t>(tile_bytes_bf16(kC, d.VP));  // [64, VP]
-  bf16_t* Ps = sc.take<bf16_t>(tile_bytes_bf16(kC, kC));     // [64, 64] P, j <= i
-  float* gm = sc.vec();
-  sc.done();
-
-  const int64_t ldq = static_cast<int64_t>(d.Hk) * d.dk, ldV = static_cast<int64_t>(d.Hv) * d.dv;
-  const int64_t slot = static_cast<int64_t>(c) * d.Hv + h;
-  stage_tile(Qs, ldk, qn + (t0 * d.Hk + kh) * d.dk, ldq, L, d.dk, kC, d.KP, true);
-  stage_tile(Ks, ldk, kn + (t0 * d.Hk + kh) * d.dk, ldq, L, d.dk, kC, d.KP, true);
-  stage_tile(dOs, ldv, dout + (t0 * d.Hv + h) * d.dv, ldV, L, d.dv, kC, d.VP, true);
-  stage_gamma(gm, gam + slot * kC);
-  cp_async_commit();
-  cp_async_wait<0>();
-  __syncthreads();
-  {
-    // P = Q K^T .* D (j <= i): warp (mt, nh) rows 16 mt.., columns 32 nh...
-    const int mt = warp & 3, nh = warp >> 2;
-    float p[4][4] = {};
-    if (32 * nh <= 16 * mt + 15) {
-      for (int kb = 0; kb < nkb; ++kb) {
-        uint32_t a[4], bb[4];
-        load_a_mk(a, Qs, ldk, 16 * mt, 16 * kb);
-#pragma unroll
-        for (int np = 0; np < 2; ++np) {
-          load_b_nk(bb, Ks, ldk, 32 * nh + 16 * np, 16 * kb);
-          mma(p[2 * np], a, bb[0], bb[1]);
-          mma(p[2 * np + 1], a, bb[2], bb[3]);
-        }
-      }
-    }
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int i = 16 * mt + c_row(2 * hf), j = 32 * nh + 8 * nt + c_col(0);
-        const float p0 = j <= i ? p[nt][2 * hf] * expf(gm[i] - gm[j]) : 0.f;
-        const float p1 = j + 1 <= i ? p[nt][2 * hf + 1] * expf(gm[i] - gm[j + 1]) : 0.f;
-        *reinterpret_cast<uint32_t*>(Ps + i * kLdP + j) = pack(p0, p1);
-      }
-    }
-  }
-  __syncthreads();
-  // dvlocT[v][j] = s sum_i dO[i][v] P[i][j]: warp w owns value rows 16 w...
-  if (16 * warp >= d.VP) return;
-  float acc[8][4] = {};
-#pragma unroll
-  for (int kb = 0; kb < 4; ++kb) {
-    uint32_t a[4];
-    load_a_km(a, dOs, ldv, 16 * warp, 16 * kb);
-#pragma unroll
-    for (int np = 0; np < 4; ++np) {
-      if (np > kb) break;  // P[i][j] = 0 for j > i
-      uint32_t bb[4];
-      load_b_kn(bb, Ps, kLdP, 16 * np, 16 * kb);
-      mma(acc[2 * np], a, bb[0], bb[1]);
-      mma(acc[2 * np + 1], a, bb[2], bb[3]);
-    }
-  }
-  fast::store_acc_f32(acc, dvlocT + slot * d.dv * kC, kC, 16 * warp, 0, d.dv, kC, d.scale);
 }
 
 // --- the reverse state pass
@@ -1103,17 +1019,6 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 // --- launchers ----------------------------------------------------------------------------------
-void fast_dvloc(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
-                const bf16_t* dout, const float* gam, float* dvlocT, cudaStream_t s) {
-  if (d.nt_max == 0) return;
-  const size_t smem = dvloc_smem(d);
-  allow_smem(reinterpret_cast<const void*>(&gdr_fast_dvloc_kernel), smem, "gdr_fast_dvloc_kernel",
-             d.dk, d.dv);
-  const dim3 grid(grid_x(d.nt_max, "gdr_fast_dvloc_kernel"), static_cast<unsigned>(d.Hv));
-  gdr_fast_dvloc_kernel<<<grid, kThreads, smem, s>>>(d, ix, qn, kn, dout, gam, dvlocT);
-  GDN_CUDA_LAUNCH_CHECK("gdr_fast_dvloc_kernel");
-}
-
 void fast_state_bwd(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
                     const bf16_t* W, const bf16_t* dout, const float* dvlocT, const float* gam,
                     const float* dhT, bf16_t* dHt, bf16_t* dVt, float* dh0, cudaStream_t s) {

@@ -78,14 +78,15 @@ unsigned grid_x(int64_t n, const char* what) {
 // its document and head pass its chunk, then stages H and V'. The output grid starts only after
 // every block of the pass has started (griddepcontrol.launch_dependents), and the pass never waits
 // for the output, so the waits always end. Publication: after a block barrier that orders every
-// thread's stores of the chunks, one thread fences at GPU scope and stores the count (the
-// reader's acquire load then sees every store before the barrier: the grid-sync pattern), every
-// kPublishEvery chunks so that the fence is rare on the pass's critical path.
+// thread's stores of the chunks, one thread stores the count with release semantics at GPU scope
+// (the reader's acquire load then sees every store before the barrier: the grid-sync pattern),
+// every kPublishEvery chunks so that the release is rare on the pass's critical path.
 constexpr int kPublishEvery = 4;
 
 __device__ __forceinline__ void publish_count(int* p, int v) {
-  __threadfence();
-  asm volatile("st.relaxed.gpu.global.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+  // A release store (cumulative: it also orders the stores the block barrier before it made this
+  // thread observe); lighter than __threadfence(), which is a sequentially consistent fence.
+  asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
 __device__ __forceinline__ int acquire_count(const int* p) {
   int v;
@@ -110,24 +111,33 @@ size_t prep_smem(const Dims& d, bool with_u) {
          kF32Tile16 + 4 * kVecBytes;
 }
 
-__global__ void __launch_bounds__(kThreads, 3)
-    gdr_fast_prep_kernel(Dims d, IndexView ix,
-                         const bf16_t* __restrict__ kn,   // [T, Hk, dk]
-                         const bf16_t* __restrict__ v,    // [T, Hv, dv]
-                         const float* __restrict__ g,     // [T, Hv]
-                         const float* __restrict__ beta,  // [T, Hv]
-                         bf16_t* __restrict__ W,          // [T, Hv, dk]
-                         bf16_t* __restrict__ U,          // [T, Hv, dv] or null (not computed)
-                         float* __restrict__ gam,         // [nt_max, Hv, 64]
-                         bf16_t* __restrict__ Tinv) {     // [nt_max, Hv, 64, 64] or null
-  const int c = static_cast<int>(blockIdx.x);
+// gamma_i = ((g_0 + g_1) + ...) + g_i for thread i < 64 of the chunk's g in gr (0 past its end):
+// every thread runs the same sequence, so gamma never increases with i; past L the zero g's repeat
+// gamma_{L-1} (the padded record). prep and dvloc both take it from here: the same bits.
+__device__ __forceinline__ float chunk_gamma(const float* gr, int tid) {
+  float s = 0.f, mine = 0.f;
+#pragma unroll
+  for (int u = 0; u < kC; ++u) {
+    s += gr[u];
+    if (u == tid) mine = s;
+  }
+  return mine;
+}
+
+// The prep of chunk c, value head h (a block of kThreads; dynamic shared memory prep_smem).
+__device__ __forceinline__ void prep_chunk(const Dims& d, const IndexView& ix, int c, int h,
+                                           const bf16_t* __restrict__ kn,
+                                           const bf16_t* __restrict__ v,
+                                           const float* __restrict__ g,
+                                           const float* __restrict__ beta, bf16_t* __restrict__ W,
+                                           bf16_t* __restrict__ U, float* __restrict__ gam,
+                                           bf16_t* __restrict__ Tinv, char* smem) {
   const ChunkInfo ci = ix.table[c];
   if (ci.len <= 0) return;
-  const int h = static_cast<int>(blockIdx.y), kh = h / d.r, L = ci.len;
+  const int kh = h / d.r, L = ci.len;
   const int64_t t0 = ci.t0;
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5;
   const int ldk = ld_of(d.KP), ldv = ld_of(d.VP), nkb = d.KP / 16;
-  extern __shared__ __align__(128) char smem[];
   SmemCarver sc(smem);
   bf16_t* Ks = sc.take<bf16_t>(tile_bytes_bf16(kC, d.KP));  // [64, KP] K
   bf16_t* Vs = U != nullptr ? sc.take<bf16_t>(tile_bytes_bf16(kC, d.VP))
@@ -157,14 +167,7 @@ __global__ void __launch_bounds__(kThreads, 3)
   __syncthreads();
 
   if (tid < kC) {
-    // gamma_i = ((g_0 + g_1) + ...) + g_i: every thread runs the same sequence, so gamma never
-    // increases with i; past L the zero g's repeat gamma_{L-1} (the padded record).
-    float s = 0.f, mine = 0.f;
-#pragma unroll
-    for (int u = 0; u < kC; ++u) {
-      s += gr[u];
-      if (u == tid) mine = s;
-    }
+    const float mine = chunk_gamma(gr, tid);
     gm[tid] = mine;
     bG[tid] = bs[tid] * expf(mine);
     gam[(static_cast<int64_t>(c) * d.Hv + h) * kC + tid] = mine;
@@ -226,6 +229,127 @@ __global__ void __launch_bounds__(kThreads, 3)
     fast::store_acc_bf16(acc, U + (t0 * d.Hv + h) * d.dv, static_cast<int64_t>(d.Hv) * d.dv,
                          16 * mt, 64 * nh, L, d.dv, 1.f);
   }
+}
+
+__global__ void __launch_bounds__(kThreads, 3)
+    gdr_fast_prep_kernel(Dims d, IndexView ix,
+                         const bf16_t* __restrict__ kn,   // [T, Hk, dk]
+                         const bf16_t* __restrict__ v,    // [T, Hv, dv]
+                         const float* __restrict__ g,     // [T, Hv]
+                         const float* __restrict__ beta,  // [T, Hv]
+                         bf16_t* __restrict__ W,          // [T, Hv, dk]
+                         bf16_t* __restrict__ U,          // [T, Hv, dv] or null (not computed)
+                         float* __restrict__ gam,         // [nt_max, Hv, 64]
+                         bf16_t* __restrict__ Tinv) {     // [nt_max, Hv, 64, 64] or null
+  extern __shared__ __align__(128) char smem[];
+  prep_chunk(d, ix, static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), kn, v, g, beta, W,
+             U, gam, Tinv, smem);
+}
+
+// --- dV'_loc (the backward's, beside its prep) ---------------------------------------------------
+size_t dvloc_smem(const Dims& d) {
+  return 2 * tile_bytes_bf16(kC, d.KP) + tile_bytes_bf16(kC, d.VP) + tile_bytes_bf16(kC, kC) +
+         2 * kVecBytes;
+}
+
+// dvlocT[c, h] = (s P^T dO)^T for chunk c, value head h (fla chunk_bwd_kernel_dv_local), with gamma
+// taken from g here (chunk_gamma: the bits prep writes to gam), so that it does not wait for prep.
+__device__ __forceinline__ void dvloc_chunk(const Dims& d, const IndexView& ix, int c, int h,
+                                            const bf16_t* __restrict__ qn,
+                                            const bf16_t* __restrict__ kn,
+                                            const bf16_t* __restrict__ dout,
+                                            const float* __restrict__ g, float* __restrict__ dvlocT,
+                                            char* smem) {
+  const ChunkInfo ci = ix.table[c];
+  if (ci.len <= 0) return;
+  const int kh = h / d.r, L = ci.len;
+  const int64_t t0 = ci.t0;
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5;
+  const int ldk = ld_of(d.KP), ldv = ld_of(d.VP), nkb = d.KP / 16;
+  SmemCarver sc(smem);
+  bf16_t* Qs = sc.take<bf16_t>(tile_bytes_bf16(kC, d.KP));   // [64, KP]
+  bf16_t* Ks = sc.take<bf16_t>(tile_bytes_bf16(kC, d.KP));   // [64, KP]
+  bf16_t* dOs = sc.take<bf16_t>(tile_bytes_bf16(kC, d.VP));  // [64, VP]
+  bf16_t* Ps = sc.take<bf16_t>(tile_bytes_bf16(kC, kC));     // [64, 64] P, j <= i
+  float* gr = sc.vec();                                      // [64] g (0 past L)
+  float* gm = sc.vec();                                      // [64] gamma
+  sc.done();
+
+  const int64_t ldq = static_cast<int64_t>(d.Hk) * d.dk, ldV = static_cast<int64_t>(d.Hv) * d.dv;
+  const int64_t slot = static_cast<int64_t>(c) * d.Hv + h;
+  stage_tile(Qs, ldk, qn + (t0 * d.Hk + kh) * d.dk, ldq, L, d.dk, kC, d.KP, true);
+  stage_tile(Ks, ldk, kn + (t0 * d.Hk + kh) * d.dk, ldq, L, d.dk, kC, d.KP, true);
+  stage_tile(dOs, ldv, dout + (t0 * d.Hv + h) * d.dv, ldV, L, d.dv, kC, d.VP, true);
+  if (tid < kC) gr[tid] = tid < L ? g[(t0 + tid) * d.Hv + h] : 0.f;
+  cp_async_commit();
+  __syncthreads();  // g
+  if (tid < kC) gm[tid] = chunk_gamma(gr, tid);
+  cp_async_wait<0>();
+  __syncthreads();
+  {
+    // P = Q K^T .* D (j <= i): warp (mt, nh) rows 16 mt.., columns 32 nh...
+    const int mt = warp & 3, nh = warp >> 2;
+    float p[4][4] = {};
+    if (32 * nh <= 16 * mt + 15) {
+      for (int kb = 0; kb < nkb; ++kb) {
+        uint32_t a[4], bb[4];
+        load_a_mk(a, Qs, ldk, 16 * mt, 16 * kb);
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+          load_b_nk(bb, Ks, ldk, 32 * nh + 16 * np, 16 * kb);
+          mma(p[2 * np], a, bb[0], bb[1]);
+          mma(p[2 * np + 1], a, bb[2], bb[3]);
+        }
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = 16 * mt + c_row(2 * hf), j = 32 * nh + 8 * nt + c_col(0);
+        const float p0 = j <= i ? p[nt][2 * hf] * expf(gm[i] - gm[j]) : 0.f;
+        const float p1 = j + 1 <= i ? p[nt][2 * hf + 1] * expf(gm[i] - gm[j + 1]) : 0.f;
+        *reinterpret_cast<uint32_t*>(Ps + i * kLdP + j) = pack(p0, p1);
+      }
+    }
+  }
+  __syncthreads();
+  // dvlocT[v][j] = s sum_i dO[i][v] P[i][j]: warp w owns value rows 16 w...
+  if (16 * warp >= d.VP) return;
+  float acc[8][4] = {};
+#pragma unroll
+  for (int kb = 0; kb < 4; ++kb) {
+    uint32_t a[4];
+    load_a_km(a, dOs, ldv, 16 * warp, 16 * kb);
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      if (np > kb) break;  // P[i][j] = 0 for j > i
+      uint32_t bb[4];
+      load_b_kn(bb, Ps, kLdP, 16 * np, 16 * kb);
+      mma(acc[2 * np], a, bb[0], bb[1]);
+      mma(acc[2 * np + 1], a, bb[2], bb[3]);
+    }
+  }
+  fast::store_acc_f32(acc, dvlocT + slot * d.dv * kC, kC, 16 * warp, 0, d.dv, kC, d.scale);
+}
+
+// The backward's prep (W, gam, T; U when asked) and dV'_loc in one grid whose blocks alternate
+// between the two (x even: prep of chunk x / 2, odd: dV'_loc of it), so that prep's shared-memory-
+// bound blocks and dV'_loc's memory-bound ones share the SMs instead of running one after the
+// other; neither reads what the other writes.
+__global__ void __launch_bounds__(kThreads, 3)
+    gdr_fast_prep_dvloc_kernel(Dims d, IndexView ix, const bf16_t* __restrict__ qn,
+                               const bf16_t* __restrict__ kn, const bf16_t* __restrict__ v,
+                               const float* __restrict__ g, const float* __restrict__ beta,
+                               const bf16_t* __restrict__ dout, bf16_t* __restrict__ W,
+                               bf16_t* __restrict__ U, float* __restrict__ gam,
+                               bf16_t* __restrict__ Tinv, float* __restrict__ dvlocT) {
+  extern __shared__ __align__(128) char smem[];
+  const int c = static_cast<int>(blockIdx.x >> 1), h = static_cast<int>(blockIdx.y);
+  if ((blockIdx.x & 1u) == 0u)
+    prep_chunk(d, ix, c, h, kn, v, g, beta, W, U, gam, Tinv, smem);
+  else
+    dvloc_chunk(d, ix, c, h, qn, kn, dout, g, dvlocT, smem);
 }
 
 // --- the state pass
@@ -669,6 +793,20 @@ void fast_prep(const Dims& d, const IndexView& ix, const bf16_t* kn, const bf16_
   const dim3 grid(grid_x(d.nt_max, "gdr_fast_prep_kernel"), static_cast<unsigned>(d.Hv));
   gdr_fast_prep_kernel<<<grid, kThreads, smem, s>>>(d, ix, kn, v, g, beta, W, U, gam, Tinv);
   GDN_CUDA_LAUNCH_CHECK("gdr_fast_prep_kernel");
+}
+
+void fast_prep_dvloc(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
+                     const bf16_t* v, const float* g, const float* beta, const bf16_t* dout,
+                     bf16_t* W, bf16_t* U, float* gam, bf16_t* Tinv, float* dvlocT,
+                     cudaStream_t s) {
+  if (d.nt_max == 0) return;
+  const size_t smem = std::max(prep_smem(d, U != nullptr), dvloc_smem(d));
+  allow_smem(reinterpret_cast<const void*>(&gdr_fast_prep_dvloc_kernel), smem,
+             "gdr_fast_prep_dvloc_kernel", d.dk, d.dv);
+  const dim3 grid(grid_x(2 * d.nt_max, "gdr_fast_prep_dvloc_kernel"), static_cast<unsigned>(d.Hv));
+  gdr_fast_prep_dvloc_kernel<<<grid, kThreads, smem, s>>>(d, ix, qn, kn, v, g, beta, dout, W, U,
+                                                          gam, Tinv, dvlocT);
+  GDN_CUDA_LAUNCH_CHECK("gdr_fast_prep_dvloc_kernel");
 }
 
 namespace {
