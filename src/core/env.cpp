@@ -69,6 +69,11 @@ constexpr Knob kKnobs[] = {
      "gated_delta_rule on CUDA: 1 takes the generic WMMA route for every shape (the reference for "
      "the fast route, which otherwise runs head dims <= 128 that are multiples of 8).",
      false, nullptr},
+    {"GDN_GDR_PREP_DVLOC", KnobType::Choice, "interleave",
+     "gated_delta_rule on CUDA, fast route's backward (A/B): 'sequence' runs prep and then the "
+     "dV'_loc kernel instead of one grid whose blocks alternate between the two "
+     "(cuda_fast_fwd.cu). Scheduling-only: same results.",
+     true, "interleave|sequence"},
     {"GDN_GDR_SAVED_MIN_DOC_TOKENS", KnobType::Int, "128",
      "Training with recompute none or selective on cuda keeps each GDN layer's gated delta rule "
      "states for its backward (which then skips a sequential pass), planned for micro-batches of "

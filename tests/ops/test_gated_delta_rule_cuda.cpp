@@ -474,6 +474,49 @@ TEST_F(GdrCuda, TrailingOutputGivesTheSameBits) {
   }
 }
 
+// The backward's prep and dV'_loc in one grid of alternating blocks (the default) or one after the
+// other (GDN_GDR_PREP_DVLOC=sequence): bitwise the same results, both against ref; a bad value is
+// an error naming the knob.
+TEST_F(GdrCuda, PrepDvlocScheduleGivesTheSameBits) {
+  struct Mode {
+    explicit Mode(const char* v) { setenv("GDN_GDR_PREP_DVLOC", v, 1); }
+    ~Mode() { unsetenv("GDN_GDR_PREP_DVLOC"); }
+  };
+  const Spec specs[] = {
+      {.name = "d128_docs",
+       .lens = {300, 1, 63, 130},
+       .Hk = 2,
+       .r = 2,
+       .dk = 128,
+       .dv = 128,
+       .g_lo = -2,
+       .seed = 51},
+      {.name = "dk48_dv24", .lens = {130, 7}, .r = 2, .dk = 48, .dv = 24, .seed = 52}};
+  for (const Spec& s : specs) {
+    Inputs in = make_inputs(s, true);
+    const Result ref = run_ref(in, true);
+    Dev d = to_device(in);
+    Result seq;
+    {
+      Mode m("sequence");
+      seq = run_cuda(in, d, true);
+    }
+    const Result got = run_cuda(in, d, true);
+    compare(seq, ref, s.name + " prep then dvloc");
+    compare(got, ref, s.name + " prep and dvloc interleaved");
+    expect_bitwise_equal(got, seq, s.name + ": interleaved against GDN_GDR_PREP_DVLOC=sequence");
+  }
+  Inputs in = make_inputs(specs[1], true);
+  Dev d = to_device(in);
+  Mode m("sideways");
+  try {
+    run_cuda(in, d, true);
+    ADD_FAILURE() << "GDN_GDR_PREP_DVLOC=sideways was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("GDN_GDR_PREP_DVLOC"), std::string::npos) << e.what();
+  }
+}
+
 TEST_F(GdrCuda, RunsAreBitwiseReproducible) {
   Spec s{.name = "det", .lens = {200, 1, 33}, .Hk = 2, .r = 2, .dk = 128, .dv = 128, .seed = 41};
   Inputs in = make_inputs(s, true);

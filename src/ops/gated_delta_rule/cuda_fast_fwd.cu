@@ -343,10 +343,13 @@ __global__ void __launch_bounds__(kThreads, 3)
                                const float* __restrict__ g, const float* __restrict__ beta,
                                const bf16_t* __restrict__ dout, bf16_t* __restrict__ W,
                                bf16_t* __restrict__ U, float* __restrict__ gam,
-                               bf16_t* __restrict__ Tinv, float* __restrict__ dvlocT) {
+                               bf16_t* __restrict__ Tinv, float* __restrict__ dvlocT,
+                               int dvloc_only) {
   extern __shared__ __align__(128) char smem[];
-  const int c = static_cast<int>(blockIdx.x >> 1), h = static_cast<int>(blockIdx.y);
-  if ((blockIdx.x & 1u) == 0u)
+  // dvloc_only (GDN_GDR_PREP_DVLOC=sequence, A/B): every block a dV'_loc one, chunk x.
+  const int c = static_cast<int>(dvloc_only != 0 ? blockIdx.x : blockIdx.x >> 1);
+  const int h = static_cast<int>(blockIdx.y);
+  if (dvloc_only == 0 && (blockIdx.x & 1u) == 0u)
     prep_chunk(d, ix, c, h, kn, v, g, beta, W, U, gam, Tinv, smem);
   else
     dvloc_chunk(d, ix, c, h, qn, kn, dout, g, dvlocT, smem);
@@ -800,12 +803,18 @@ void fast_prep_dvloc(const Dims& d, const IndexView& ix, const bf16_t* qn, const
                      bf16_t* W, bf16_t* U, float* gam, bf16_t* Tinv, float* dvlocT,
                      cudaStream_t s) {
   if (d.nt_max == 0) return;
-  const size_t smem = std::max(prep_smem(d, U != nullptr), dvloc_smem(d));
+  const std::string mode = env::get_string("GDN_GDR_PREP_DVLOC");
+  GDN_CHECK(mode == "interleave" || mode == "sequence",
+            "GDN_GDR_PREP_DVLOC={} is not one of interleave, sequence", mode);
+  const bool seq = mode == "sequence";
+  if (seq) fast_prep(d, ix, kn, v, g, beta, W, U, gam, Tinv, s);
+  const size_t smem = std::max(seq ? size_t{0} : prep_smem(d, U != nullptr), dvloc_smem(d));
   allow_smem(reinterpret_cast<const void*>(&gdr_fast_prep_dvloc_kernel), smem,
              "gdr_fast_prep_dvloc_kernel", d.dk, d.dv);
-  const dim3 grid(grid_x(2 * d.nt_max, "gdr_fast_prep_dvloc_kernel"), static_cast<unsigned>(d.Hv));
+  const dim3 grid(grid_x((seq ? 1 : 2) * d.nt_max, "gdr_fast_prep_dvloc_kernel"),
+                  static_cast<unsigned>(d.Hv));
   gdr_fast_prep_dvloc_kernel<<<grid, kThreads, smem, s>>>(d, ix, qn, kn, v, g, beta, dout, W, U,
-                                                          gam, Tinv, dvlocT);
+                                                          gam, Tinv, dvlocT, seq ? 1 : 0);
   GDN_CUDA_LAUNCH_CHECK("gdr_fast_prep_dvloc_kernel");
 }
 
