@@ -9,6 +9,9 @@
 // Backward: dot = <dy, y> over the row, dx = rstd * (dy - y * dot). Rows are independent: no
 // cross-row reduction, deterministic.
 // D = 128 (the GDN key head) forward: a warp per 4 rows (l2norm128_fwd_kernel).
+// Every kernel is launched as a programmatic dependent of the kernel before it on the stream
+// (memory_bound.cuh: launch_pdl): its blocks are placed while that one drains and wait for it
+// (griddepcontrol.wait) before their first load, and each lets its own successor do the same.
 // Bytes moved (the floor): forward x + y + rstd; backward y + dy + rstd + dx.
 #include <climits>
 #include <cstdint>
@@ -33,6 +36,8 @@ __global__ void __launch_bounds__(kBlock) l2norm_fwd_kernel(const bf16_t* __rest
                                                             bf16_t* __restrict__ y,        // [R, D]
                                                             float* __restrict__ rstd,      // [R]
                                                             int64_t R, int D, int tpr, float eps) {
+  cuda::pdl_launch_dependents();
+  cuda::pdl_wait();  // launched as a programmatic dependent (launch_pdl below)
   constexpr int P = cuda::row_packs_per_thread<V>();
   __shared__ float red[kBlock / 32];
   const int npacks = D / V;
@@ -95,6 +100,8 @@ __global__ void __launch_bounds__(kBlock)
                          bf16_t* __restrict__ y,        // [R, 128]
                          float* __restrict__ rstd,      // [R]
                          int64_t R, float eps) {
+  cuda::pdl_launch_dependents();
+  cuda::pdl_wait();  // launched as a programmatic dependent (launch_pdl below)
   constexpr int kD = 128;
   const int64_t w = (static_cast<int64_t>(blockIdx.x) * kBlock + threadIdx.x) >> 5;
   const int lane = static_cast<int>(threadIdx.x) & 31;
@@ -131,6 +138,8 @@ __global__ void __launch_bounds__(kBlock)
                       const bf16_t* __restrict__ dy,   // [R, D]
                       bf16_t* __restrict__ dx,         // [R, D]
                       int64_t R, int D, int tpr) {
+  cuda::pdl_launch_dependents();
+  cuda::pdl_wait();  // launched as a programmatic dependent (launch_pdl below)
   constexpr int P = cuda::row_packs_per_thread<V>();
   __shared__ float red[kBlock / 32];
   const int npacks = D / V;
@@ -207,8 +216,8 @@ void forward(const L2NormFwd& a) {
   float* rstd = a.rstd.ptr<float>();  // [R]
   if (D == 0) {                       // y is empty; rstd = 1 / sqrt(0 + eps)
     const cuda::RowLayout l{1, 1, kBlock};
-    l2norm_fwd_kernel<1><<<grid_for(R, D, l), kBlock, 0, cuda::stream()>>>(
-        x, y, rstd, R, 0, 1, static_cast<float>(a.eps));
+    cuda::launch_pdl(l2norm_fwd_kernel<1>, dim3(grid_for(R, D, l)), dim3(kBlock), cuda::stream(), x,
+                     y, rstd, R, 0, 1, static_cast<float>(a.eps));
     GDN_CUDA_LAUNCH_CHECK("l2norm_fwd_kernel");
     return;
   }
@@ -217,19 +226,19 @@ void forward(const L2NormFwd& a) {
   if (D == 128 && aligned8(x) && aligned8(y)) {
     const int64_t blocks = ((R + kRows128 - 1) / kRows128 * 32 + kBlock - 1) / kBlock;
     GDN_CHECK(blocks <= INT_MAX, "l2norm (cuda): {} rows is too many", R);
-    l2norm128_fwd_kernel<<<static_cast<unsigned>(blocks), kBlock, 0, cuda::stream()>>>(x, y, rstd,
-                                                                                       R, eps);
+    cuda::launch_pdl(l2norm128_fwd_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kBlock),
+                     cuda::stream(), x, y, rstd, R, eps);
     GDN_CUDA_LAUNCH_CHECK("l2norm128_fwd_kernel");
     return;
   }
   const cuda::RowLayout l = cuda::row_layout(D, cuda::aligned16(x) && cuda::aligned16(y), kBlock);
   const unsigned grid = grid_for(R, D, l);
   if (l.vec == 8) {
-    l2norm_fwd_kernel<8>
-        <<<grid, kBlock, 0, cuda::stream()>>>(x, y, rstd, R, static_cast<int>(D), l.tpr, eps);
+    cuda::launch_pdl(l2norm_fwd_kernel<8>, dim3(grid), dim3(kBlock), cuda::stream(), x, y, rstd, R,
+                     static_cast<int>(D), l.tpr, eps);
   } else {
-    l2norm_fwd_kernel<1>
-        <<<grid, kBlock, 0, cuda::stream()>>>(x, y, rstd, R, static_cast<int>(D), l.tpr, eps);
+    cuda::launch_pdl(l2norm_fwd_kernel<1>, dim3(grid), dim3(kBlock), cuda::stream(), x, y, rstd, R,
+                     static_cast<int>(D), l.tpr, eps);
   }
   GDN_CUDA_LAUNCH_CHECK("l2norm_fwd_kernel");
 }
@@ -245,11 +254,11 @@ void backward(const L2NormBwd& a) {
       cuda::row_layout(D, cuda::aligned16(y) && cuda::aligned16(dy) && cuda::aligned16(dx), kBlock);
   const unsigned grid = grid_for(R, D, l);
   if (l.vec == 8) {
-    l2norm_bwd_kernel<8>
-        <<<grid, kBlock, 0, cuda::stream()>>>(y, rstd, dy, dx, R, static_cast<int>(D), l.tpr);
+    cuda::launch_pdl(l2norm_bwd_kernel<8>, dim3(grid), dim3(kBlock), cuda::stream(), y, rstd, dy,
+                     dx, R, static_cast<int>(D), l.tpr);
   } else {
-    l2norm_bwd_kernel<1>
-        <<<grid, kBlock, 0, cuda::stream()>>>(y, rstd, dy, dx, R, static_cast<int>(D), l.tpr);
+    cuda::launch_pdl(l2norm_bwd_kernel<1>, dim3(grid), dim3(kBlock), cuda::stream(), y, rstd, dy,
+                     dx, R, static_cast<int>(D), l.tpr);
   }
   GDN_CUDA_LAUNCH_CHECK("l2norm_bwd_kernel");
 }
