@@ -73,7 +73,6 @@ constexpr int kRankIdBatch = 8;      // ids loaded per thread before their first
 constexpr int kRankBinBits = 12;     // at most 4096 buckets
 constexpr int kRankMaxT = 16384;     // beyond: cub::DeviceRadixSort
 constexpr int kRankMaxBins = 1 << kRankBinBits;
-constexpr uint32_t kNoBucket = 0xffffffffu;  // a lane past T (never a bucket: nbins <= 4096)
 constexpr size_t kRankSmemMax = (2 * size_t{kRankMaxT} + 2 * size_t{kRankMaxBins} + 1) * 4;
 
 constexpr int kDwThreads = 128;
@@ -117,7 +116,6 @@ __global__ void __launch_bounds__(kRankThreads)
     emb2_rank_kernel(const Id* __restrict__ ids,  // [T]
                      Ranked r, int T, int64_t vocab, int shift, int nbins, int win, int per_block) {
   pdl_launch_dependents();  // the dW kernel may take its place now; it waits for our end
-  pdl_wait();  // launched as a programmatic dependent: the kernel before it wrote ids or scratch
   extern __shared__ uint32_t smem[];
   uint32_t* skey = smem;              // [T] keys in token order
   uint32_t* members = skey + T;       // [T] tokens grouped by bucket (any order inside)
@@ -141,13 +139,11 @@ __global__ void __launch_bounds__(kRankThreads)
 #pragma unroll
     for (int j = 0; j < kRankIdBatch; ++j) {
       const int t = base + j * kRankThreads + tid;
-      const uint32_t k = v[j] >= 0 && v[j] < vocab ? static_cast<uint32_t>(v[j]) : invalid;
-      if (t < T) skey[t] = k;
-      // One atomic per bucket per warp (skewed ids crowd a few buckets: a hot bucket's lanes no
-      // longer serialise on one shared-memory word).
-      const uint32_t bkt = t < T ? k >> shift : kNoBucket;
-      const unsigned peers = __match_any_sync(0xffffffffu, bkt);
-      if (bkt != kNoBucket && lane == __ffs(peers) - 1) atomicAdd(&cur[bkt], __popc(peers));
+      if (t < T) {
+        const uint32_t k = v[j] >= 0 && v[j] < vocab ? static_cast<uint32_t>(v[j]) : invalid;
+        skey[t] = k;
+        atomicAdd(&cur[k >> shift], 1u);
+      }
     }
   }
   __syncthreads();
@@ -189,16 +185,9 @@ __global__ void __launch_bounds__(kRankThreads)
   __syncthreads();
   // Scatter the tokens into their buckets (the order inside a bucket is whatever the atomics give:
   // the ranks below only count).
-  for (int base = 0; base < T; base += kRankThreads) {  // whole warps: one atomic per bucket
-    const int t = base + tid;
-    const uint32_t bkt = t < T ? skey[t] >> shift : kNoBucket;
-    const unsigned peers = __match_any_sync(0xffffffffu, bkt);
-    const int leader = __ffs(peers) - 1;
-    uint32_t pos = 0;
-    if (bkt != kNoBucket && lane == leader) pos = atomicAdd(&cur[bkt], __popc(peers));
-    pos = __shfl_sync(0xffffffffu, pos, leader);
-    if (bkt != kNoBucket)
-      members[pos + __popc(peers & ((1u << lane) - 1u))] = static_cast<uint32_t>(t);
+  for (int t = tid; t < T; t += kRankThreads) {
+    const uint32_t pos = atomicAdd(&cur[skey[t] >> shift], 1u);
+    members[pos] = static_cast<uint32_t>(t);
   }
   __syncthreads();
   // Rank this block's tokens, one warp per token.
@@ -673,16 +662,14 @@ void backward(const EmbeddingBwd& a) {
   const bool i32 = a.ids.dtype() == DType::I32;
   if (rank_path) {
     const auto grid = static_cast<unsigned>((n + kPerBlock - 1) / kPerBlock);
-    // A programmatic dependent of whatever ran before (its blocks start as that one drains and
-    // wait for it in the kernel), as the dW kernel is of this one.
     if (i32) {
       rank_opt_in<int32_t>(smem_limit);
-      cuda::launch_pdl_smem(emb2_rank_kernel<int32_t>, dim3(grid), dim3(kRankThreads), rank_smem, s,
-                            a.ids.ptr<int32_t>(), r, n, vocab, shift, nbins, kWin, kPerBlock);
+      emb2_rank_kernel<int32_t><<<grid, kRankThreads, rank_smem, s>>>(
+          a.ids.ptr<int32_t>(), r, n, vocab, shift, nbins, kWin, kPerBlock);
     } else {
       rank_opt_in<int64_t>(smem_limit);
-      cuda::launch_pdl_smem(emb2_rank_kernel<int64_t>, dim3(grid), dim3(kRankThreads), rank_smem, s,
-                            a.ids.ptr<int64_t>(), r, n, vocab, shift, nbins, kWin, kPerBlock);
+      emb2_rank_kernel<int64_t><<<grid, kRankThreads, rank_smem, s>>>(
+          a.ids.ptr<int64_t>(), r, n, vocab, shift, nbins, kWin, kPerBlock);
     }
     GDN_CUDA_LAUNCH_CHECK("emb2_rank_kernel");
   } else {
