@@ -111,6 +111,16 @@ struct Route {
   Route& operator=(const Route&) = delete;
 };
 
+// Sets one environment knob for the life of the object (the A/B knobs the GDR kernels read at
+// every launch).
+struct KnobScope {
+  KnobScope(const char* name, const char* value) : name_(name) { setenv(name, value, 1); }
+  ~KnobScope() { unsetenv(name_); }
+  KnobScope(const KnobScope&) = delete;
+  KnobScope& operator=(const KnobScope&) = delete;
+  const char* name_;
+};
+
 // Forces the dk split of the fast route's state passes for the life of the object.
 struct StateSplit {
   explicit StateSplit(int ks) { gdr_set_state_split(ks); }

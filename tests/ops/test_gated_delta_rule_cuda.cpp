@@ -237,6 +237,17 @@ void expect_bitwise_equal(const Result& a, const Result& b, const std::string& w
         << what << ": " << names[i] << " differs";
 }
 
+// With knob `name` set to `bad`, a call is an error whose message names the knob.
+void expect_knob_rejected(const Inputs& in, const Dev& d, const char* name, const char* bad) {
+  KnobScope k(name, bad);
+  try {
+    run_cuda(in, d, true);
+    ADD_FAILURE() << name << "=" << bad << " was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+  }
+}
+
 // Every dk split of the sequential state passes (1: one warp pair per 32 value columns; 2, 4, 8:
 // dk over 2, 4 or 8 warp pairs with a partial exchange per chunk) against ref, forward and every
 // gradient: dk = dv = 128 with T not a multiple of 64 (a long document, then one with a 1-token
@@ -368,10 +379,6 @@ TEST_F(GdrCuda, StateSplitChoice) {
 // 8-warp kernel's second column half has none), and dk = 48, dv = 24. A value other than 8 or 16 is
 // an error naming the knob.
 TEST_F(GdrCuda, DqkwWarpsGiveTheSameGradients) {
-  struct Warps {
-    explicit Warps(const char* n) { setenv("GDN_GDR_DQKW_WARPS", n, 1); }
-    ~Warps() { unsetenv("GDN_GDR_DQKW_WARPS"); }
-  };
   const Spec specs[] = {
       {.name = "d128_docs",
        .lens = {300, 1, 63, 130},
@@ -389,11 +396,11 @@ TEST_F(GdrCuda, DqkwWarpsGiveTheSameGradients) {
     Dev d = to_device(in);
     Result w8, w16;
     {
-      Warps w("8");
+      KnobScope w("GDN_GDR_DQKW_WARPS", "8");
       w8 = run_cuda(in, d, true);
     }
     {
-      Warps w("16");
+      KnobScope w("GDN_GDR_DQKW_WARPS", "16");
       w16 = run_cuda(in, d, true);
     }
     compare(w8, ref, s.name + " dqkw 8 warps");
@@ -406,14 +413,7 @@ TEST_F(GdrCuda, DqkwWarpsGiveTheSameGradients) {
     testing::expect_close(w16.dg, w8.dg, 1e-5, s.name + " dg, 16 against 8 warps");
   }
   Inputs in = make_inputs(specs[2], true);
-  Dev d = to_device(in);
-  Warps w("12");
-  try {
-    run_cuda(in, d, true);
-    ADD_FAILURE() << "GDN_GDR_DQKW_WARPS=12 was accepted";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("GDN_GDR_DQKW_WARPS"), std::string::npos) << e.what();
-  }
+  expect_knob_rejected(in, to_device(in), "GDN_GDR_DQKW_WARPS", "12");
 }
 
 // The forward's output beside the state pass (cuda_fast.h: fast_state_output) changes no
@@ -423,10 +423,6 @@ TEST_F(GdrCuda, DqkwWarpsGiveTheSameGradients) {
 // with a 1-token one and partial chunks, and dk = 48, dv = 24. The first two must take it. A bad
 // knob value is an error naming the knob.
 TEST_F(GdrCuda, TrailingOutputGivesTheSameBits) {
-  struct Trail {
-    explicit Trail(const char* v) { setenv("GDN_GDR_TRAIL", v, 1); }
-    ~Trail() { unsetenv("GDN_GDR_TRAIL"); }
-  };
   const Spec specs[] = {
       {.name = "d128_T3000_one_doc",
        .lens = {3000},
@@ -455,7 +451,7 @@ TEST_F(GdrCuda, TrailingOutputGivesTheSameBits) {
     Dev d = to_device(in);
     Result off;
     {
-      Trail t("off");
+      KnobScope t("GDN_GDR_TRAIL", "off");
       EXPECT_FALSE(gdr_trailing_output_for(in.T, in.N, in.Hk, in.Hv, in.dk, in.dv));
       off = run_cuda(in, d, true);
     }
@@ -464,24 +460,13 @@ TEST_F(GdrCuda, TrailingOutputGivesTheSameBits) {
     expect_bitwise_equal(got, off, s.name + ": trailing output against GDN_GDR_TRAIL=off");
   }
   Inputs in = make_inputs(specs[2], true);
-  Dev d = to_device(in);
-  Trail t("sometimes");
-  try {
-    run_cuda(in, d, true);
-    ADD_FAILURE() << "GDN_GDR_TRAIL=sometimes was accepted";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("GDN_GDR_TRAIL"), std::string::npos) << e.what();
-  }
+  expect_knob_rejected(in, to_device(in), "GDN_GDR_TRAIL", "sometimes");
 }
 
 // The backward's prep and dV'_loc in one grid of alternating blocks (the default) or one after the
 // other (GDN_GDR_PREP_DVLOC=sequence): bitwise the same results, both against ref; a bad value is
 // an error naming the knob.
 TEST_F(GdrCuda, PrepDvlocScheduleGivesTheSameBits) {
-  struct Mode {
-    explicit Mode(const char* v) { setenv("GDN_GDR_PREP_DVLOC", v, 1); }
-    ~Mode() { unsetenv("GDN_GDR_PREP_DVLOC"); }
-  };
   const Spec specs[] = {
       {.name = "d128_docs",
        .lens = {300, 1, 63, 130},
@@ -498,7 +483,7 @@ TEST_F(GdrCuda, PrepDvlocScheduleGivesTheSameBits) {
     Dev d = to_device(in);
     Result seq;
     {
-      Mode m("sequence");
+      KnobScope m("GDN_GDR_PREP_DVLOC", "sequence");
       seq = run_cuda(in, d, true);
     }
     const Result got = run_cuda(in, d, true);
@@ -507,14 +492,7 @@ TEST_F(GdrCuda, PrepDvlocScheduleGivesTheSameBits) {
     expect_bitwise_equal(got, seq, s.name + ": interleaved against GDN_GDR_PREP_DVLOC=sequence");
   }
   Inputs in = make_inputs(specs[1], true);
-  Dev d = to_device(in);
-  Mode m("sideways");
-  try {
-    run_cuda(in, d, true);
-    ADD_FAILURE() << "GDN_GDR_PREP_DVLOC=sideways was accepted";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("GDN_GDR_PREP_DVLOC"), std::string::npos) << e.what();
-  }
+  expect_knob_rejected(in, to_device(in), "GDN_GDR_PREP_DVLOC", "sideways");
 }
 
 TEST_F(GdrCuda, RunsAreBitwiseReproducible) {
