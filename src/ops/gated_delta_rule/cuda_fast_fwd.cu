@@ -23,7 +23,9 @@
 #include <algorithm>
 #include <atomic>
 #include <climits>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 
 #include "backend/cuda/memory_bound.cuh"
 #include "gdn/backend/cuda_check.h"
@@ -867,11 +869,23 @@ void launch_state_fwd(const StateFwdPlan& p, const Dims& d, const IndexView& ix,
 }
 
 // Registers a block of `threads` threads of this kernel takes on an SM (allocated per warp in
-// units of 256: the per-thread count rounded up to 8).
+// units of 256: the per-thread count rounded up to 8). The count is read once per kernel and
+// process: every forward asks.
 int64_t block_regs(const void* kernel, unsigned threads) {
-  cudaFuncAttributes fa{};
-  GDN_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
-  return static_cast<int64_t>((fa.numRegs + 7) / 8 * 8) * 32 * ((threads + 31) / 32);
+  static std::mutex mu;
+  static std::unordered_map<const void*, int> per_thread;
+  int regs = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = per_thread.find(kernel);
+    if (it == per_thread.end()) {
+      cudaFuncAttributes fa{};
+      GDN_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+      it = per_thread.emplace(kernel, fa.numRegs).first;
+    }
+    regs = it->second;
+  }
+  return static_cast<int64_t>((regs + 7) / 8 * 8) * 32 * ((threads + 31) / 32);
 }
 
 }  // namespace
