@@ -7,8 +7,8 @@
 //   forward:  [index] [l2norm] prep (gamma, W, U) -> state_fwd (Ht, Vt, hT) -> output (o), the
 //             output beside the state pass at few documents (cuda_fast.h: fast_state_output)
 //   backward: [index] [l2norm] prep (+ T) and dvloc (one grid) -> state_fwd -> state_bwd (dHt,
-//             dVt, dh0) -> dqkw (dq_h, dk_h, dW, dg part) -> wy (dv, dbeta, dg, dk_h +=) ->
-//             reduce (dq, dk)
+//             dVt, dh0) -> dqkw (dq, dk summed over a key head's value heads, dW, dg part) ->
+//             wy (dv, dbeta, dg, dk +=) -> l2norm backward (dq, dk)
 // generic (cuda_kernels.h; any dims up to 256, unaligned tensors; every shape with
 //   GDN_GDR_GENERIC=1): WMMA kernels
 //   forward:  [index] [l2norm] prep (W, U) -> state_fwd (H, V', hT) -> output (o)
@@ -258,8 +258,8 @@ void backward_fast(const GatedDeltaRuleBwd& a, const gdr::Dims& d) {
   const size_t o_dvl = sp.add(nt * d.Hv * d.dv * gdr::kC * 4);
   const size_t o_dHt = sp.add(nt * d.Hv * d.dv * d.dk * 2);
   const size_t o_dVt = sp.add(nt * d.Hv * d.dv * gdr::kC * 2);
-  const size_t o_dqh = sp.add(T * d.Hv * d.dk * 4);
-  const size_t o_dkh = sp.add(T * d.Hv * d.dk * 4);
+  const size_t o_dqk = sp.add(T * d.Hk * d.dk * 4);
+  const size_t o_dkk = sp.add(T * d.Hk * d.dk * 4);
   const size_t o_dgp = sp.add(T * d.Hv * 4);
   char* base = static_cast<char*>(ctx.scratch(sp.total()));
   cudaStream_t s = ctx.stream();
@@ -270,17 +270,17 @@ void backward_fast(const GatedDeltaRuleBwd& a, const gdr::Dims& d) {
                                  {.dout = bf(a.dout), .dvl = dvl}, s);
   bf16_t* dHt = at<bf16_t>(base, o_dHt);
   bf16_t* dVt = at<bf16_t>(base, o_dVt);
-  float* dqh = at<float>(base, o_dqh);
-  float* dkh = at<float>(base, o_dkh);
+  float* dqk = at<float>(base, o_dqk);
+  float* dkk = at<float>(base, o_dkk);
   float* dgp = at<float>(base, o_dgp);
   bf16_t* dW = r.W;  // W is dead once the reverse pass has run
   gdr::fast_state_bwd(d, p.ix, p.qn, p.kn, r.W, bf(a.dout), dvl, r.gam, f32_or_null(a.dhT), dHt,
                       dVt, f32_out_or_null(a.dh0), s);
-  gdr::fast_dqkw(d, p.ix, p.qn, p.kn, bf(a.dout), r.Vt, dVt, r.Ht, dHt, r.gam, dqh, dkh, dW, dgp,
+  gdr::fast_dqkw(d, p.ix, p.qn, p.kn, bf(a.dout), r.Vt, dVt, r.Ht, dHt, r.gam, dqk, dkk, dW, dgp,
                  s);
-  gdr::fast_wy(d, p.ix, p.kn, bf(a.v), dVt, dW, Tinv, r.gam, a.beta.ptr<float>(), dgp, dkh,
+  gdr::fast_wy(d, p.ix, p.kn, bf(a.v), dVt, dW, Tinv, r.gam, a.beta.ptr<float>(), dgp, dkk,
                bf_out(a.dv), a.dg.ptr<float>(), a.dbeta.ptr<float>(), s);
-  gdr::fast_reduce_qk(d, bf(a.q), bf(a.k), dqh, dkh, bf_out(a.dq), bf_out(a.dk), s);
+  gdr::fast_l2norm_bwd_qk(d, bf(a.q), bf(a.k), dqk, dkk, bf_out(a.dq), bf_out(a.dk), s);
 }
 
 // --- the generic route

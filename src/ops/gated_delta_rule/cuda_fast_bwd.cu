@@ -17,7 +17,11 @@
 //   wy         per chunk (fla prepare_wy_repr_bwd): dT = dV' (beta V)^T + dW (beta G K)^T
 //              (strictly lower), dv = beta T^T dV', dK_b = beta G T^T dW, dM = -T^T dT T^T, then
 //              dK_c = dKK K + dKK^T K with dKK = beta_i D_ij dM_ij; dbeta and dg completed here
-//   reduce     dq, dk = sum over the r value heads, then the l2norm backward.
+//   l2norm     the l2norm backward of dq and dk.
+// dqkw and wy run a block per (chunk, key head) that takes the key head's r value heads in order
+// and stages Q and K once: the first head stores dq and dk in fp32 [T, Hk, dk], the others add
+// (lines the block has just written, in L2), so the sums over the heads never make a round trip
+// through [T, Hv, dk] rows in DRAM (they did up to session 9: a reduce kernel read them back).
 // dg is assembled per chunk from the terms that reach each token, as cpu.cpp does: suffix sums of
 // the G-type terms (dgam), prefix sums of the dec-type terms (phi), pair terms h_ij over
 // j < t <= i, and G_L <H_c, dH_c> for every token; dqkw adds the score / output-state / update
@@ -26,7 +30,7 @@
 // Precision: every product is bf16 x bf16 -> fp32 (T and dT, dT T^T included; the generic path
 // keeps T^T dT T^T in tf32); dS and the partial gradients are fp32.
 // Determinism: no atomics; every reduction has a fixed order (quad butterflies, then warps in
-// order); dq_h / dk_h per value head are fp32 and summed over the r heads in head order.
+// order); dq and dk are fp32 sums over the r heads in head order (dk: dqkw's parts, then wy's).
 #include <climits>
 
 #include "gdn/backend/cuda_check.h"
@@ -458,14 +462,14 @@ __global__ void __launch_bounds__(NW * 32, 1)
                          const bf16_t* __restrict__ Ht,    // [nt_max, Hv, dv, dk] chunk-start S^T
                          const bf16_t* __restrict__ dHt,   // [nt_max, Hv, dv, dk] chunk-end dS^T
                          const float* __restrict__ gam,    // [nt_max, Hv, 64]
-                         float* __restrict__ dqh,          // [T, Hv, dk]
-                         float* __restrict__ dkh,          // [T, Hv, dk]
+                         float* __restrict__ dqk,          // [T, Hk, dk]
+                         float* __restrict__ dkk,          // [T, Hk, dk]
                          bf16_t* __restrict__ dW,          // [T, Hv, dk]
                          float* __restrict__ dgp) {        // [T, Hv]
   const int c = static_cast<int>(blockIdx.x);
   const ChunkInfo ci = ix.table[c];
   if (ci.len <= 0) return;
-  const int h = static_cast<int>(blockIdx.y), kh = h / d.r, L = ci.len;
+  const int kh = static_cast<int>(blockIdx.y), L = ci.len;
   const int64_t t0 = ci.t0;
   constexpr int kT = NW * 32, NQ = NW / 4;
   constexpr int SC = 64 / NQ;    // score columns a warp: 32 or 16
@@ -496,191 +500,209 @@ __global__ void __launch_bounds__(NW * 32, 1)
 
   const int64_t ldq = static_cast<int64_t>(d.Hk) * d.dk, ldV = static_cast<int64_t>(d.Hv) * d.dv;
   const int64_t ldh = static_cast<int64_t>(d.Hv) * d.dk;
-  const int64_t slot = static_cast<int64_t>(c) * d.Hv + h;
   const int64_t sd = static_cast<int64_t>(d.dk) * d.dv;
-  // Three groups: what the score phase needs, then what the dq / dW phase adds (in flight during
-  // the score phase), then dH (in flight until the dk phase).
+  float* const dq_c = dqk + (t0 * d.Hk + kh) * d.dk;  // this chunk's rows of the key head
+  float* const dk_c = dkk + (t0 * d.Hk + kh) * d.dk;
+  // Q and K once (they join the first head's first group); then, for each of the key head's value
+  // heads, three groups: what the score phase needs, then what the dq / dW phase adds (in flight
+  // during the score phase), then dH (in flight until the dk phase).
   stage_tile(Qs, ldk, qn + (t0 * d.Hk + kh) * d.dk, ldq, L, d.dk, kC, d.KP, true);
   stage_tile(Ks, ldk, kn + (t0 * d.Hk + kh) * d.dk, ldq, L, d.dk, kC, d.KP, true);
-  stage_tile(dOs, ldv, dout + (t0 * d.Hv + h) * d.dv, ldV, L, d.dv, kC, d.VP, true);
-  stage_tile(Vts, kLdP, Vt + slot * d.dv * kC, static_cast<int64_t>(kC), d.dv, kC, d.VP, kC, true);
-  stage_gamma(gm, gam + slot * kC);
-  cp_async_commit();
-  stage_tile(dVts, kLdP, dVt + slot * d.dv * kC, static_cast<int64_t>(kC), d.dv, kC, d.VP, kC,
-             true);
-  stage_tile(Hts, ldk, Ht + slot * sd, static_cast<int64_t>(d.dk), d.dv, d.dk, d.VP, d.KP, true);
-  cp_async_commit();
-  stage_tile(dHts, ldk, dHt + slot * sd, static_cast<int64_t>(d.dk), d.dv, d.dk, d.VP, d.KP, true);
-  cp_async_commit();
-  cp_async_wait<2>();
-  __syncthreads();
+  for (int hh = 0; hh < d.r; ++hh) {
+    const int h = kh * d.r + hh;
+    const int64_t slot = static_cast<int64_t>(c) * d.Hv + h;
+    if (hh > 0) __syncthreads();  // every thread is done with the previous head's tiles and vectors
+    stage_tile(dOs, ldv, dout + (t0 * d.Hv + h) * d.dv, ldV, L, d.dv, kC, d.VP, true);
+    stage_tile(Vts, kLdP, Vt + slot * d.dv * kC, static_cast<int64_t>(kC), d.dv, kC, d.VP, kC,
+               true);
+    stage_gamma(gm, gam + slot * kC);
+    cp_async_commit();
+    stage_tile(dVts, kLdP, dVt + slot * d.dv * kC, static_cast<int64_t>(kC), d.dv, kC, d.VP, kC,
+               true);
+    stage_tile(Hts, ldk, Ht + slot * sd, static_cast<int64_t>(d.dk), d.dv, d.dk, d.VP, d.KP, true);
+    cp_async_commit();
+    stage_tile(dHts, ldk, dHt + slot * sd, static_cast<int64_t>(d.dk), d.dv, d.dk, d.VP, d.KP,
+               true);
+    cp_async_commit();
+    cp_async_wait<2>();
+    __syncthreads();
 
-  const int mt = warp & 3, nh = warp >> 2;
-  {
-    // E = s dO V'^T and Q K^T for rows 16 mt.., columns SC nh..; dP and the pair terms
-    // h_ij = E_ij (q_i . k_j) D_ij (j < i).
-    float e[SC / 8][4] = {}, qk[SC / 8][4] = {};
-    if (SC * nh <= 16 * mt + 15) {
+    const int mt = warp & 3, nh = warp >> 2;
+    {
+      // E = s dO V'^T and Q K^T for rows 16 mt.., columns SC nh..; dP and the pair terms
+      // h_ij = E_ij (q_i . k_j) D_ij (j < i).
+      float e[SC / 8][4] = {}, qk[SC / 8][4] = {};
+      if (SC * nh <= 16 * mt + 15) {
+        for (int kb = 0; kb < nvk; ++kb) {
+          uint32_t a[4], bb[4];
+          load_a_mk(a, dOs, ldv, 16 * mt, 16 * kb);
+#pragma unroll
+          for (int np = 0; np < SC / 16; ++np) {
+            load_b_kn(bb, Vts, kLdP, SC * nh + 16 * np, 16 * kb);
+            mma(e[2 * np], a, bb[0], bb[1]);
+            mma(e[2 * np + 1], a, bb[2], bb[3]);
+          }
+        }
+        for (int kb = 0; kb < nkb; ++kb) {
+          uint32_t a[4], bb[4];
+          load_a_mk(a, Qs, ldk, 16 * mt, 16 * kb);
+#pragma unroll
+          for (int np = 0; np < SC / 16; ++np) {
+            load_b_nk(bb, Ks, ldk, SC * nh + 16 * np, 16 * kb);
+            mma(qk[2 * np], a, bb[0], bb[1]);
+            mma(qk[2 * np + 1], a, bb[2], bb[3]);
+          }
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < SC / 8; ++nt) {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = 16 * mt + g8 + 8 * hf, j = SC * nh + 8 * nt + 2 * t4;
+          float dp[2], f[2];
+#pragma unroll
+          for (int u = 0; u < 2; ++u) {
+            const float dd = j + u <= i ? expf(gm[i] - gm[j + u]) : 0.f;
+            const float ev = d.scale * e[nt][2 * hf + u];
+            dp[u] = ev * dd;
+            f[u] = j + u < i ? dp[u] * qk[nt][2 * hf + u] : 0.f;
+          }
+          *reinterpret_cast<uint32_t*>(dPs + i * kLdP + j) = pack(dp[0], dp[1]);
+          *reinterpret_cast<float2*>(Ff + i * kLdF + j) = make_float2(f[0], f[1]);
+        }
+      }
+    }
+    cp_async_wait<1>();
+    __syncthreads();  // dP, the pair terms and the second group
+    // Warp (mt, nh): rows 16 mt.., key columns KCW nh...
+    const int col0 = KCW * nh;
+    {
+      // Y = dO H_c^T and dW = -dV' H_c^T share their B fragments.
+      float y[KCW / 8][4] = {}, w[KCW / 8][4] = {};
       for (int kb = 0; kb < nvk; ++kb) {
-        uint32_t a[4], bb[4];
-        load_a_mk(a, dOs, ldv, 16 * mt, 16 * kb);
+        uint32_t ao[4], av[4];
+        load_a_mk(ao, dOs, ldv, 16 * mt, 16 * kb);
+        load_a_km(av, dVts, kLdP, 16 * mt, 16 * kb);
 #pragma unroll
-        for (int np = 0; np < SC / 16; ++np) {
-          load_b_kn(bb, Vts, kLdP, SC * nh + 16 * np, 16 * kb);
-          mma(e[2 * np], a, bb[0], bb[1]);
-          mma(e[2 * np + 1], a, bb[2], bb[3]);
+        for (int np = 0; np < KCW / 16; ++np) {
+          if (col0 + 16 * np >= d.KP) break;
+          uint32_t bb[4];
+          load_b_kn(bb, Hts, ldk, col0 + 16 * np, 16 * kb);
+          mma(y[2 * np], ao, bb[0], bb[1]);
+          mma(y[2 * np + 1], ao, bb[2], bb[3]);
+          mma(w[2 * np], av, bb[0], bb[1]);
+          mma(w[2 * np + 1], av, bb[2], bb[3]);
         }
       }
-      for (int kb = 0; kb < nkb; ++kb) {
-        uint32_t a[4], bb[4];
-        load_a_mk(a, Qs, ldk, 16 * mt, 16 * kb);
+      fast::store_acc_bf16(w, dW + (t0 * d.Hv + h) * d.dk, ldh, 16 * mt, col0, L, d.dk, -1.f);
+      float rd[2];
+      row_dot_bf16(y, Qs, ldk, 16 * mt, col0, d.dk, rd);
+      if (t4 == 0) {
+        rq[kC * nh + 16 * mt + g8] = rd[0];
+        rq[kC * nh + 16 * mt + g8 + 8] = rd[1];
+      }
+      // dQ = s diag(G) Y + dP K (dP is lower: k-blocks <= mt).
+      const float s0 = d.scale * expf(gm[16 * mt + g8]), s1 = d.scale * expf(gm[16 * mt + g8 + 8]);
 #pragma unroll
-        for (int np = 0; np < SC / 16; ++np) {
-          load_b_nk(bb, Ks, ldk, SC * nh + 16 * np, 16 * kb);
-          mma(qk[2 * np], a, bb[0], bb[1]);
-          mma(qk[2 * np + 1], a, bb[2], bb[3]);
+      for (int nt = 0; nt < KCW / 8; ++nt) {
+        y[nt][0] *= s0;
+        y[nt][1] *= s0;
+        y[nt][2] *= s1;
+        y[nt][3] *= s1;
+      }
+      for (int kb = 0; kb <= mt; ++kb) {
+        uint32_t a[4];
+        load_a_mk(a, dPs, kLdP, 16 * mt, 16 * kb);
+#pragma unroll
+        for (int np = 0; np < KCW / 16; ++np) {
+          if (col0 + 16 * np >= d.KP) break;
+          uint32_t bb[4];
+          load_b_kn(bb, Ks, ldk, col0 + 16 * np, 16 * kb);
+          mma(y[2 * np], a, bb[0], bb[1]);
+          mma(y[2 * np + 1], a, bb[2], bb[3]);
         }
       }
+      // The first value head stores, the others add (lines this thread wrote, still in L2): the
+      // sum over the heads in head order, as a separate reduce over [T, Hv, dk] rows would take it.
+      if (hh == 0)
+        fast::store_acc_f32(y, dq_c, ldq, 16 * mt, col0, L, d.dk, 1.f);
+      else
+        fast::add_acc_f32(y, dq_c, ldq, 16 * mt, col0, L, d.dk);
     }
+    cp_async_wait<0>();
+    __syncthreads();  // the third group (dH)
+    {
+      // Z = V' dH_c^T; dK_a = diag(dec) Z + dP^T Q (dP^T is upper: k-blocks >= mt).
+      float z[KCW / 8][4] = {};
+      for (int kb = 0; kb < nvk; ++kb) {
+        uint32_t av[4];
+        load_a_km(av, Vts, kLdP, 16 * mt, 16 * kb);
 #pragma unroll
-    for (int nt = 0; nt < SC / 8; ++nt) {
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int i = 16 * mt + g8 + 8 * hf, j = SC * nh + 8 * nt + 2 * t4;
-        float dp[2], f[2];
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          const float dd = j + u <= i ? expf(gm[i] - gm[j + u]) : 0.f;
-          const float ev = d.scale * e[nt][2 * hf + u];
-          dp[u] = ev * dd;
-          f[u] = j + u < i ? dp[u] * qk[nt][2 * hf + u] : 0.f;
+        for (int np = 0; np < KCW / 16; ++np) {
+          if (col0 + 16 * np >= d.KP) break;
+          uint32_t bb[4];
+          load_b_kn(bb, dHts, ldk, col0 + 16 * np, 16 * kb);
+          mma(z[2 * np], av, bb[0], bb[1]);
+          mma(z[2 * np + 1], av, bb[2], bb[3]);
         }
-        *reinterpret_cast<uint32_t*>(dPs + i * kLdP + j) = pack(dp[0], dp[1]);
-        *reinterpret_cast<float2*>(Ff + i * kLdF + j) = make_float2(f[0], f[1]);
       }
-    }
-  }
-  cp_async_wait<1>();
-  __syncthreads();  // dP, the pair terms and the second group
-  // Warp (mt, nh): rows 16 mt.., key columns KCW nh...
-  const int col0 = KCW * nh;
-  {
-    // Y = dO H_c^T and dW = -dV' H_c^T share their B fragments.
-    float y[KCW / 8][4] = {}, w[KCW / 8][4] = {};
-    for (int kb = 0; kb < nvk; ++kb) {
-      uint32_t ao[4], av[4];
-      load_a_mk(ao, dOs, ldv, 16 * mt, 16 * kb);
-      load_a_km(av, dVts, kLdP, 16 * mt, 16 * kb);
-#pragma unroll
-      for (int np = 0; np < KCW / 16; ++np) {
-        if (col0 + 16 * np >= d.KP) break;
-        uint32_t bb[4];
-        load_b_kn(bb, Hts, ldk, col0 + 16 * np, 16 * kb);
-        mma(y[2 * np], ao, bb[0], bb[1]);
-        mma(y[2 * np + 1], ao, bb[2], bb[3]);
-        mma(w[2 * np], av, bb[0], bb[1]);
-        mma(w[2 * np + 1], av, bb[2], bb[3]);
+      float rd[2];
+      row_dot_bf16(z, Ks, ldk, 16 * mt, col0, d.dk, rd);
+      if (t4 == 0) {
+        rk[kC * nh + 16 * mt + g8] = rd[0];
+        rk[kC * nh + 16 * mt + g8 + 8] = rd[1];
       }
-    }
-    fast::store_acc_bf16(w, dW + (t0 * d.Hv + h) * d.dk, ldh, 16 * mt, col0, L, d.dk, -1.f);
-    float rd[2];
-    row_dot_bf16(y, Qs, ldk, 16 * mt, col0, d.dk, rd);
-    if (t4 == 0) {
-      rq[kC * nh + 16 * mt + g8] = rd[0];
-      rq[kC * nh + 16 * mt + g8 + 8] = rd[1];
-    }
-    // dQ = s diag(G) Y + dP K (dP is lower: k-blocks <= mt).
-    const float s0 = d.scale * expf(gm[16 * mt + g8]), s1 = d.scale * expf(gm[16 * mt + g8 + 8]);
+      const float glast = gm[kC - 1];
+      const float e0 = expf(glast - gm[16 * mt + g8]), e1 = expf(glast - gm[16 * mt + g8 + 8]);
 #pragma unroll
-    for (int nt = 0; nt < KCW / 8; ++nt) {
-      y[nt][0] *= s0;
-      y[nt][1] *= s0;
-      y[nt][2] *= s1;
-      y[nt][3] *= s1;
-    }
-    for (int kb = 0; kb <= mt; ++kb) {
-      uint32_t a[4];
-      load_a_mk(a, dPs, kLdP, 16 * mt, 16 * kb);
-#pragma unroll
-      for (int np = 0; np < KCW / 16; ++np) {
-        if (col0 + 16 * np >= d.KP) break;
-        uint32_t bb[4];
-        load_b_kn(bb, Ks, ldk, col0 + 16 * np, 16 * kb);
-        mma(y[2 * np], a, bb[0], bb[1]);
-        mma(y[2 * np + 1], a, bb[2], bb[3]);
+      for (int nt = 0; nt < KCW / 8; ++nt) {
+        z[nt][0] *= e0;
+        z[nt][1] *= e0;
+        z[nt][2] *= e1;
+        z[nt][3] *= e1;
       }
+      warp_mma<KCW / 16>(
+          z, mt, 4, col0, d.KP,
+          [&](uint32_t(&a)[4], int k) { load_a_km(a, dPs, kLdP, 16 * mt, k); },
+          [&](uint32_t(&b)[4], int n, int k) { load_b_kn(b, Qs, ldk, n, k); });
+      if (hh == 0)
+        fast::store_acc_f32(z, dk_c, ldq, 16 * mt, col0, L, d.dk, 1.f);
+      else
+        fast::add_acc_f32(z, dk_c, ldq, 16 * mt, col0, L, d.dk);
     }
-    fast::store_acc_f32(y, dqh + (t0 * d.Hv + h) * d.dk, ldh, 16 * mt, col0, L, d.dk, 1.f);
-  }
-  cp_async_wait<0>();
-  __syncthreads();  // the third group (dH)
-  {
-    // Z = V' dH_c^T; dK_a = diag(dec) Z + dP^T Q (dP^T is upper: k-blocks >= mt).
-    float z[KCW / 8][4] = {};
-    for (int kb = 0; kb < nvk; ++kb) {
-      uint32_t av[4];
-      load_a_km(av, Vts, kLdP, 16 * mt, 16 * kb);
-#pragma unroll
-      for (int np = 0; np < KCW / 16; ++np) {
-        if (col0 + 16 * np >= d.KP) break;
-        uint32_t bb[4];
-        load_b_kn(bb, dHts, ldk, col0 + 16 * np, 16 * kb);
-        mma(z[2 * np], av, bb[0], bb[1]);
-        mma(z[2 * np + 1], av, bb[2], bb[3]);
+    // <H_c, dH_c> (zero padding included), per warp, then in warp order below.
+    {
+      float part = 0.f;
+      const int half = d.KP / 2;
+      for (int p = tid; p < d.VP * half; p += kT) {
+        const int vv = p / half, k = 2 * (p % half);
+        const uint32_t a = *reinterpret_cast<const uint32_t*>(Hts + vv * ldk + k);
+        const uint32_t bq = *reinterpret_cast<const uint32_t*>(dHts + vv * ldk + k);
+        part += lo_f(a) * lo_f(bq) + hi_f(a) * hi_f(bq);
       }
+      part = warp_sum(part);
+      if (lane == 0) qtot[warp] = part;  // qtot is free until pair_sums
     }
-    float rd[2];
-    row_dot_bf16(z, Ks, ldk, 16 * mt, col0, d.dk, rd);
-    if (t4 == 0) {
-      rk[kC * nh + 16 * mt + g8] = rd[0];
-      rk[kC * nh + 16 * mt + g8 + 8] = rd[1];
-    }
-    const float glast = gm[kC - 1];
-    const float e0 = expf(glast - gm[16 * mt + g8]), e1 = expf(glast - gm[16 * mt + g8 + 8]);
+    __syncthreads();
+    float dg_all = 0.f;
+    for (int w8 = 0; w8 < NW; ++w8) dg_all += qtot[w8];
+    dg_all *= expf(gm[kC - 1]);
+    if (tid < kC) {
+      const float gi = gm[tid];
+      float sq = rq[tid], sk = rk[tid];
 #pragma unroll
-    for (int nt = 0; nt < KCW / 8; ++nt) {
-      z[nt][0] *= e0;
-      z[nt][1] *= e0;
-      z[nt][2] *= e1;
-      z[nt][3] *= e1;
+      for (int i = 1; i < NQ; ++i) {
+        sq += rq[kC * i + tid];
+        sk += rk[kC * i + tid];
+      }
+      dgam[tid] = d.scale * expf(gi) * sq;
+      phi[tid] = tid < L - 1 ? expf(gm[kC - 1] - gi) * sk : 0.f;
     }
-    warp_mma<KCW / 16>(
-        z, mt, 4, col0, d.KP, [&](uint32_t(&a)[4], int k) { load_a_km(a, dPs, kLdP, 16 * mt, k); },
-        [&](uint32_t(&b)[4], int n, int k) { load_b_kn(b, Qs, ldk, n, k); });
-    fast::store_acc_f32(z, dkh + (t0 * d.Hv + h) * d.dk, ldh, 16 * mt, col0, L, d.dk, 1.f);
+    __syncthreads();  // every thread has read qtot
+    pair_sums<kT>(Ff, qtot, ppart, pair);
+    if (tid < L)
+      dgp[(t0 + tid) * d.Hv + h] = suffix_plus_prefix(dgam, phi, tid, L) + pair[tid] + dg_all;
   }
-  // <H_c, dH_c> (zero padding included), per warp, then in warp order below.
-  {
-    float part = 0.f;
-    const int half = d.KP / 2;
-    for (int p = tid; p < d.VP * half; p += kT) {
-      const int vv = p / half, k = 2 * (p % half);
-      const uint32_t a = *reinterpret_cast<const uint32_t*>(Hts + vv * ldk + k);
-      const uint32_t bq = *reinterpret_cast<const uint32_t*>(dHts + vv * ldk + k);
-      part += lo_f(a) * lo_f(bq) + hi_f(a) * hi_f(bq);
-    }
-    part = warp_sum(part);
-    if (lane == 0) qtot[warp] = part;  // qtot is free until pair_sums
-  }
-  __syncthreads();
-  float dg_all = 0.f;
-  for (int w8 = 0; w8 < NW; ++w8) dg_all += qtot[w8];
-  dg_all *= expf(gm[kC - 1]);
-  if (tid < kC) {
-    const float gi = gm[tid];
-    float sq = rq[tid], sk = rk[tid];
-#pragma unroll
-    for (int i = 1; i < NQ; ++i) {
-      sq += rq[kC * i + tid];
-      sk += rk[kC * i + tid];
-    }
-    dgam[tid] = d.scale * expf(gi) * sq;
-    phi[tid] = tid < L - 1 ? expf(gm[kC - 1] - gi) * sk : 0.f;
-  }
-  __syncthreads();  // every thread has read qtot
-  pair_sums<kT>(Ff, qtot, ppart, pair);
-  if (tid < L)
-    dgp[(t0 + tid) * d.Hv + h] = suffix_plus_prefix(dgam, phi, tid, L) + pair[tid] + dg_all;
 }
 
 // --- wy
@@ -708,14 +730,14 @@ __global__ void __launch_bounds__(kThreads, 2)
                        const float* __restrict__ gam,    // [nt_max, Hv, 64]
                        const float* __restrict__ beta,   // [T, Hv]
                        const float* __restrict__ dgp,    // [T, Hv]
-                       float* __restrict__ dkh,          // [T, Hv, dk] (+=)
+                       float* __restrict__ dkk,          // [T, Hk, dk] (+=)
                        bf16_t* __restrict__ dv,          // [T, Hv, dv]
                        float* __restrict__ dg,           // [T, Hv]
                        float* __restrict__ dbeta) {      // [T, Hv]
   const int c = static_cast<int>(blockIdx.x);
   const ChunkInfo ci = ix.table[c];
   if (ci.len <= 0) return;
-  const int h = static_cast<int>(blockIdx.y), kh = h / d.r, L = ci.len;
+  const int kh = static_cast<int>(blockIdx.y), L = ci.len;
   const int64_t t0 = ci.t0;
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const int g8 = lane >> 2, t4 = lane & 3;
@@ -750,249 +772,239 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   const int64_t ldq = static_cast<int64_t>(d.Hk) * d.dk, ldV = static_cast<int64_t>(d.Hv) * d.dv;
   const int64_t ldh = static_cast<int64_t>(d.Hv) * d.dk;
-  const int64_t slot = static_cast<int64_t>(c) * d.Hv + h;
+  float* const dk_c = dkk + (t0 * d.Hk + kh) * d.dk;  // this chunk's rows of the key head
+  // K once (it joins the first head's group); then each of the key head's value heads in turn,
+  // each adding its dk part to dk_c.
   stage_tile(Ks, ldk, kn + (t0 * d.Hk + kh) * d.dk, ldq, L, d.dk, kC, d.KP, true);
-  stage_tile(dWs, ldk, dW + (t0 * d.Hv + h) * d.dk, ldh, L, d.dk, kC, d.KP, true);
-  stage_tile(Vs, ldv, v + (t0 * d.Hv + h) * d.dv, ldV, L, d.dv, kC, d.VP, true);
-  stage_tile(dVts, kLdP, dVt + slot * d.dv * kC, static_cast<int64_t>(kC), d.dv, kC, d.VP, kC,
-             true);
-  stage_tile(Tb, kLdP, Tinv + slot * kC * kC, static_cast<int64_t>(kC), kC, kC, kC, kC, true);
-  stage_gamma(gm, gam + slot * kC);
-  if (tid < kC) bs[tid] = tid < L ? beta[(t0 + tid) * d.Hv + h] : 0.f;
-  cp_async_commit();
-  cp_async_wait<0>();
-  __syncthreads();
+  for (int hh = 0; hh < d.r; ++hh) {
+    const int h = kh * d.r + hh;
+    const int64_t slot = static_cast<int64_t>(c) * d.Hv + h;
+    if (hh > 0) __syncthreads();  // every thread is done with the previous head's tiles and vectors
+    stage_tile(dWs, ldk, dW + (t0 * d.Hv + h) * d.dk, ldh, L, d.dk, kC, d.KP, true);
+    stage_tile(Vs, ldv, v + (t0 * d.Hv + h) * d.dv, ldV, L, d.dv, kC, d.VP, true);
+    stage_tile(dVts, kLdP, dVt + slot * d.dv * kC, static_cast<int64_t>(kC), d.dv, kC, d.VP, kC,
+               true);
+    stage_tile(Tb, kLdP, Tinv + slot * kC * kC, static_cast<int64_t>(kC), kC, kC, kC, kC, true);
+    stage_gamma(gm, gam + slot * kC);
+    if (tid < kC) bs[tid] = tid < L ? beta[(t0 + tid) * d.Hv + h] : 0.f;
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
 
-  const int mt = warp & 3, nh = warp >> 2;
-  // K K^T at this warp's C positions of rows 16 mt.., columns 32 nh.. (0 where the warp computes
-  // nothing: those positions all lie above the diagonal), kept for the dM phase, which reads
-  // exactly these positions.
-  float kk[4][4] = {};
-  {
-    // dT = (dV' V^T) diag(beta) + (dW K^T) diag(beta G) on j < i, and K K^T: rows 16 mt..,
-    // columns 32 nh...
-    float a1[4][4] = {}, a2[4][4] = {};
-    if (32 * nh <= 16 * mt + 15) {
-      mma_tile_16x32<true, false>(a1, dVts, kLdP, Vs, ldv, 16 * mt, 32 * nh, 0, nvk);
-      for (int kb = 0; kb < nkb; ++kb) {
-        uint32_t aw[4], ak[4], bb[4];
-        load_a_mk(aw, dWs, ldk, 16 * mt, 16 * kb);
-        load_a_mk(ak, Ks, ldk, 16 * mt, 16 * kb);
+    const int mt = warp & 3, nh = warp >> 2;
+    // K K^T at this warp's C positions of rows 16 mt.., columns 32 nh.. (0 where the warp computes
+    // nothing: those positions all lie above the diagonal), kept for the dM phase, which reads
+    // exactly these positions.
+    float kk[4][4] = {};
+    {
+      // dT = (dV' V^T) diag(beta) + (dW K^T) diag(beta G) on j < i, and K K^T: rows 16 mt..,
+      // columns 32 nh...
+      float a1[4][4] = {}, a2[4][4] = {};
+      if (32 * nh <= 16 * mt + 15) {
+        mma_tile_16x32<true, false>(a1, dVts, kLdP, Vs, ldv, 16 * mt, 32 * nh, 0, nvk);
+        for (int kb = 0; kb < nkb; ++kb) {
+          uint32_t aw[4], ak[4], bb[4];
+          load_a_mk(aw, dWs, ldk, 16 * mt, 16 * kb);
+          load_a_mk(ak, Ks, ldk, 16 * mt, 16 * kb);
 #pragma unroll
-        for (int np = 0; np < 2; ++np) {
-          load_b_nk(bb, Ks, ldk, 32 * nh + 16 * np, 16 * kb);
-          mma(a2[2 * np], aw, bb[0], bb[1]);
-          mma(a2[2 * np + 1], aw, bb[2], bb[3]);
-          mma(kk[2 * np], ak, bb[0], bb[1]);
-          mma(kk[2 * np + 1], ak, bb[2], bb[3]);
-        }
-      }
-    }
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int i = 16 * mt + g8 + 8 * hf, j = 32 * nh + 8 * nt + 2 * t4;
-        float x[2];
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          const float bj = bs[j + u];
-          x[u] =
-              j + u < i ? bj * a1[nt][2 * hf + u] + bj * expf(gm[j + u]) * a2[nt][2 * hf + u] : 0.f;
-        }
-        *reinterpret_cast<uint32_t*>(dTs + i * kLdP + j) = pack(x[0], x[1]);
-      }
-    }
-  }
-  __syncthreads();
-  {
-    // X = dT T^T: B[m][j] = T[j][m] (NK on bf16(T)); dT is strictly lower, so k-blocks <= mt.
-    float xm[4][4] = {};
-    mma_tile_16x32<false, false>(xm, dTs, kLdP, Tb, kLdP, 16 * mt, 32 * nh, 0, mt + 1);
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int i = 16 * mt + g8 + 8 * hf, j = 32 * nh + 8 * nt + 2 * t4;
-        *reinterpret_cast<uint32_t*>(Xs + i * kLdP + j) = pack(xm[nt][2 * hf], xm[nt][2 * hf + 1]);
-      }
-    }
-  }
-  const int col0 = 64 * nh;
-  {
-    // tv = T^T dV' (T^T is upper: k-blocks >= mt); dv = diag(beta) tv; dbeta gets v . tv.
-    float tv[8][4] = {};
-    warp_mma<4>(
-        tv, mt, 4, col0, d.VP, [&](uint32_t(&a)[4], int k) { load_a_km(a, Tb, kLdP, 16 * mt, k); },
-        [&](uint32_t(&b)[4], int n, int k) { load_b_nk(b, dVts, kLdP, n, k); });
-    float rd[2];
-    row_dot_bf16(tv, Vs, ldv, 16 * mt, col0, d.dv, rd);
-    if (t4 == 0) {
-      float* rb = nh == 0 ? rb0 : rb1;
-      rb[16 * mt + g8] = rd[0];
-      rb[16 * mt + g8 + 8] = rd[1];
-    }
-    const float b0 = bs[16 * mt + g8], b1 = bs[16 * mt + g8 + 8];
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      tv[nt][0] *= b0;
-      tv[nt][1] *= b0;
-      tv[nt][2] *= b1;
-      tv[nt][3] *= b1;
-    }
-    fast::store_acc_bf16(tv, dv + (t0 * d.Hv + h) * d.dv, ldV, 16 * mt, col0, L, d.dv, 1.f);
-  }
-  // dK accumulator of this warp (rows 16 mt.., key columns 64 nh..): beta G T^T dW, then the
-  // d(K K^T) terms after the next barrier.
-  float dk[8][4] = {};
-  warp_mma<4>(
-      dk, mt, 4, col0, d.KP, [&](uint32_t(&a)[4], int k) { load_a_km(a, Tb, kLdP, 16 * mt, k); },
-      [&](uint32_t(&b)[4], int n, int k) { load_b_kn(b, dWs, ldk, n, k); });
-  {
-    float rd[2];
-    row_dot_bf16(dk, Ks, ldk, 16 * mt, col0, d.dk, rd);
-    if (t4 == 0) {
-      float* rt = nh == 0 ? rt0 : rt1;
-      rt[16 * mt + g8] = rd[0];
-      rt[16 * mt + g8 + 8] = rd[1];
-    }
-    const int i0 = 16 * mt + g8, i1 = i0 + 8;
-    const float s0 = bs[i0] * expf(gm[i0]), s1 = bs[i1] * expf(gm[i1]);
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      dk[nt][0] *= s0;
-      dk[nt][1] *= s0;
-      dk[nt][2] *= s1;
-      dk[nt][3] *= s1;
-    }
-  }
-  // The dk_h lines this warp adds to at the end (add_acc_f32), towards L2 now, a few products
-  // ahead: within the register budget the compiler issues those loads one at a time between the
-  // stores, each waiting for its line (ncu at T 32768: long scoreboard, the largest stall of this
-  // kernel; PERF.md run 25). One line a lane: rows g8 and g8 + 8, the two 32-column halves.
-  {
-    const int r = 16 * mt + g8 + 8 * (t4 >> 1), cc = col0 + 32 * (t4 & 1);
-    if (r < L && cc < d.dk) cuda::prefetch_l2(dkh + (t0 * d.Hv + h) * d.dk + r * ldh + cc);
-  }
-  __syncthreads();  // Xs complete
-  {
-    // dM' = T^T X (dM = -dM'); for j < i: gd = dM_ij D_ij, dKK_ij = beta_i gd, pair term
-    // dKK_ij KK_ij, dbeta part gd KK_ij.
-    float dm[4][4] = {};
-    mma_tile_16x32<true, true>(dm, Tb, kLdP, Xs, kLdP, 16 * mt, 32 * nh, mt, 4);
-    float rsum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int i = 16 * mt + g8 + 8 * hf, j = 32 * nh + 8 * nt + 2 * t4;
-        float x[2], f[2];
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          x[u] = 0.f;
-          f[u] = 0.f;
-          if (j + u < i) {
-            const float gd = -dm[nt][2 * hf + u] * expf(gm[i] - gm[j + u]);
-            const float kkv = kk[nt][2 * hf + u];
-            rsum[hf] += gd * kkv;
-            x[u] = bs[i] * gd;
-            f[u] = x[u] * kkv;
+          for (int np = 0; np < 2; ++np) {
+            load_b_nk(bb, Ks, ldk, 32 * nh + 16 * np, 16 * kb);
+            mma(a2[2 * np], aw, bb[0], bb[1]);
+            mma(a2[2 * np + 1], aw, bb[2], bb[3]);
+            mma(kk[2 * np], ak, bb[0], bb[1]);
+            mma(kk[2 * np + 1], ak, bb[2], bb[3]);
           }
         }
-        *reinterpret_cast<uint32_t*>(dKKs + i * kLdP + j) = pack(x[0], x[1]);
-        *reinterpret_cast<float2*>(Ff + i * kLdF + j) = make_float2(f[0], f[1]);
       }
-    }
-    rsum[0] = fast::quad_sum4(rsum[0]);
-    rsum[1] = fast::quad_sum4(rsum[1]);
-    if (t4 == 0) {
-      float* rm = nh == 0 ? rm0 : rm1;
-      rm[16 * mt + g8] = rsum[0];
-      rm[16 * mt + g8 + 8] = rsum[1];
-    }
-  }
-  __syncthreads();  // dKKs complete
-  // dK += dKK K (dKK lower: k-blocks <= mt) + dKK^T K (upper: k-blocks >= mt).
-  for (int kb = 0; kb < 4; ++kb) {
-    uint32_t a1[4], a2[4];
-    const bool lo = kb <= mt, up = kb >= mt;
-    if (lo) load_a_mk(a1, dKKs, kLdP, 16 * mt, 16 * kb);
-    if (up) load_a_km(a2, dKKs, kLdP, 16 * mt, 16 * kb);
 #pragma unroll
-    for (int np = 0; np < 4; ++np) {
-      if (col0 + 16 * np >= d.KP) break;
-      uint32_t bb[4];
-      load_b_kn(bb, Ks, ldk, col0 + 16 * np, 16 * kb);
-      if (lo) {
-        mma(dk[2 * np], a1, bb[0], bb[1]);
-        mma(dk[2 * np + 1], a1, bb[2], bb[3]);
-      }
-      if (up) {
-        mma(dk[2 * np], a2, bb[0], bb[1]);
-        mma(dk[2 * np + 1], a2, bb[2], bb[3]);
+      for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = 16 * mt + g8 + 8 * hf, j = 32 * nh + 8 * nt + 2 * t4;
+          float x[2];
+#pragma unroll
+          for (int u = 0; u < 2; ++u) {
+            const float bj = bs[j + u];
+            x[u] = j + u < i ? bj * a1[nt][2 * hf + u] + bj * expf(gm[j + u]) * a2[nt][2 * hf + u]
+                             : 0.f;
+          }
+          *reinterpret_cast<uint32_t*>(dTs + i * kLdP + j) = pack(x[0], x[1]);
+        }
       }
     }
-  }
-  fast::add_acc_f32(dk, dkh + (t0 * d.Hv + h) * d.dk, ldh, 16 * mt, col0, L, d.dk);
-  if (tid < kC) dgB[tid] = bs[tid] * expf(gm[tid]) * (rt0[tid] + rt1[tid]);
-  pair_sums(Ff, qtot, ppart, pair);  // its barriers also publish dgB
-  if (tid < L) {
-    const int64_t o = (t0 + tid) * d.Hv + h;
-    const float kt = rt0[tid] + rt1[tid];
-    dbeta[o] = (rb0[tid] + rb1[tid]) + expf(gm[tid]) * kt + (rm0[tid] + rm1[tid]);
-    dg[o] = dgp[o] + suffix_plus_prefix(dgB, nullptr, tid, L) + pair[tid];
+    __syncthreads();
+    {
+      // X = dT T^T: B[m][j] = T[j][m] (NK on bf16(T)); dT is strictly lower, so k-blocks <= mt.
+      float xm[4][4] = {};
+      mma_tile_16x32<false, false>(xm, dTs, kLdP, Tb, kLdP, 16 * mt, 32 * nh, 0, mt + 1);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = 16 * mt + g8 + 8 * hf, j = 32 * nh + 8 * nt + 2 * t4;
+          *reinterpret_cast<uint32_t*>(Xs + i * kLdP + j) =
+              pack(xm[nt][2 * hf], xm[nt][2 * hf + 1]);
+        }
+      }
+    }
+    const int col0 = 64 * nh;
+    {
+      // tv = T^T dV' (T^T is upper: k-blocks >= mt); dv = diag(beta) tv; dbeta gets v . tv.
+      float tv[8][4] = {};
+      warp_mma<4>(
+          tv, mt, 4, col0, d.VP,
+          [&](uint32_t(&a)[4], int k) { load_a_km(a, Tb, kLdP, 16 * mt, k); },
+          [&](uint32_t(&b)[4], int n, int k) { load_b_nk(b, dVts, kLdP, n, k); });
+      float rd[2];
+      row_dot_bf16(tv, Vs, ldv, 16 * mt, col0, d.dv, rd);
+      if (t4 == 0) {
+        float* rb = nh == 0 ? rb0 : rb1;
+        rb[16 * mt + g8] = rd[0];
+        rb[16 * mt + g8 + 8] = rd[1];
+      }
+      const float b0 = bs[16 * mt + g8], b1 = bs[16 * mt + g8 + 8];
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        tv[nt][0] *= b0;
+        tv[nt][1] *= b0;
+        tv[nt][2] *= b1;
+        tv[nt][3] *= b1;
+      }
+      fast::store_acc_bf16(tv, dv + (t0 * d.Hv + h) * d.dv, ldV, 16 * mt, col0, L, d.dv, 1.f);
+    }
+    // dK accumulator of this warp (rows 16 mt.., key columns 64 nh..): beta G T^T dW, then the
+    // d(K K^T) terms after the next barrier.
+    float dk[8][4] = {};
+    warp_mma<4>(
+        dk, mt, 4, col0, d.KP, [&](uint32_t(&a)[4], int k) { load_a_km(a, Tb, kLdP, 16 * mt, k); },
+        [&](uint32_t(&b)[4], int n, int k) { load_b_kn(b, dWs, ldk, n, k); });
+    {
+      float rd[2];
+      row_dot_bf16(dk, Ks, ldk, 16 * mt, col0, d.dk, rd);
+      if (t4 == 0) {
+        float* rt = nh == 0 ? rt0 : rt1;
+        rt[16 * mt + g8] = rd[0];
+        rt[16 * mt + g8 + 8] = rd[1];
+      }
+      const int i0 = 16 * mt + g8, i1 = i0 + 8;
+      const float s0 = bs[i0] * expf(gm[i0]), s1 = bs[i1] * expf(gm[i1]);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        dk[nt][0] *= s0;
+        dk[nt][1] *= s0;
+        dk[nt][2] *= s1;
+        dk[nt][3] *= s1;
+      }
+    }
+    // The dk_h lines this warp adds to at the end (add_acc_f32), towards L2 now, a few products
+    // ahead: within the register budget the compiler issues those loads one at a time between the
+    // stores, each waiting for its line (ncu at T 32768: long scoreboard, the largest stall of this
+    // kernel; PERF.md run 25). One line a lane: rows g8 and g8 + 8, the two 32-column halves.
+    // Only the first head: later heads add to lines the block has just written.
+    if (hh == 0) {
+      const int r = 16 * mt + g8 + 8 * (t4 >> 1), cc = col0 + 32 * (t4 & 1);
+      if (r < L && cc < d.dk) cuda::prefetch_l2(dk_c + r * ldq + cc);
+    }
+    __syncthreads();  // Xs complete
+    {
+      // dM' = T^T X (dM = -dM'); for j < i: gd = dM_ij D_ij, dKK_ij = beta_i gd, pair term
+      // dKK_ij KK_ij, dbeta part gd KK_ij.
+      float dm[4][4] = {};
+      mma_tile_16x32<true, true>(dm, Tb, kLdP, Xs, kLdP, 16 * mt, 32 * nh, mt, 4);
+      float rsum[2] = {0.f, 0.f};
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = 16 * mt + g8 + 8 * hf, j = 32 * nh + 8 * nt + 2 * t4;
+          float x[2], f[2];
+#pragma unroll
+          for (int u = 0; u < 2; ++u) {
+            x[u] = 0.f;
+            f[u] = 0.f;
+            if (j + u < i) {
+              const float gd = -dm[nt][2 * hf + u] * expf(gm[i] - gm[j + u]);
+              const float kkv = kk[nt][2 * hf + u];
+              rsum[hf] += gd * kkv;
+              x[u] = bs[i] * gd;
+              f[u] = x[u] * kkv;
+            }
+          }
+          *reinterpret_cast<uint32_t*>(dKKs + i * kLdP + j) = pack(x[0], x[1]);
+          *reinterpret_cast<float2*>(Ff + i * kLdF + j) = make_float2(f[0], f[1]);
+        }
+      }
+      rsum[0] = fast::quad_sum4(rsum[0]);
+      rsum[1] = fast::quad_sum4(rsum[1]);
+      if (t4 == 0) {
+        float* rm = nh == 0 ? rm0 : rm1;
+        rm[16 * mt + g8] = rsum[0];
+        rm[16 * mt + g8 + 8] = rsum[1];
+      }
+    }
+    __syncthreads();  // dKKs complete
+    // dK += dKK K (dKK lower: k-blocks <= mt) + dKK^T K (upper: k-blocks >= mt).
+    for (int kb = 0; kb < 4; ++kb) {
+      uint32_t a1[4], a2[4];
+      const bool lo = kb <= mt, up = kb >= mt;
+      if (lo) load_a_mk(a1, dKKs, kLdP, 16 * mt, 16 * kb);
+      if (up) load_a_km(a2, dKKs, kLdP, 16 * mt, 16 * kb);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        if (col0 + 16 * np >= d.KP) break;
+        uint32_t bb[4];
+        load_b_kn(bb, Ks, ldk, col0 + 16 * np, 16 * kb);
+        if (lo) {
+          mma(dk[2 * np], a1, bb[0], bb[1]);
+          mma(dk[2 * np + 1], a1, bb[2], bb[3]);
+        }
+        if (up) {
+          mma(dk[2 * np], a2, bb[0], bb[1]);
+          mma(dk[2 * np + 1], a2, bb[2], bb[3]);
+        }
+      }
+    }
+    fast::add_acc_f32(dk, dk_c, ldq, 16 * mt, col0, L, d.dk);
+    if (tid < kC) dgB[tid] = bs[tid] * expf(gm[tid]) * (rt0[tid] + rt1[tid]);
+    pair_sums(Ff, qtot, ppart, pair);  // its barriers also publish dgB
+    if (tid < L) {
+      const int64_t o = (t0 + tid) * d.Hv + h;
+      const float kt = rt0[tid] + rt1[tid];
+      dbeta[o] = (rb0[tid] + rb1[tid]) + expf(gm[tid]) * kt + (rm0[tid] + rm1[tid]);
+      dg[o] = dgp[o] + suffix_plus_prefix(dgB, nullptr, tid, L) + pair[tid];
+    }
   }
 }
 
-// --- reduce over the value heads of each key head, then the l2norm backward
-// --------------------------- One warp per row of dq (rows [0, R)) or dk (rows [R, 2R)); lane l
-// owns columns 4 l .. 4 l + 3 (dk <= 128, a multiple of 8). kR: the value heads per key head (d.r)
-// when it is 1, 2 or 4, so that all of a lane's loads are issued before the first sum (a run-time
-// loop waited for each head's row before loading the next); 0: any d.r, loaded one head at a time.
-// The fp32 rows are read once (evict-first loads). The same sums in the same order either way.
-template <int kR>
+// --- the l2norm backward of dq and dk
+// ------------------------------------------------------------------------------------------------
+// dqkw and wy leave dq and dk summed over each key head's value heads, in fp32 [T, Hk, dk]. One
+// warp per row of dq (rows [0, R)) or dk (rows [R, 2R)); lane l owns columns 4 l .. 4 l + 3 (dk <=
+// 128, a multiple of 8). The fp32 rows are read once (evict-first loads).
 __global__ void __launch_bounds__(kThreads)
-    gdr_fast_reduce_qk_kernel(Dims d,
-                              const bf16_t* __restrict__ q,   // [T, Hk, dk]
-                              const bf16_t* __restrict__ k,   // [T, Hk, dk]
-                              const float* __restrict__ dqh,  // [T, Hv, dk]
-                              const float* __restrict__ dkh,  // [T, Hv, dk]
-                              bf16_t* __restrict__ dq,        // [T, Hk, dk]
-                              bf16_t* __restrict__ dk) {      // [T, Hk, dk]
+    gdr_fast_l2norm_bwd_qk_kernel(Dims d,
+                                  const bf16_t* __restrict__ q,   // [T, Hk, dk]
+                                  const bf16_t* __restrict__ k,   // [T, Hk, dk]
+                                  const float* __restrict__ dqk,  // [T, Hk, dk]
+                                  const float* __restrict__ dkk,  // [T, Hk, dk]
+                                  bf16_t* __restrict__ dq,        // [T, Hk, dk]
+                                  bf16_t* __restrict__ dk) {      // [T, Hk, dk]
   const int64_t rows = static_cast<int64_t>(d.T) * d.Hk;
   const int64_t w = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
   const int lane = static_cast<int>(threadIdx.x) & 31;
   if (w >= 2 * rows) return;  // whole warps
   const bool is_k = w >= rows;
   const int64_t row = is_k ? w - rows : w;  // (t, kh) = (row / Hk, row % Hk)
-  const int64_t t = row / d.Hk, kh = row % d.Hk;
   const int col = 4 * lane;
   const bool on = col < d.dk;
   float acc[4] = {0.f, 0.f, 0.f, 0.f}, x[4] = {0.f, 0.f, 0.f, 0.f};
   if (on) {
-    const float* src = (is_k ? dkh : dqh) + (t * d.Hv + kh * d.r) * d.dk + col;  // [r, dk]
-    auto head = [&](int j) {
-      return __ldcs(reinterpret_cast<const float4*>(src + static_cast<int64_t>(j) * d.dk));
-    };
-    auto add = [&](const float4& p) {
-      acc[0] += p.x;
-      acc[1] += p.y;
-      acc[2] += p.z;
-      acc[3] += p.w;
-    };
-    const uint2* xp = reinterpret_cast<const uint2*>((is_k ? k : q) + row * d.dk + col);
-    uint2 xv;
-    if constexpr (kR > 0) {
-      float4 p[kR];
-#pragma unroll
-      for (int j = 0; j < kR; ++j) p[j] = head(j);
-      xv = *xp;
-#pragma unroll
-      for (int j = 0; j < kR; ++j) add(p[j]);
-    } else {
-      for (int j = 0; j < d.r; ++j) add(head(j));
-      xv = *xp;
-    }
+    const float4 p = __ldcs(reinterpret_cast<const float4*>((is_k ? dkk : dqk) + row * d.dk + col));
+    const uint2 xv = *reinterpret_cast<const uint2*>((is_k ? k : q) + row * d.dk + col);
+    acc[0] = p.x;
+    acc[1] = p.y;
+    acc[2] = p.z;
+    acc[3] = p.w;
     x[0] = lo_f(xv.x);
     x[1] = hi_f(xv.x);
     x[2] = lo_f(xv.y);
@@ -1056,16 +1068,16 @@ void fast_state_bwd(const Dims& d, const IndexView& ix, const bf16_t* qn, const 
 
 void fast_dqkw(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
                const bf16_t* dout, const bf16_t* Vt, const bf16_t* dVt, const bf16_t* Ht,
-               const bf16_t* dHt, const float* gam, float* dqh, float* dkh, bf16_t* dW, float* dgp,
+               const bf16_t* dHt, const float* gam, float* dqk, float* dkk, bf16_t* dW, float* dgp,
                cudaStream_t s) {
   if (d.nt_max == 0) return;
   const int64_t nw = env::get_int("GDN_GDR_DQKW_WARPS");
   GDN_CHECK(nw == 8 || nw == 16, "GDN_GDR_DQKW_WARPS={} is not 8 or 16", nw);
   const size_t smem = dqkw_smem(d, static_cast<int>(nw));
-  const dim3 grid(grid_x(d.nt_max, "gdr_fast_dqkw_kernel"), static_cast<unsigned>(d.Hv));
+  const dim3 grid(grid_x(d.nt_max, "gdr_fast_dqkw_kernel"), static_cast<unsigned>(d.Hk));
   auto launch = [&](auto kernel, int threads) {
     allow_smem(reinterpret_cast<const void*>(kernel), smem, "gdr_fast_dqkw_kernel", d.dk, d.dv);
-    kernel<<<grid, threads, smem, s>>>(d, ix, qn, kn, dout, Vt, dVt, Ht, dHt, gam, dqh, dkh, dW,
+    kernel<<<grid, threads, smem, s>>>(d, ix, qn, kn, dout, Vt, dVt, Ht, dHt, gam, dqk, dkk, dW,
                                        dgp);
   };
   if (nw == 16)
@@ -1077,41 +1089,26 @@ void fast_dqkw(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_
 
 void fast_wy(const Dims& d, const IndexView& ix, const bf16_t* kn, const bf16_t* v,
              const bf16_t* dVt, const bf16_t* dW, const bf16_t* Tinv, const float* gam,
-             const float* beta, const float* dgp, float* dkh, bf16_t* dv, float* dg, float* dbeta,
+             const float* beta, const float* dgp, float* dkk, bf16_t* dv, float* dg, float* dbeta,
              cudaStream_t s) {
   if (d.nt_max == 0) return;
   const size_t smem = wy_smem(d);
   allow_smem(reinterpret_cast<const void*>(&gdr_fast_wy_kernel), smem, "gdr_fast_wy_kernel", d.dk,
              d.dv);
-  const dim3 grid(grid_x(d.nt_max, "gdr_fast_wy_kernel"), static_cast<unsigned>(d.Hv));
-  gdr_fast_wy_kernel<<<grid, kThreads, smem, s>>>(d, ix, kn, v, dVt, dW, Tinv, gam, beta, dgp, dkh,
+  const dim3 grid(grid_x(d.nt_max, "gdr_fast_wy_kernel"), static_cast<unsigned>(d.Hk));
+  gdr_fast_wy_kernel<<<grid, kThreads, smem, s>>>(d, ix, kn, v, dVt, dW, Tinv, gam, beta, dgp, dkk,
                                                   dv, dg, dbeta);
   GDN_CUDA_LAUNCH_CHECK("gdr_fast_wy_kernel");
 }
 
-void fast_reduce_qk(const Dims& d, const bf16_t* q, const bf16_t* k, const float* dqh,
-                    const float* dkh, bf16_t* dq, bf16_t* dk, cudaStream_t s) {
+void fast_l2norm_bwd_qk(const Dims& d, const bf16_t* q, const bf16_t* k, const float* dqk,
+                        const float* dkk, bf16_t* dq, bf16_t* dk, cudaStream_t s) {
   const int64_t rows = static_cast<int64_t>(d.T) * d.Hk;
   if (rows == 0) return;
   const int64_t blocks = (2 * rows * 32 + kThreads - 1) / kThreads;
-  const dim3 grid = grid_x(blocks, "gdr_fast_reduce_qk_kernel");
-  auto launch = [&](auto kernel) {
-    kernel<<<grid, kThreads, 0, s>>>(d, q, k, dqh, dkh, dq, dk);
-    GDN_CUDA_LAUNCH_CHECK("gdr_fast_reduce_qk_kernel");
-  };
-  switch (d.r) {
-    case 1:
-      launch(gdr_fast_reduce_qk_kernel<1>);
-      break;
-    case 2:
-      launch(gdr_fast_reduce_qk_kernel<2>);
-      break;
-    case 4:
-      launch(gdr_fast_reduce_qk_kernel<4>);
-      break;
-    default:
-      launch(gdr_fast_reduce_qk_kernel<0>);
-  }
+  gdr_fast_l2norm_bwd_qk_kernel<<<grid_x(blocks, "gdr_fast_l2norm_bwd_qk_kernel"), kThreads, 0,
+                                  s>>>(d, q, k, dqk, dkk, dq, dk);
+  GDN_CUDA_LAUNCH_CHECK("gdr_fast_l2norm_bwd_qk_kernel");
 }
 
 }  // namespace gdn::ops::gdr
