@@ -498,16 +498,15 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
   const bool full = recompute_ == Recompute::Full;
   const bool cheap = full || recompute_ == Recompute::Selective;
   // The gated delta rule's optional `saved` (op.h: the forward's chunk-start states and V', which
-  // the backward otherwise recomputes in a sequential pass): kept per GDN layer with
-  // Recompute::None and Selective (which keeps the GDR's outputs) when a backward follows, on cuda
-  // only (ref and cpu ignore it). Full keeps memory down instead: its backward passes no `saved`
-  // and recomputes it.
-  // Its size grows with the documents of the batch (one chunk slot per 64 tokens plus one per
-  // document), and the plan's worst case (max_docs, up to one token per document) would be 64
-  // times the one-document size, so the constructor plans it for batches of up to
-  // max_tokens / GDN_GDR_SAVED_MIN_DOC_TOKENS documents (128 by default: about 1.5x the
-  // one-document size); a batch with more documents passes no `saved` and its backward
-  // recomputes, with bitwise the same gradients (op.h), only slower.
+  // the backward otherwise recomputes in a sequential pass, and its chunk factors T, W, gamma):
+  // kept per GDN layer with Recompute::None and Selective (which keeps the GDR's outputs) when a
+  // backward follows, on cuda only (ref and cpu ignore it). Full keeps memory down instead: its
+  // backward passes no `saved` and recomputes it. Its size grows with the documents of the batch
+  // (one chunk slot per 64 tokens plus one per document), and the plan's worst case (max_docs, up
+  // to one token per document) would be 64 times the one-document size, so the constructor plans it
+  // for batches of up to max_tokens / GDN_GDR_SAVED_MIN_DOC_TOKENS documents (128 by default:
+  // about 1.5x the one-document size); a batch with more documents passes no `saved` and its
+  // backward recomputes, with bitwise the same gradients (op.h), only slower.
   const bool keep_gdr_saved = !full && backward && gdr_saved_plan_ > 0;
   const int64_t gdr_saved_size = !keep_gdr_saved ? 0
                                  : live          ? gdr_saved_numel(T, N, Hv, dk, dv)

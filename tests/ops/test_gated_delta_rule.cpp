@@ -642,13 +642,14 @@ TEST(GatedDeltaRule, BadInputIsAClearError) {
 
 TEST(GatedDeltaRule, SavedSizeFollowsTheContract) {
   EXPECT_EQ(gdr_saved_chunks(8192, 1), 128);
-  // Qwen3.5-9B's GDN layer at 8k tokens: 128 slots x 32 heads x 128 x (128 + 64), 192 MiB in bf16.
-  EXPECT_EQ(gdr_saved_numel(8192, 1, 32, 128, 128), int64_t{100663296});
-  EXPECT_EQ(gdr_saved_numel(8192, 1, 32, 128, 128) * 2, int64_t{192} << 20);
+  // Qwen3.5-9B's GDN layer at 8k tokens: 128 slots x 32 heads x (Ht 128 x 128 + Vt 128 x 64 + W 64
+  // x 128 + T 64 x 64 + gamma 2 x 64), 289 MiB in bf16.
+  EXPECT_EQ(gdr_saved_numel(8192, 1, 32, 128, 128), int64_t{151519232});
+  EXPECT_EQ(gdr_saved_numel(8192, 1, 32, 128, 128) * 2, int64_t{289} << 20);
   EXPECT_EQ(gdr_saved_chunks(0, 1), 0);
   EXPECT_EQ(gdr_saved_chunks(64, 1), 1);
   EXPECT_EQ(gdr_saved_chunks(65, 1), 2);
-  EXPECT_EQ(gdr_saved_numel(10, 2, 4, 4, 3), 2 * 4 * 3 * (4 + 64));
+  EXPECT_EQ(gdr_saved_numel(10, 2, 4, 4, 3), 2 * 4 * (3 * 4 + 3 * 64 + 64 * 4 + 64 * 64 + 128));
   // An upper bound on the chunk count of every split of T tokens into N documents (zero-length
   // ones included), non-decreasing in T and N (a plan sized for the largest batch fits them all).
   for (int64_t N = 1; N <= 6; ++N) {

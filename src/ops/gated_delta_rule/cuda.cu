@@ -16,26 +16,26 @@
 //             (dq_h, dk_h, dg part) -> wy (dv, dbeta, dg, dk_h +=) -> reduce (dq, dk)
 // By default the forward saves nothing (op.h): the backward rebuilds W, U, the snapshots and V' (as
 // FLA rebuilds w, u, h and v_new). Given the optional `saved` (op.h has its layout, which is the
-// fast route's Ht and Vt), the forward also writes the state pass's output there and the backward
-// skips its state pass (and, on the fast route, U):
-//   fast:     the forward's state pass writes Ht and Vt into `saved` instead of scratch; the
-//             backward's prep computes W, gam and T only and its kernels read Ht and Vt from
-//             `saved`
-//   generic:  the forward transposes its H and V' into `saved` (cuda_saved.cu); the backward runs
-//             prep (W, U), then transposes `saved` back into H and V' (over U) instead of the pass
+// fast route's Ht, Vt, W, T and gam), the forward also writes the state pass's output and the
+// chunk factors there and the backward skips its state pass (and, on the fast route, prep):
+//   fast:     the forward's prep writes W, T and gam and its state pass Ht and Vt into `saved`
+//             instead of scratch; the backward runs no prep (only dV'_loc, from dO) and its kernels
+//             read them from `saved`
+//   generic:  the forward transposes its H and V' into `saved` (cuda_saved.cu) and runs the fast
+//             route's prep for W, T and gam where a fast backward could read them; the backward
+//             runs prep (W, U), then transposes `saved` back into H and V' (over U) instead of the
+//             pass
 // Either backward reads what either forward wrote: one layout, one meaning.
 //
 // Scratch (Context::scratch, one request per call, carved at 256-byte boundaries): the chunk index
 // unless a GdrChunkIndexScope provides it; q, k normalised (l2norm only); W [T, Hv, dk] and U
 // [T, Hv, dv] bf16; the fast route's gam [chunks, Hv, 64] fp32, Ht [chunks, Hv, dv, dk] and Vt
 // [chunks, Hv, dv, 64] bf16, and in the backward Tinv [chunks, Hv, 64, 64] bf16, dvlocT
-// [chunks, Hv, dv, 64] fp32, dHt, dVt bf16, dq_h and dk_h [T, Hv, dk] fp32 and a dg part [T, Hv]
+// [chunks, Hv, dv, 64] fp32, dHt, dVt bf16, dq and dk [T, Hk, dk] fp32 and a dg part [T, Hv]
 // fp32 (dW reuses W once the reverse pass is done with it); the generic route's chunk-start states
 // H [chunks, Hv, dk, dv] bf16 (V' over U), and in the backward dV'_loc [T, Hv, dv] fp32, dV' bf16,
-// dH bf16, dq_h, dk_h and the dg part. At T = 8192, Hv = 32, dk = dv = 128: about 0.4 GB forward
-// and 1.0 GB backward on the fast route (1.2 GB on the generic one). With `saved` the fast route
-// keeps Ht and Vt there instead (forward) or needs neither them nor U (backward): 192 MiB and
-// 64 MiB less scratch at that size.
+// dH bf16, dq_h, dk_h and the dg part. With `saved` the fast route keeps Ht, Vt, W, gam (and in
+// the backward T) there instead, and its backward needs no U (dW still takes a W-sized buffer).
 //
 // Nothing synchronises the host; every launch goes to the compute stream. Device-resident
 // cu_seqlens are never read on the host: the index sanitises them (cuda.h).
@@ -158,12 +158,15 @@ Prologue run_prologue(const gdr::Dims& d, const PrologueScratch& ps, char* base,
 // route's 4-byte stores and cp.async staging of Vt need (Vt's offset is a multiple of 16 bytes
 // there: dk, dv % 8 == 0).
 struct Saved {
-  bf16_t* Ht;
-  bf16_t* Vt;
+  bf16_t* Ht = nullptr;
+  bf16_t* Vt = nullptr;
+  bf16_t* W = nullptr;   // [nt_max 64, Hv, dk], token-indexed
+  bf16_t* Tm = nullptr;  // [nt_max, Hv, 64, 64]
+  float* gam = nullptr;  // [nt_max, Hv, 64]
   explicit operator bool() const { return Ht != nullptr; }
 };
 Saved saved_view(const Tensor& saved, const gdr::Dims& d) {
-  if (!saved.defined()) return {nullptr, nullptr};
+  if (!saved.defined()) return {};
   GDN_CHECK(d.nt_max == gdr_saved_chunks(d.T, d.N),
             "{}: the chunk slots of 'saved' ({}) and of the chunk index ({}) disagree", kWhat,
             gdr_saved_chunks(d.T, d.N), d.nt_max);
@@ -174,8 +177,24 @@ Saved saved_view(const Tensor& saved, const gdr::Dims& d) {
             "(gdr_saved_numel)",
             kWhat, saved.describe(), want);
   GDN_CHECK(aligned16(saved), "{}: tensor 'saved' must be 16-byte aligned", kWhat);
-  bf16_t* Ht = bf_out(saved);
-  return {Ht, Ht + d.nt_max * d.Hv * d.dv * d.dk};
+  // Every section's offset is a multiple of 16 bytes: nt_max Hv times 2 (dv dk), 128 dv, 128 dk
+  // and 8192 bytes, with dk, dv % 8 == 0 on the fast route.
+  Saved v;
+  const int64_t slots = d.nt_max * d.Hv;
+  v.Ht = bf_out(saved);
+  v.Vt = v.Ht + slots * d.dv * d.dk;
+  v.W = v.Vt + slots * d.dv * gdr::kC;
+  v.Tm = v.W + slots * gdr::kC * d.dk;
+  v.gam = reinterpret_cast<float*>(v.Tm + slots * gdr::kC * gdr::kC);
+  return v;
+}
+
+// Whether the forward writes `saved`'s W, T and gamma (op.h): where a fast backward could read
+// them, from the fast route's prep (its conditions on the dims, and kn's alignment for its staging;
+// kn is the prologue's, or k itself without the l2norm).
+bool writes_saved_factors(const gdr::Dims& d, const bf16_t* kn) {
+  return d.dk % 8 == 0 && d.dv % 8 == 0 && d.KP <= 128 && d.VP <= 128 &&
+         reinterpret_cast<uintptr_t>(kn) % 16 == 0;
 }
 
 // --- the fast route
@@ -185,12 +204,15 @@ Saved saved_view(const Tensor& saved, const gdr::Dims& d) {
 struct FastFwdScratch {
   size_t W, U, gam, Ht, Vt;
 };
-FastFwdScratch plan_fast_fwd(ScratchPlan& sp, const gdr::Dims& d, bool need_U, bool need_states) {
+// With `saved` (need_states false), W and gamma live there; the backward still takes a W-sized
+// buffer for dW (need_W).
+FastFwdScratch plan_fast_fwd(ScratchPlan& sp, const gdr::Dims& d, bool need_U, bool need_states,
+                             bool need_W) {
   const int64_t T = d.T, nt = d.nt_max;
   FastFwdScratch f{};
-  f.W = sp.add(T * d.Hv * d.dk * 2);
+  f.W = sp.add(need_W || need_states ? T * d.Hv * d.dk * 2 : 0);
   f.U = sp.add(need_U ? T * d.Hv * d.dv * 2 : 0);
-  f.gam = sp.add(nt * d.Hv * gdr::kC * 4);
+  f.gam = sp.add(need_states ? nt * d.Hv * gdr::kC * 4 : 0);
   f.Ht = sp.add(need_states ? nt * d.Hv * d.dv * d.dk * 2 : 0);
   f.Vt = sp.add(need_states ? nt * d.Hv * d.dv * gdr::kC * 2 : 0);
   return f;
@@ -210,15 +232,21 @@ struct FastExtra {
   float* dvl = nullptr;
 };
 // prep, then the state pass into `saved` or scratch (the backward without `saved`; with `out`, the
-// forward's pass and output), or prep without U and Ht, Vt from `saved` (the backward given it:
-// `run_state` false).
+// forward's pass and output; given `saved`, prep writes W, T and gamma there), or only the
+// backward's dV'_loc with Ht, Vt, W, T and gamma from `saved` (the backward given it: `run_state`
+// false).
 FastFwd run_fast_fwd(const gdr::Dims& d, const FastFwdScratch& f, char* base, const Prologue& p,
                      const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& h0,
                      float* hT, bf16_t* Tinv, const Saved& sv, bool run_state, const FastExtra& out,
                      cudaStream_t s) {
   bf16_t* Ht = sv ? sv.Ht : at<bf16_t>(base, f.Ht);
   bf16_t* Vt = sv ? sv.Vt : at<bf16_t>(base, f.Vt);
-  FastFwd r{at<bf16_t>(base, f.W), at<float>(base, f.gam), Ht, Vt};
+  FastFwd r{sv ? sv.W : at<bf16_t>(base, f.W), sv ? sv.gam : at<float>(base, f.gam), Ht, Vt};
+  if (sv) Tinv = sv.Tm;
+  if (sv && !run_state) {
+    gdr::fast_dvloc(d, p.ix, p.qn, p.kn, g.ptr<float>(), out.dout, out.dvl, s);
+    return r;
+  }
   bf16_t* U = run_state ? at<bf16_t>(base, f.U) : nullptr;
   if (out.dvl != nullptr)
     gdr::fast_prep_dvloc(d, p.ix, p.qn, p.kn, bf(v), g.ptr<float>(), beta.ptr<float>(), out.dout,
@@ -233,12 +261,22 @@ FastFwd run_fast_fwd(const gdr::Dims& d, const FastFwdScratch& f, char* base, co
   return r;
 }
 
+// `saved`'s W, T and gamma from the fast route's prep (no U), for the forwards whose own chain
+// does not leave them there (the generic and the fused routes), where a fast backward could read
+// them (op.h).
+void save_factors(const gdr::Dims& d, const Prologue& p, const GatedDeltaRuleFwd& a,
+                  const Saved& sv, cudaStream_t s) {
+  if (!writes_saved_factors(d, p.kn)) return;
+  gdr::fast_prep(d, p.ix, p.kn, nullptr, a.g.ptr<float>(), a.beta.ptr<float>(), sv.W, nullptr,
+                 sv.gam, sv.Tm, s);
+}
+
 void forward_fast(const GatedDeltaRuleFwd& a, const gdr::Dims& d) {
   cuda::Context& ctx = cuda::Context::get();
   const Saved sv = saved_view(a.saved, d);
   ScratchPlan sp;
   const PrologueScratch ps = plan_prologue(sp, d);
-  const FastFwdScratch f = plan_fast_fwd(sp, d, true, !sv);
+  const FastFwdScratch f = plan_fast_fwd(sp, d, true, !sv, false);
   const size_t o_prog = sp.add(static_cast<int64_t>(gdr::fast_trail_prog_bytes(d)));
   char* base = static_cast<char*>(ctx.scratch(sp.total()));
   cudaStream_t s = ctx.stream();
@@ -252,9 +290,9 @@ void backward_fast(const GatedDeltaRuleBwd& a, const gdr::Dims& d) {
   const Saved sv = saved_view(a.saved, d);
   ScratchPlan sp;
   const PrologueScratch ps = plan_prologue(sp, d);
-  const FastFwdScratch f = plan_fast_fwd(sp, d, !sv, !sv);
+  const FastFwdScratch f = plan_fast_fwd(sp, d, !sv, !sv, true);
   const int64_t T = d.T, nt = d.nt_max;
-  const size_t o_Tinv = sp.add(nt * d.Hv * gdr::kC * gdr::kC * 2);
+  const size_t o_Tinv = sp.add(sv ? 0 : nt * d.Hv * gdr::kC * gdr::kC * 2);
   const size_t o_dvl = sp.add(nt * d.Hv * d.dv * gdr::kC * 4);
   const size_t o_dHt = sp.add(nt * d.Hv * d.dv * d.dk * 2);
   const size_t o_dVt = sp.add(nt * d.Hv * d.dv * gdr::kC * 2);
@@ -264,7 +302,7 @@ void backward_fast(const GatedDeltaRuleBwd& a, const gdr::Dims& d) {
   char* base = static_cast<char*>(ctx.scratch(sp.total()));
   cudaStream_t s = ctx.stream();
   const Prologue p = run_prologue(d, ps, base, a.q, a.k, a.cu_seqlens, s);
-  bf16_t* Tinv = at<bf16_t>(base, o_Tinv);
+  bf16_t* Tinv = sv ? sv.Tm : at<bf16_t>(base, o_Tinv);
   float* dvl = at<float>(base, o_dvl);
   const FastFwd r = run_fast_fwd(d, f, base, p, a.v, a.g, a.beta, a.h0, nullptr, Tinv, sv, !sv,
                                  {.dout = bf(a.dout), .dvl = dvl}, s);
@@ -273,7 +311,8 @@ void backward_fast(const GatedDeltaRuleBwd& a, const gdr::Dims& d) {
   float* dqk = at<float>(base, o_dqk);
   float* dkk = at<float>(base, o_dkk);
   float* dgp = at<float>(base, o_dgp);
-  bf16_t* dW = r.W;  // W is dead once the reverse pass has run
+  // W is dead once the reverse pass has run; `saved`'s is the caller's, so dW takes scratch then.
+  bf16_t* dW = sv ? at<bf16_t>(base, f.W) : r.W;
   gdr::fast_state_bwd(d, p.ix, p.qn, p.kn, r.W, bf(a.dout), dvl, r.gam, f32_or_null(a.dhT), dHt,
                       dVt, f32_out_or_null(a.dh0), s);
   gdr::fast_dqkw(d, p.ix, p.qn, p.kn, bf(a.dout), r.Vt, dVt, r.Ht, dHt, r.gam, dqk, dkk, dW, dgp,
@@ -324,7 +363,10 @@ void forward_generic(const GatedDeltaRuleFwd& a, const gdr::Dims& d) {
   const Prologue p = run_prologue(d, ps, base, a.q, a.k, a.cu_seqlens, s);
   const FwdPtrs r = run_fwd_chain(d, f, base, p, a.v, a.g, a.beta, a.h0, f32_out_or_null(a.hT), s);
   gdr::launch_output(d, p.ix, p.qn, p.kn, r.U, r.H, a.g.ptr<float>(), bf_out(a.o), s);
-  if (sv) gdr::launch_save_states(d, p.ix, r.H, r.U, sv.Ht, sv.Vt, s);
+  if (sv) {
+    gdr::launch_save_states(d, p.ix, r.H, r.U, sv.Ht, sv.Vt, s);
+    save_factors(d, p, a, sv, s);
+  }
 }
 
 void backward_generic(const GatedDeltaRuleBwd& a, const gdr::Dims& d) {
@@ -457,6 +499,8 @@ void forward_fused(const GatedDeltaRuleFwd& a) {
   const Prologue p = run_prologue(d, ps, base, a.q, a.k, a.cu_seqlens, s);
   gdr::fused_fwd(d, p.ix, p.qn, p.kn, bf(a.v), a.g.ptr<float>(), a.beta.ptr<float>(),
                  f32_or_null(a.h0), bf_out(a.o), f32_out_or_null(a.hT), sv.Ht, sv.Vt, s);
+  // The fused kernel keeps its T and W on chip; the fast prep writes `saved`'s (op.h).
+  if (sv) save_factors(d, p, a, sv, s);
 }
 
 // The same backward: both forwards save the same tensors (op.h), so it does not depend on the

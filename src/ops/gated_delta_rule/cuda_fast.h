@@ -133,6 +133,10 @@ void fast_prep(const Dims& d, const IndexView& ix, const bf16_t* kn, const bf16_
 void fast_prep_dvloc(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
                      const bf16_t* v, const float* g, const float* beta, const bf16_t* dout,
                      bf16_t* W, bf16_t* U, float* gam, bf16_t* Tinv, float* dvlocT, cudaStream_t s);
+// dvlocT alone (the backward given `saved`, whose W, T and gam the forward's prep wrote; and
+// GDN_GDR_PREP_DVLOC=sequence after fast_prep).
+void fast_dvloc(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
+                const float* g, const bf16_t* dout, float* dvlocT, cudaStream_t s);
 // Sequential over each document's chunks: Ht, Vt and (when not null) hT.
 void fast_state_fwd(const Dims& d, const IndexView& ix, const bf16_t* W, const bf16_t* kn,
                     const bf16_t* U, const float* gam, const float* h0, bf16_t* Ht, bf16_t* Vt,

@@ -348,7 +348,7 @@ __global__ void __launch_bounds__(kThreads, 3)
                                bf16_t* __restrict__ Tinv, float* __restrict__ dvlocT,
                                int dvloc_only) {
   extern __shared__ __align__(128) char smem[];
-  // dvloc_only (GDN_GDR_PREP_DVLOC=sequence, A/B): every block a dV'_loc one, chunk x.
+  // dvloc_only (fast_dvloc): every block a dV'_loc one, chunk x.
   const int c = static_cast<int>(dvloc_only != 0 ? blockIdx.x : blockIdx.x >> 1);
   const int h = static_cast<int>(blockIdx.y);
   if (dvloc_only == 0 && (blockIdx.x & 1u) == 0u)
@@ -808,15 +808,29 @@ void fast_prep_dvloc(const Dims& d, const IndexView& ix, const bf16_t* qn, const
   const std::string mode = env::get_string("GDN_GDR_PREP_DVLOC");
   GDN_CHECK(mode == "interleave" || mode == "sequence",
             "GDN_GDR_PREP_DVLOC={} is not one of interleave, sequence", mode);
-  const bool seq = mode == "sequence";
-  if (seq) fast_prep(d, ix, kn, v, g, beta, W, U, gam, Tinv, s);
-  const size_t smem = std::max(seq ? size_t{0} : prep_smem(d, U != nullptr), dvloc_smem(d));
+  if (mode == "sequence") {
+    fast_prep(d, ix, kn, v, g, beta, W, U, gam, Tinv, s);
+    fast_dvloc(d, ix, qn, kn, g, dout, dvlocT, s);
+    return;
+  }
+  const size_t smem = std::max(prep_smem(d, U != nullptr), dvloc_smem(d));
   allow_smem(reinterpret_cast<const void*>(&gdr_fast_prep_dvloc_kernel), smem,
              "gdr_fast_prep_dvloc_kernel", d.dk, d.dv);
-  const dim3 grid(grid_x((seq ? 1 : 2) * d.nt_max, "gdr_fast_prep_dvloc_kernel"),
-                  static_cast<unsigned>(d.Hv));
+  const dim3 grid(grid_x(2 * d.nt_max, "gdr_fast_prep_dvloc_kernel"), static_cast<unsigned>(d.Hv));
   gdr_fast_prep_dvloc_kernel<<<grid, kThreads, smem, s>>>(d, ix, qn, kn, v, g, beta, dout, W, U,
-                                                          gam, Tinv, dvlocT, seq ? 1 : 0);
+                                                          gam, Tinv, dvlocT, 0);
+  GDN_CUDA_LAUNCH_CHECK("gdr_fast_prep_dvloc_kernel");
+}
+
+void fast_dvloc(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
+                const float* g, const bf16_t* dout, float* dvlocT, cudaStream_t s) {
+  if (d.nt_max == 0) return;
+  const size_t smem = dvloc_smem(d);
+  allow_smem(reinterpret_cast<const void*>(&gdr_fast_prep_dvloc_kernel), smem,
+             "gdr_fast_prep_dvloc_kernel", d.dk, d.dv);
+  const dim3 grid(grid_x(d.nt_max, "gdr_fast_prep_dvloc_kernel"), static_cast<unsigned>(d.Hv));
+  gdr_fast_prep_dvloc_kernel<<<grid, kThreads, smem, s>>>(
+      d, ix, qn, kn, nullptr, g, nullptr, dout, nullptr, nullptr, nullptr, nullptr, dvlocT, 1);
   GDN_CUDA_LAUNCH_CHECK("gdr_fast_prep_dvloc_kernel");
 }
 

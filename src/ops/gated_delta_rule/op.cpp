@@ -285,7 +285,10 @@ int64_t gdr_saved_numel(int64_t T, int64_t N, int64_t Hv, int64_t dk, int64_t dv
   GDN_CHECK(Hv >= 1 && dk >= 1 && dv >= 1,
             "{}: gdr_saved_numel needs Hv, dk, dv >= 1, got Hv = {}, dk = {}, dv = {}", kOp, Hv, dk,
             dv);
-  return gdr_saved_chunks(T, N) * Hv * dv * (dk + kGdrChunk);
+  constexpr int64_t C = kGdrChunk;
+  // Per chunk slot and value head: Ht (dv dk), Vt (dv C), W (C dk), T (C C), gamma (C fp32 values
+  // in 2 C elements of the bf16 tensor): op.h.
+  return gdr_saved_chunks(T, N) * Hv * (dv * dk + dv * C + C * dk + C * C + 2 * C);
 }
 
 void gated_delta_rule_forward(const GatedDeltaRuleFwd& a) {

@@ -43,9 +43,13 @@
 //
 // Optional `saved` (both structs; absent = the recomputation above, unchanged): the output of the
 // sequential forward state pass, which the backward otherwise re-runs (on cuda a latency-bound
-// pass over each document's chunks, about a quarter of the backward at one long document). The
-// forward writes it (=) when given; the backward reads it when given and then skips its own state
-// pass (it still rebuilds the l2norm, gamma, T and W, which are cheap and parallel over chunks).
+// pass over each document's chunks, about a quarter of the backward at one long document), and
+// the chunk factors T, W and gamma, which it would rebuild (on cuda the triangular inverse is the
+// shared-memory-bound part of a per-chunk kernel, about a tenth of the backward at one long
+// document). fla saves its T (A) and rebuilds W and the states (fla/ops/gated_delta_rule/
+// chunk.py). The forward writes it (=) when given; the backward reads it when given and then skips
+// its own state pass, and on the fast route (below) also its T, W and gamma (it still rebuilds the
+// l2norm).
 //   Shape [gdr_saved_numel(T, N, Hv, dk, dv)], the activation dtype, contiguous, on q's device
 //   (16-byte aligned on cuda). With nt = gdr_saved_chunks(T, N) chunk slots, numbered as the
 //   chunks of the batch (document n's chunks are consecutive, its first slot is the number of
@@ -56,19 +60,31 @@
 //                                                   V' = U - W S_c (the chunked algorithm's
 //                                                   pseudo-values, gdn_spec.md §3.1), exact 0 for i
 //                                                   >= len(c)
-//   Values are rounded to the activation dtype (bf16 on cuda: the operands the backward's kernels
-//   read). Slots past the batch's chunk count are neither written nor read. Both CUDA routes (fast
-//   and generic) write and read this one layout, with the same meaning, so a backward may take
-//   either route whatever route wrote `saved` (e.g. a different tensor alignment sends it
-//   elsewhere); the two routes' values differ in the last bits (they round differently, see below),
-//   each within the op's tolerance. A backward given `saved` that the forward of the SAME route
-//   wrote returns bitwise the gradients it returns without it: the forward's state pass is the very
-//   computation the backward would repeat, on the same inputs (and with the same dk split of the
-//   fast route's state passes, cuda.h, which follows from the shapes unless forced). `saved` must
-//   come from a forward with the same q, k, v, g, beta, cu_seqlens, h0, scale and use_qk_l2norm;
-//   nothing checks that. ref and cpu.chunk64 ignore `saved` (they neither write nor read it: the
-//   backward recomputes); the op wrapper still validates its shape, dtype and device on every
-//   backend.
+//     W [nt 64, Hv, dk]    at element nt Hv dv (dk + 64): W[t, h] = the row of W = T diag(beta
+//                                                   e^gamma) K for token t (rows t >= T unused)
+//     T [nt, Hv, 64, 64]   next:                    T[c, h] = (I + M)^{-1} of chunk c (its rows
+//                                                   and columns past len(c): those of the padded
+//                                                   chunk, beta = 0 and k = 0 there)
+//     gamma [nt, Hv, 64]   next, fp32 (2 elements each): the chunk-local cumsums of g (0 past
+//                                                   len(c))
+//   W, T and gamma are written only where the fast backward could read them: by every cuda forward
+//   whose dk and dv are at most 128 and multiples of 8 and whose k is 16-byte aligned (the fast
+//   backward's own conditions include those); the fast backward reads them, the generic one
+//   rebuilds its own. On both fast and generic forwards they come from the fast route's prep
+//   kernel, bitwise what the fast backward would rebuild.
+//   Values but gamma are rounded to the activation dtype (bf16 on cuda: the operands the
+//   backward's kernels read). Slots past the batch's chunk count are neither written nor read. Both
+//   CUDA routes (fast and generic) write and read this one layout, with the same meaning, so a
+//   backward may take either route whatever route wrote `saved` (e.g. a different tensor alignment
+//   sends it elsewhere); the two routes' values differ in the last bits (they round differently,
+//   see below), each within the op's tolerance. A backward given `saved` that the forward of the
+//   SAME route wrote returns bitwise the gradients it returns without it: the forward's state pass
+//   is the very computation the backward would repeat, on the same inputs (and with the same dk
+//   split of the fast route's state passes, cuda.h, which follows from the shapes unless forced).
+//   `saved` must come from a forward with the same q, k, v, g, beta, cu_seqlens, h0, scale and
+//   use_qk_l2norm; nothing checks that. ref and cpu.chunk64 ignore `saved` (they neither write nor
+//   read it: the backward recomputes); the op wrapper still validates its shape, dtype and device
+//   on every backend.
 //
 // Implementations:
 //   ref: the token-by-token recurrence above and its exact reverse-time backward (gdn_spec.md §2),
@@ -194,8 +210,9 @@ double gdr_effective_scale(double scale, int64_t dk);
 // values, so a caller sizes `saved` for its largest batch once (the CUDA chunk index uses the same
 // bound). Non-decreasing in T and in N.
 int64_t gdr_saved_chunks(int64_t T, int64_t N);
-// Elements of `saved` (activation dtype): gdr_saved_chunks(T, N) * Hv * dv * (dk + 64). At T =
-// 8192, one document, Hv = 32, dk = dv = 128: 128 slots, 100.7 M elements, 192 MiB in bf16.
+// Elements of `saved` (activation dtype): gdr_saved_chunks(T, N) * Hv * (dv dk + 64 dv + 64 dk +
+// 64 * 64 + 128). At T = 8192, one document, Hv = 32, dk = dv = 128: 128 slots, 151.5 M elements,
+// 289 MiB in bf16.
 int64_t gdr_saved_numel(int64_t T, int64_t N, int64_t Hv, int64_t dk, int64_t dv);
 
 }  // namespace gdn::ops
