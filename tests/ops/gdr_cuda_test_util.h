@@ -230,6 +230,13 @@ inline std::vector<Spec> sweep_specs() {
 inline int64_t saved_numel(const Inputs& in) {
   return gdr_saved_numel(in.T, in.N, in.Hv, in.dk, in.dv);
 }
+// `saved`'s first element of its gamma section (op.h: fp32 values in pairs of bf16 elements, after
+// the bf16 sections Ht, Vt, W and T), so that tests compare the two kinds apart: as numbers, bf16
+// pairs holding fp32 bits would read as anything, NaN included.
+inline int64_t saved_gamma_at(const Inputs& in) {
+  return gdr_saved_chunks(in.T, in.N) * in.Hv *
+         (in.dv * in.dk + in.dv * kGdrChunk + kGdrChunk * in.dk + kGdrChunk * kGdrChunk);
+}
 
 struct Fwd {
   OwnedTensor o, hT;
