@@ -7,8 +7,8 @@
 //   forward:  [index] [l2norm] prep (gamma, W, U) -> state_fwd (Ht, Vt, hT) -> output (o), the
 //             output beside the state pass at few documents (cuda_fast.h: fast_state_output)
 //   backward: [index] [l2norm] prep (+ T) and dvloc (one grid) -> state_fwd -> state_bwd (dHt,
-//             dVt, dh0) -> dqkw (dq, dk part summed over a key head's value heads, dW, dg
-//             part) -> wy (dv, dbeta, dg, dk), each ending in the l2norm backward of its rows
+//             dVt, dh0) -> dqkw (dq, dk summed over a key head's value heads, dW, dg part) ->
+//             wy (dv, dbeta, dg, dk +=) -> l2norm backward (dq, dk)
 // generic (cuda_kernels.h; any dims up to 256, unaligned tensors; every shape with
 //   GDN_GDR_GENERIC=1): WMMA kernels
 //   forward:  [index] [l2norm] prep (W, U) -> state_fwd (H, V', hT) -> output (o)
@@ -31,7 +31,7 @@
 // unless a GdrChunkIndexScope provides it; q, k normalised (l2norm only); W [T, Hv, dk] and U
 // [T, Hv, dv] bf16; the fast route's gam [chunks, Hv, 64] fp32, Ht [chunks, Hv, dv, dk] and Vt
 // [chunks, Hv, dv, 64] bf16, and in the backward Tinv [chunks, Hv, 64, 64] bf16, dvlocT
-// [chunks, Hv, dv, 64] fp32, dHt, dVt bf16, dk [T, Hk, dk] fp32 and a dg part [T, Hv]
+// [chunks, Hv, dv, 64] fp32, dHt, dVt bf16, dq and dk [T, Hk, dk] fp32 and a dg part [T, Hv]
 // fp32 (dW reuses W once the reverse pass is done with it); the generic route's chunk-start states
 // H [chunks, Hv, dk, dv] bf16 (V' over U), and in the backward dV'_loc [T, Hv, dv] fp32, dV' bf16,
 // dH bf16, dq_h, dk_h and the dg part. With `saved` the fast route keeps Ht, Vt, W, gam (and in
@@ -296,6 +296,7 @@ void backward_fast(const GatedDeltaRuleBwd& a, const gdr::Dims& d) {
   const size_t o_dvl = sp.add(nt * d.Hv * d.dv * gdr::kC * 4);
   const size_t o_dHt = sp.add(nt * d.Hv * d.dv * d.dk * 2);
   const size_t o_dVt = sp.add(nt * d.Hv * d.dv * gdr::kC * 2);
+  const size_t o_dqk = sp.add(T * d.Hk * d.dk * 4);
   const size_t o_dkk = sp.add(T * d.Hk * d.dk * 4);
   const size_t o_dgp = sp.add(T * d.Hv * 4);
   char* base = static_cast<char*>(ctx.scratch(sp.total()));
@@ -307,16 +308,18 @@ void backward_fast(const GatedDeltaRuleBwd& a, const gdr::Dims& d) {
                                  {.dout = bf(a.dout), .dvl = dvl}, s);
   bf16_t* dHt = at<bf16_t>(base, o_dHt);
   bf16_t* dVt = at<bf16_t>(base, o_dVt);
+  float* dqk = at<float>(base, o_dqk);
   float* dkk = at<float>(base, o_dkk);
   float* dgp = at<float>(base, o_dgp);
   // W is dead once the reverse pass has run; `saved`'s is the caller's, so dW takes scratch then.
   bf16_t* dW = sv ? at<bf16_t>(base, f.W) : r.W;
   gdr::fast_state_bwd(d, p.ix, p.qn, p.kn, r.W, bf(a.dout), dvl, r.gam, f32_or_null(a.dhT), dHt,
                       dVt, f32_out_or_null(a.dh0), s);
-  gdr::fast_dqkw(d, p.ix, bf(a.q), p.qn, p.kn, bf(a.dout), r.Vt, dVt, r.Ht, dHt, r.gam,
-                 bf_out(a.dq), dkk, dW, dgp, s);
-  gdr::fast_wy(d, p.ix, bf(a.k), p.kn, bf(a.v), dVt, dW, Tinv, r.gam, a.beta.ptr<float>(), dgp, dkk,
-               bf_out(a.dk), bf_out(a.dv), a.dg.ptr<float>(), a.dbeta.ptr<float>(), s);
+  gdr::fast_dqkw(d, p.ix, p.qn, p.kn, bf(a.dout), r.Vt, dVt, r.Ht, dHt, r.gam, dqk, dkk, dW, dgp,
+                 s);
+  gdr::fast_wy(d, p.ix, p.kn, bf(a.v), dVt, dW, Tinv, r.gam, a.beta.ptr<float>(), dgp, dkk,
+               bf_out(a.dv), a.dg.ptr<float>(), a.dbeta.ptr<float>(), s);
+  gdr::fast_l2norm_bwd_qk(d, bf(a.q), bf(a.k), dqk, dkk, bf_out(a.dq), bf_out(a.dk), s);
 }
 
 // --- the generic route

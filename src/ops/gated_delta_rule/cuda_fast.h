@@ -9,8 +9,8 @@
 //             head, 32 value columns: chunk-start snapshots H, V', hT) -> output (per chunk)
 //   backward  prep (+ T kept) and dvloc (per chunk, one grid) -> state_fwd -> state_bwd
 //             (reverse: dH, dV', dh0) -> dqkw (per chunk and key head, over its value heads: dq,
-//             dk part, dW, dg part) -> wy (the same blocks: dv, dbeta, dg, dk), each ending in the
-//             l2norm backward of its rows
+//             dk part, dW, dg part) -> wy (the same blocks: dv, dbeta, dg, dk +=) -> the l2norm
+//             backward of dq and dk
 // Intermediates that only the op's kernels read are stored per chunk slot c in "transposed" layouts
 // that the register fragments write with 4-byte stores and the next kernel stages as ldmatrix
 // tiles: Ht / dHt [chunks, Hv, dv, dk] (S^T of the chunk-start state / dS^T of the chunk-end
@@ -171,19 +171,21 @@ void fused_fwd(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_
 void fast_state_bwd(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
                     const bf16_t* W, const bf16_t* dout, const float* dvlocT, const float* gam,
                     const float* dhT, bf16_t* dHt, bf16_t* dVt, float* dh0, cudaStream_t s);
-// Per (chunk, key head), over its value heads in order: dq (summed over the heads in fp32 shared
-// memory, then its l2norm backward against the raw q: the op's output), dk's score and
-// state-update parts (summed over the heads into fp32 [T, Hk, dk]), dW = -dV' H^T ([T, Hv, dk]
+// Per (chunk, key head), over its value heads in order: dq (complete) and dk (score and
+// state-update paths), each summed over those heads in fp32 [T, Hk, dk]; dW = -dV' H^T ([T, Hv, dk]
 // bf16) and the dg part of those paths.
-void fast_dqkw(const Dims& d, const IndexView& ix, const bf16_t* q, const bf16_t* qn,
-               const bf16_t* kn, const bf16_t* dout, const bf16_t* Vt, const bf16_t* dVt,
-               const bf16_t* Ht, const bf16_t* dHt, const float* gam, bf16_t* dq, float* dkk,
-               bf16_t* dW, float* dgp, cudaStream_t s);
+void fast_dqkw(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
+               const bf16_t* dout, const bf16_t* Vt, const bf16_t* dVt, const bf16_t* Ht,
+               const bf16_t* dHt, const float* gam, float* dqk, float* dkk, bf16_t* dW, float* dgp,
+               cudaStream_t s);
 // Per (chunk, key head), through the WY factors and T of each of its value heads: dv, dbeta, dg
-// (= dgp + the rest), dkk +=; then dk (the op's output) = the l2norm backward of dkk against k.
-void fast_wy(const Dims& d, const IndexView& ix, const bf16_t* k, const bf16_t* kn, const bf16_t* v,
+// (= dgp + the rest), dk +=.
+void fast_wy(const Dims& d, const IndexView& ix, const bf16_t* kn, const bf16_t* v,
              const bf16_t* dVt, const bf16_t* dW, const bf16_t* Tinv, const float* gam,
-             const float* beta, const float* dgp, float* dkk, bf16_t* dk, bf16_t* dv, float* dg,
-             float* dbeta, cudaStream_t s);
+             const float* beta, const float* dgp, float* dkk, bf16_t* dv, float* dg, float* dbeta,
+             cudaStream_t s);
+// dq, dk from the fp32 [T, Hk, dk] sums: the l2norm backward (a conversion to bf16 without it).
+void fast_l2norm_bwd_qk(const Dims& d, const bf16_t* q, const bf16_t* k, const float* dqk,
+                        const float* dkk, bf16_t* dq, bf16_t* dk, cudaStream_t s);
 
 }  // namespace gdn::ops::gdr

@@ -17,12 +17,11 @@
 //   wy         per chunk (fla prepare_wy_repr_bwd): dT = dV' (beta V)^T + dW (beta G K)^T
 //              (strictly lower), dv = beta T^T dV', dK_b = beta G T^T dW, dM = -T^T dT T^T, then
 //              dK_c = dKK K + dKK^T K with dKK = beta_i D_ij dM_ij; dbeta and dg completed here
+//   l2norm     the l2norm backward of dq and dk.
 // dqkw and wy run a block per (chunk, key head) that takes the key head's r value heads in order
-// and stages Q and K once. dqkw sums dq over the heads in fp32 shared memory and ends with its
-// l2norm backward (the op's dq); it stores its dk part summed over the heads in fp32 [T, Hk, dk]
-// (the first head stores, the others add lines the block has just written, in L2), to which wy
-// adds its parts head by head before the l2norm backward of the rows (the op's dk). Up to session
-// 9, dq_h and dk_h went through [T, Hv, dk] fp32 rows that a separate reduce kernel read back.
+// and stages Q and K once: the first head stores dq and dk in fp32 [T, Hk, dk], the others add
+// (lines the block has just written, in L2), so the sums over the heads never make a round trip
+// through [T, Hv, dk] rows in DRAM (they did up to session 9: a reduce kernel read them back).
 // dg is assembled per chunk from the terms that reach each token, as cpu.cpp does: suffix sums of
 // the G-type terms (dgam), prefix sums of the dec-type terms (phi), pair terms h_ij over
 // j < t <= i, and G_L <H_c, dH_c> for every token; dqkw adds the score / output-state / update
@@ -437,52 +436,6 @@ __global__ void __launch_bounds__(kStateThreads* KS)
   }
 }
 
-// --- the l2norm backward of a chunk's dq or dk rows (the end of dqkw and of wy)
-// ------------------------------------------------------------------------------
-// dst[i] = bf16 of the l2norm backward of src[i] (fp32, the gradient w.r.t. the normalised row)
-// given the raw row x[i], for rows i < L: dx = rstd (dy - <dy, y> y), y = x rstd recomputed in fp32
-// (the forward's rstd); without the l2norm, bf16(src). Warp w of nw takes rows w, w + nw, ...; lane
-// l columns 4 l .. 4 l + 3 (dk <= 128, a multiple of 8). Every thread of the block calls it; src
-// rows written by other threads of the block must be published by a barrier before.
-__device__ __forceinline__ void l2norm_bwd_rows(const Dims& d, const float* src, int64_t lds,
-                                                const bf16_t* __restrict__ x,
-                                                bf16_t* __restrict__ dst, int64_t ldx, int L,
-                                                int nw) {
-  const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
-  const int col = 4 * lane;
-  const bool on = col < d.dk;
-  for (int i = warp; i < L; i += nw) {
-    float acc[4] = {0.f, 0.f, 0.f, 0.f}, xv[4] = {0.f, 0.f, 0.f, 0.f};
-    if (on) {
-      const float4 p = *reinterpret_cast<const float4*>(src + i * lds + col);
-      const uint2 xr = *reinterpret_cast<const uint2*>(x + i * ldx + col);
-      acc[0] = p.x;
-      acc[1] = p.y;
-      acc[2] = p.z;
-      acc[3] = p.w;
-      xv[0] = lo_f(xr.x);
-      xv[1] = hi_f(xr.x);
-      xv[2] = lo_f(xr.y);
-      xv[3] = hi_f(xr.y);
-    }
-    if (d.l2norm) {
-      const float rs = lane4_l2_rstd(xv);
-      float dot = 0.f;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dot += acc[e] * xv[e] * rs;
-      dot = warp_sum(dot);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[e] = rs * (acc[e] - dot * xv[e] * rs);
-    }
-    if (on) {
-      uint2 out;
-      out.x = pack(acc[0], acc[1]);
-      out.y = pack(acc[2], acc[3]);
-      *reinterpret_cast<uint2*>(dst + i * ldx + col) = out;
-    }
-  }
-}
-
 // --- dqkw
 // ------------------------------------------------------------------------------------------
 // NW warps a block (8 or 16, GDN_GDR_DQKW_WARPS): warp (mt, nh) = (warp & 3, warp >> 2) owns rows
@@ -492,19 +445,15 @@ __device__ __forceinline__ void l2norm_bwd_rows(const Dims& d, const float* src,
 // dependencies (ncu at T 32768, Hv 32: 34% issue, 2.35 ms; PERF.md run 25); 16 warps give it four.
 // Every dq_h, dk_h and dW element is the same sum in the same order for either NW; the dg part
 // differs in rounding only (its per-warp row dots and warp sums are grouped by NW).
-__host__ __device__ inline int dq_ld(const Dims& d) {
-  return d.KP + 4;
-}  // fp32 rows 16 bytes mod 128 apart
 size_t dqkw_smem(const Dims& d, int nw) {
   return 2 * tile_bytes_bf16(kC, d.KP) + tile_bytes_bf16(kC, d.VP) + 2 * tile_bytes_bf16(d.VP, kC) +
          2 * tile_bytes_bf16(d.VP, d.KP) + tile_bytes_bf16(kC, kC) + kF32Tile + 2 * kVec256 +
-         (4 + 2 * (nw / 4)) * kVecBytes + buf_bytes(static_cast<size_t>(kC) * dq_ld(d) * 4);
+         (4 + 2 * (nw / 4)) * kVecBytes;
 }
 
 template <int NW>
 __global__ void __launch_bounds__(NW * 32, 1)
     gdr_fast_dqkw_kernel(Dims d, IndexView ix,
-                         const bf16_t* __restrict__ q,     // [T, Hk, dk] (raw: the l2norm's input)
                          const bf16_t* __restrict__ qn,    // [T, Hk, dk]
                          const bf16_t* __restrict__ kn,    // [T, Hk, dk]
                          const bf16_t* __restrict__ dout,  // [T, Hv, dv]
@@ -513,7 +462,7 @@ __global__ void __launch_bounds__(NW * 32, 1)
                          const bf16_t* __restrict__ Ht,    // [nt_max, Hv, dv, dk] chunk-start S^T
                          const bf16_t* __restrict__ dHt,   // [nt_max, Hv, dv, dk] chunk-end dS^T
                          const float* __restrict__ gam,    // [nt_max, Hv, 64]
-                         bf16_t* __restrict__ dq,          // [T, Hk, dk]
+                         float* __restrict__ dqk,          // [T, Hk, dk]
                          float* __restrict__ dkk,          // [T, Hk, dk]
                          bf16_t* __restrict__ dW,          // [T, Hv, dk]
                          float* __restrict__ dgp) {        // [T, Hv]
@@ -547,14 +496,13 @@ __global__ void __launch_bounds__(NW * 32, 1)
   float* dgam = sc.vec();                      // [64]
   float* phi = sc.vec();                       // [64]
   float* pair = sc.vec();                      // [64] pair sums
-  const int ldd = dq_ld(d);
-  float* DQs = sc.take<float>(buf_bytes(static_cast<size_t>(kC) * ldd * 4));  // [64, KP] dq, fp32
   sc.done();
 
   const int64_t ldq = static_cast<int64_t>(d.Hk) * d.dk, ldV = static_cast<int64_t>(d.Hv) * d.dv;
   const int64_t ldh = static_cast<int64_t>(d.Hv) * d.dk;
   const int64_t sd = static_cast<int64_t>(d.dk) * d.dv;
-  float* const dk_c = dkk + (t0 * d.Hk + kh) * d.dk;  // this chunk's rows of the key head
+  float* const dq_c = dqk + (t0 * d.Hk + kh) * d.dk;  // this chunk's rows of the key head
+  float* const dk_c = dkk + (t0 * d.Hk + kh) * d.dk;
   // Q and K once (they join the first head's first group); then, for each of the key head's value
   // heads, three groups: what the score phase needs, then what the dq / dW phase adds (in flight
   // during the score phase), then dH (in flight until the dk phase).
@@ -674,17 +622,12 @@ __global__ void __launch_bounds__(NW * 32, 1)
           mma(y[2 * np + 1], a, bb[2], bb[3]);
         }
       }
-      // dq summed over the value heads in head order, in shared memory (the first head stores, the
-      // others add: positions this thread owns); the l2norm backward reads it after the last head.
-      fast::for_each_acc_pair(y, 16 * mt, col0, kC, d.KP, [&](int r, int cc, float v0, float v1) {
-        float2* p = reinterpret_cast<float2*>(DQs + r * ldd + cc);
-        if (hh == 0) {
-          *p = make_float2(v0, v1);
-        } else {
-          const float2 o = *p;
-          *p = make_float2(o.x + v0, o.y + v1);
-        }
-      });
+      // The first value head stores, the others add (lines this thread wrote, still in L2): the
+      // sum over the heads in head order, as a separate reduce over [T, Hv, dk] rows would take it.
+      if (hh == 0)
+        fast::store_acc_f32(y, dq_c, ldq, 16 * mt, col0, L, d.dk, 1.f);
+      else
+        fast::add_acc_f32(y, dq_c, ldq, 16 * mt, col0, L, d.dk);
     }
     cp_async_wait<0>();
     __syncthreads();  // the third group (dH)
@@ -760,9 +703,6 @@ __global__ void __launch_bounds__(NW * 32, 1)
     if (tid < L)
       dgp[(t0 + tid) * d.Hv + h] = suffix_plus_prefix(dgam, phi, tid, L) + pair[tid] + dg_all;
   }
-  __syncthreads();  // DQs complete
-  l2norm_bwd_rows(d, DQs, ldd, q + (t0 * d.Hk + kh) * d.dk, dq + (t0 * d.Hk + kh) * d.dk, ldq, L,
-                  NW);
 }
 
 // --- wy
@@ -782,7 +722,6 @@ size_t wy_smem(const Dims& d) {
 
 __global__ void __launch_bounds__(kThreads, 2)
     gdr_fast_wy_kernel(Dims d, IndexView ix,
-                       const bf16_t* __restrict__ k,     // [T, Hk, dk] (raw: the l2norm's input)
                        const bf16_t* __restrict__ kn,    // [T, Hk, dk]
                        const bf16_t* __restrict__ v,     // [T, Hv, dv]
                        const bf16_t* __restrict__ dVt,   // [nt_max, Hv, dv, 64] dV'^T
@@ -792,7 +731,6 @@ __global__ void __launch_bounds__(kThreads, 2)
                        const float* __restrict__ beta,   // [T, Hv]
                        const float* __restrict__ dgp,    // [T, Hv]
                        float* __restrict__ dkk,          // [T, Hk, dk] (+=)
-                       bf16_t* __restrict__ dk_out,      // [T, Hk, dk]
                        bf16_t* __restrict__ dv,          // [T, Hv, dv]
                        float* __restrict__ dg,           // [T, Hv]
                        float* __restrict__ dbeta) {      // [T, Hv]
@@ -1036,9 +974,58 @@ __global__ void __launch_bounds__(kThreads, 2)
       dg[o] = dgp[o] + suffix_plus_prefix(dgB, nullptr, tid, L) + pair[tid];
     }
   }
-  __syncthreads();  // every head's dk lines are in (the block's own stores)
-  l2norm_bwd_rows(d, dk_c, ldq, k + (t0 * d.Hk + kh) * d.dk, dk_out + (t0 * d.Hk + kh) * d.dk, ldq,
-                  L, kThreads / 32);
+}
+
+// --- the l2norm backward of dq and dk
+// ------------------------------------------------------------------------------------------------
+// dqkw and wy leave dq and dk summed over each key head's value heads, in fp32 [T, Hk, dk]. One
+// warp per row of dq (rows [0, R)) or dk (rows [R, 2R)); lane l owns columns 4 l .. 4 l + 3 (dk <=
+// 128, a multiple of 8). The fp32 rows are read once (evict-first loads).
+__global__ void __launch_bounds__(kThreads)
+    gdr_fast_l2norm_bwd_qk_kernel(Dims d,
+                                  const bf16_t* __restrict__ q,   // [T, Hk, dk]
+                                  const bf16_t* __restrict__ k,   // [T, Hk, dk]
+                                  const float* __restrict__ dqk,  // [T, Hk, dk]
+                                  const float* __restrict__ dkk,  // [T, Hk, dk]
+                                  bf16_t* __restrict__ dq,        // [T, Hk, dk]
+                                  bf16_t* __restrict__ dk) {      // [T, Hk, dk]
+  const int64_t rows = static_cast<int64_t>(d.T) * d.Hk;
+  const int64_t w = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  if (w >= 2 * rows) return;  // whole warps
+  const bool is_k = w >= rows;
+  const int64_t row = is_k ? w - rows : w;  // (t, kh) = (row / Hk, row % Hk)
+  const int col = 4 * lane;
+  const bool on = col < d.dk;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f}, x[4] = {0.f, 0.f, 0.f, 0.f};
+  if (on) {
+    const float4 p = __ldcs(reinterpret_cast<const float4*>((is_k ? dkk : dqk) + row * d.dk + col));
+    const uint2 xv = *reinterpret_cast<const uint2*>((is_k ? k : q) + row * d.dk + col);
+    acc[0] = p.x;
+    acc[1] = p.y;
+    acc[2] = p.z;
+    acc[3] = p.w;
+    x[0] = lo_f(xv.x);
+    x[1] = hi_f(xv.x);
+    x[2] = lo_f(xv.y);
+    x[3] = hi_f(xv.y);
+  }
+  if (d.l2norm) {
+    // dx = rstd (dy - <dy, y> y), y = x rstd recomputed in fp32 (the forward's rstd).
+    const float rs = lane4_l2_rstd(x);
+    float dot = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dot += acc[e] * x[e] * rs;
+    dot = warp_sum(dot);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[e] = rs * (acc[e] - dot * x[e] * rs);
+  }
+  if (on) {
+    uint2 out;
+    out.x = pack(acc[0], acc[1]);
+    out.y = pack(acc[2], acc[3]);
+    *reinterpret_cast<uint2*>((is_k ? dk : dq) + row * d.dk + col) = out;
+  }
 }
 
 }  // namespace
@@ -1079,10 +1066,10 @@ void fast_state_bwd(const Dims& d, const IndexView& ix, const bf16_t* qn, const 
   GDN_CUDA_LAUNCH_CHECK("gdr_fast_state_bwd_kernel");
 }
 
-void fast_dqkw(const Dims& d, const IndexView& ix, const bf16_t* q, const bf16_t* qn,
-               const bf16_t* kn, const bf16_t* dout, const bf16_t* Vt, const bf16_t* dVt,
-               const bf16_t* Ht, const bf16_t* dHt, const float* gam, bf16_t* dq, float* dkk,
-               bf16_t* dW, float* dgp, cudaStream_t s) {
+void fast_dqkw(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
+               const bf16_t* dout, const bf16_t* Vt, const bf16_t* dVt, const bf16_t* Ht,
+               const bf16_t* dHt, const float* gam, float* dqk, float* dkk, bf16_t* dW, float* dgp,
+               cudaStream_t s) {
   if (d.nt_max == 0) return;
   const int64_t nw = env::get_int("GDN_GDR_DQKW_WARPS");
   GDN_CHECK(nw == 8 || nw == 16, "GDN_GDR_DQKW_WARPS={} is not 8 or 16", nw);
@@ -1090,7 +1077,7 @@ void fast_dqkw(const Dims& d, const IndexView& ix, const bf16_t* q, const bf16_t
   const dim3 grid(grid_x(d.nt_max, "gdr_fast_dqkw_kernel"), static_cast<unsigned>(d.Hk));
   auto launch = [&](auto kernel, int threads) {
     allow_smem(reinterpret_cast<const void*>(kernel), smem, "gdr_fast_dqkw_kernel", d.dk, d.dv);
-    kernel<<<grid, threads, smem, s>>>(d, ix, q, qn, kn, dout, Vt, dVt, Ht, dHt, gam, dq, dkk, dW,
+    kernel<<<grid, threads, smem, s>>>(d, ix, qn, kn, dout, Vt, dVt, Ht, dHt, gam, dqk, dkk, dW,
                                        dgp);
   };
   if (nw == 16)
@@ -1100,18 +1087,28 @@ void fast_dqkw(const Dims& d, const IndexView& ix, const bf16_t* q, const bf16_t
   GDN_CUDA_LAUNCH_CHECK("gdr_fast_dqkw_kernel");
 }
 
-void fast_wy(const Dims& d, const IndexView& ix, const bf16_t* k, const bf16_t* kn, const bf16_t* v,
+void fast_wy(const Dims& d, const IndexView& ix, const bf16_t* kn, const bf16_t* v,
              const bf16_t* dVt, const bf16_t* dW, const bf16_t* Tinv, const float* gam,
-             const float* beta, const float* dgp, float* dkk, bf16_t* dk, bf16_t* dv, float* dg,
-             float* dbeta, cudaStream_t s) {
+             const float* beta, const float* dgp, float* dkk, bf16_t* dv, float* dg, float* dbeta,
+             cudaStream_t s) {
   if (d.nt_max == 0) return;
   const size_t smem = wy_smem(d);
   allow_smem(reinterpret_cast<const void*>(&gdr_fast_wy_kernel), smem, "gdr_fast_wy_kernel", d.dk,
              d.dv);
   const dim3 grid(grid_x(d.nt_max, "gdr_fast_wy_kernel"), static_cast<unsigned>(d.Hk));
-  gdr_fast_wy_kernel<<<grid, kThreads, smem, s>>>(d, ix, k, kn, v, dVt, dW, Tinv, gam, beta, dgp,
-                                                  dkk, dk, dv, dg, dbeta);
+  gdr_fast_wy_kernel<<<grid, kThreads, smem, s>>>(d, ix, kn, v, dVt, dW, Tinv, gam, beta, dgp, dkk,
+                                                  dv, dg, dbeta);
   GDN_CUDA_LAUNCH_CHECK("gdr_fast_wy_kernel");
+}
+
+void fast_l2norm_bwd_qk(const Dims& d, const bf16_t* q, const bf16_t* k, const float* dqk,
+                        const float* dkk, bf16_t* dq, bf16_t* dk, cudaStream_t s) {
+  const int64_t rows = static_cast<int64_t>(d.T) * d.Hk;
+  if (rows == 0) return;
+  const int64_t blocks = (2 * rows * 32 + kThreads - 1) / kThreads;
+  gdr_fast_l2norm_bwd_qk_kernel<<<grid_x(blocks, "gdr_fast_l2norm_bwd_qk_kernel"), kThreads, 0,
+                                  s>>>(d, q, k, dqk, dkk, dq, dk);
+  GDN_CUDA_LAUNCH_CHECK("gdr_fast_l2norm_bwd_qk_kernel");
 }
 
 }  // namespace gdn::ops::gdr
