@@ -290,6 +290,62 @@ __device__ __forceinline__ void load_weights_vec(const bf16_t* __restrict__ w,
   }
 }
 
+// The R outputs of one run, tokens t0 .. t0 + R - 1 of channels c .. c + 7, from its rows
+// row(r) = x[t0 - S + r] (r < R + S; rows before the document never read): the loop without
+// tests when the run lies inside document d, else the general one (document edges, the end of T,
+// taps from the initial state). kEdgeUnroll: the general loop's unroll (R where row() reads
+// registers, whose indices must be constants; 1 where it reads shared memory). Both forward
+// kernels call it: same operations in the same order.
+template <int W, int R, bool kSilu, bool kStream, int kEdgeUnroll, class Row>
+__device__ __forceinline__ void conv2_fwd_run(Row row, const float (&wr)[W][kV],
+                                              const float (&br)[kV], Doc& d,
+                                              const int32_t* __restrict__ cu, int N,
+                                              const bf16_t* __restrict__ init,
+                                              bf16_t* __restrict__ y, int64_t T, int64_t C,
+                                              int64_t c, int64_t t0) {
+  constexpr int S = W - 1;
+  auto put = [&](int64_t t, float(&z)[kV]) {
+    if constexpr (kSilu) {
+#pragma unroll
+      for (int v = 0; v < kV; ++v) z[v] *= sigmoid(z[v]);
+    }
+    put16<kStream>(y + t * C + c, pack8(z));
+  };
+  if (t0 - S >= d.s && t0 + R <= d.e) {  // d.e <= T
+    float win[W][kV];
+#pragma unroll
+    for (int j = 0; j < S; ++j) unpack8(row(j), win[j]);
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      unpack8(row(i + S), win[S]);
+      float z[kV];
+      preact<W>(wr, br, win, z);
+      put(t0 + i, z);
+      shift<W>(win);
+    }
+  } else {
+#pragma unroll kEdgeUnroll
+    for (int i = 0; i < R; ++i) {
+      const int64_t t = t0 + i;
+      if (t >= T) break;
+      if (t >= d.e) advance_doc(d, cu, N, T, t);
+      float e[W][kV];
+#pragma unroll
+      for (int j = 0; j < W; ++j) {
+        const int64_t p = t - S + j;
+        if (p >= d.s) {  // a row of x (0 <= d.s <= p <= t < T), among the run's rows
+          unpack8(row(i + j), e[j]);
+        } else {  // p - d.s + S in [0, S) since d.s <= t
+          state_cols<S>(init, d.n, static_cast<int>(p - d.s + S), c, C, true, e[j]);
+        }
+      }
+      float z[kV];
+      preact<W>(wr, br, e, z);
+      put(t, z);
+    }
+  }
+}
+
 // Forward, one thread per (run of R tokens, 8 channels): the thread issues all R + W-1 of its
 // 16-byte row loads (rows t0 - S .. t0 + R - 1 of its channels) before the first use, the way the
 // elementwise kernels reach the copy rate (swiglu: 0.99), then computes its R outputs from
@@ -325,46 +381,8 @@ __global__ void __launch_bounds__(kFwdThreads, fwd_min_blocks<R>())
   float wr[W][kV], br[kV];
   load_weights_vec<W>(w, bias, c, wr, br);
   Doc d = find_doc(cu, N, T, t0);  // t0 < T
-  auto put = [&](int64_t t, float(&z)[kV]) {
-    if constexpr (kSilu) {
-#pragma unroll
-      for (int v = 0; v < kV; ++v) z[v] *= sigmoid(z[v]);
-    }
-    put16<kStream>(y + t * C + c, pack8(z));
-  };
-  if (t0 - S >= d.s && t0 + R <= d.e) {  // d.e <= T
-    float win[W][kV];
-#pragma unroll
-    for (int j = 0; j < S; ++j) unpack8(buf[j], win[j]);
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-      unpack8(buf[i + S], win[S]);
-      float z[kV];
-      preact<W>(wr, br, win, z);
-      put(t0 + i, z);
-      shift<W>(win);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-      const int64_t t = t0 + i;
-      if (t >= T) break;
-      if (t >= d.e) advance_doc(d, cu, N, T, t);
-      float e[W][kV];
-#pragma unroll
-      for (int j = 0; j < W; ++j) {
-        const int64_t p = t - S + j;
-        if (p >= d.s) {  // a row of x (d.s >= 0, p <= t < T), buffered since p >= t0 - S
-          unpack8(buf[i + j], e[j]);
-        } else {  // p - d.s + S in [0, S) since d.s <= t
-          state_cols<S>(init, d.n, static_cast<int>(p - d.s + S), c, C, true, e[j]);
-        }
-      }
-      float z[kV];
-      preact<W>(wr, br, e, z);
-      put(t, z);
-    }
-  }
+  conv2_fwd_run<W, R, kSilu, kStream, R>([&](int r) { return buf[r]; }, wr, br, d, cu, N, init, y,
+                                         T, C, c, t0);
 }
 
 // Staged forward ("cuda.v2st5", "cuda.v2sw"): the rows of a block's token tile go through shared
@@ -443,46 +461,9 @@ __global__ void __launch_bounds__(kStWarps * 32, MB)
   __syncthreads();
   if (!active || t0 >= T) return;
   const uint4* rows = &tile[warp * R][lane];  // rows[r * kRowU4]: token t0 - S + r
-  auto put = [&](int64_t t, float(&z)[kV]) {
-    if constexpr (kSilu) {
-#pragma unroll
-      for (int v = 0; v < kV; ++v) z[v] *= sigmoid(z[v]);
-    }
-    put16<true>(y + t * C + c, pack8(z));
-  };
-  if (t0 - S >= d.s && t0 + R <= d.e) {  // d.e <= T
-    float win[W][kV];
-#pragma unroll
-    for (int j = 0; j < S; ++j) unpack8(rows[j * kRowU4], win[j]);
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-      unpack8(rows[(i + S) * kRowU4], win[S]);
-      float z[kV];
-      preact<W>(wr, br, win, z);
-      put(t0 + i, z);
-      shift<W>(win);
-    }
-  } else {  // rare (a document edge, the end of T, a state): not unrolled, fewer registers
-#pragma unroll 1
-    for (int i = 0; i < R; ++i) {
-      const int64_t t = t0 + i;
-      if (t >= T) break;
-      if (t >= d.e) advance_doc(d, cu, N, T, t);
-      float e[W][kV];
-#pragma unroll
-      for (int j = 0; j < W; ++j) {
-        const int64_t p = t - S + j;
-        if (p >= d.s) {  // a row of x (0 <= d.s <= p <= t < T), staged since p >= tb - S
-          unpack8(rows[(i + j) * kRowU4], e[j]);
-        } else {  // p - d.s + S in [0, S) since d.s <= t
-          state_cols<S>(init, d.n, static_cast<int>(p - d.s + S), c, C, true, e[j]);
-        }
-      }
-      float z[kV];
-      preact<W>(wr, br, e, z);
-      put(t, z);
-    }
-  }
+  // The edge loop not unrolled (rare: a document edge, the end of T, a state): fewer registers.
+  conv2_fwd_run<W, R, kSilu, true, 1>([&](int r) { return rows[r * kRowU4]; }, wr, br, d, cu, N,
+                                      init, y, T, C, c, t0);
 }
 
 // --- backward ----------------------------------------------------------------------------------
