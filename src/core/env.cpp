@@ -70,9 +70,9 @@ constexpr Knob kKnobs[] = {
      "the fast route, which otherwise runs head dims <= 128 that are multiples of 8).",
      false, nullptr},
     {"GDN_GDR_PREP_DVLOC", KnobType::Choice, "interleave",
-     "gated_delta_rule on CUDA, fast route's backward (A/B): 'sequence' runs prep and then the "
-     "dV'_loc kernel instead of one grid whose blocks alternate between the two "
-     "(cuda_fast_fwd.cu). Scheduling-only: same results.",
+     "gated_delta_rule on CUDA, fast route's backward without `saved` (A/B; given `saved` it "
+     "runs no prep): 'sequence' runs prep and then the dV'_loc kernel instead of one grid whose "
+     "blocks alternate between the two (cuda_fast_fwd.cu). Scheduling-only: same results.",
      true, "interleave|sequence"},
     {"GDN_GDR_SAVED_MIN_DOC_TOKENS", KnobType::Int, "128",
      "Training with recompute none or selective on cuda keeps each GDN layer's gated delta rule "
