@@ -627,19 +627,7 @@ __global__ void __launch_bounds__(kReduceThreads)
       x[e] = bf((is_k ? k : q)[row * d.dk + col]);
     }
   }
-  if (d.l2norm) {
-    // dx = rstd (dy - <dy, y> y), y = x rstd recomputed in fp32.
-    float ss = 0.f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) ss += x[e] * x[e];
-    const float rs = 1.f / sqrtf(warp_sum(ss) + static_cast<float>(kGdrL2NormEps));
-    float dot = 0.f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) dot += acc[e] * x[e] * rs;
-    dot = warp_sum(dot);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[e] = rs * (acc[e] - dot * x[e] * rs);
-  }
+  if (d.l2norm) warp_l2norm_bwd(acc, x);
   bf16_t* out = (is_k ? dk : dq) + row * d.dk;
 #pragma unroll
   for (int e = 0; e < 8; ++e) {

@@ -307,15 +307,31 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// rstd = 1 / sqrt(sum of squares + eps) of one row of dk <= 128 spread over a warp, lane l holding
-// columns 4 l .. 4 l + 3 in x (zeros past the row). The q/k l2norm at dk = 128 (cuda_fwd.cu) and
-// the fast backward's reduce (cuda_fast_bwd.cu, which recomputes it from the raw rows) both take it
-// from here, so the two see the same rstd bitwise. Every lane of the warp must call it.
-__device__ __forceinline__ float lane4_l2_rstd(const float (&x)[4]) {
+// rstd = 1 / sqrt(sum of squares + eps) of one row spread over a warp, each lane holding E of its
+// columns in x (zeros past the row). The q/k l2norm at dk = 128 (cuda_fwd.cu, E = 4) and both
+// backward reduce kernels (recomputing it from the raw rows) take it from here, so that they see
+// the same rstd bitwise. Every lane of the warp must call it.
+template <int E>
+__device__ __forceinline__ float warp_l2_rstd(const float (&x)[E]) {
   float ss = 0.f;
 #pragma unroll
-  for (int e = 0; e < 4; ++e) ss += x[e] * x[e];
+  for (int e = 0; e < E; ++e) ss += x[e] * x[e];
   return 1.f / sqrtf(warp_sum(ss) + static_cast<float>(kGdrL2NormEps));
+}
+__device__ __forceinline__ float lane4_l2_rstd(const float (&x)[4]) { return warp_l2_rstd<4>(x); }
+
+// The l2norm backward of one row spread over a warp as in warp_l2_rstd: acc (the gradient w.r.t.
+// the normalised row y = x rstd) becomes dx = rstd (acc - <acc, y> y), in fp32. The fast route's
+// reduce (E = 4, cuda_fast_bwd.cu) and the generic one's (E = 8, cuda_bwd.cu) share it.
+template <int E>
+__device__ __forceinline__ void warp_l2norm_bwd(float (&acc)[E], const float (&x)[E]) {
+  const float rs = warp_l2_rstd<E>(x);
+  float dot = 0.f;
+#pragma unroll
+  for (int e = 0; e < E; ++e) dot += acc[e] * x[e] * rs;
+  dot = warp_sum(dot);
+#pragma unroll
+  for (int e = 0; e < E; ++e) acc[e] = rs * (acc[e] - dot * x[e] * rs);
 }
 
 // Block-wide sum of one value per thread, in a fixed order (warp butterflies, then the warp sums in

@@ -1010,16 +1010,7 @@ __global__ void __launch_bounds__(kThreads)
     x[2] = lo_f(xv.y);
     x[3] = hi_f(xv.y);
   }
-  if (d.l2norm) {
-    // dx = rstd (dy - <dy, y> y), y = x rstd recomputed in fp32 (the forward's rstd).
-    const float rs = lane4_l2_rstd(x);
-    float dot = 0.f;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) dot += acc[e] * x[e] * rs;
-    dot = warp_sum(dot);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[e] = rs * (acc[e] - dot * x[e] * rs);
-  }
+  if (d.l2norm) warp_l2norm_bwd(acc, x);
   if (on) {
     uint2 out;
     out.x = pack(acc[0], acc[1]);
