@@ -167,6 +167,37 @@ TEST_F(GdrSavedCuda, TheBackwardReadsSaved) {
   }
 }
 
+// `saved`'s chunk factors (W, T, gamma: op.h): the fast backward reads them instead of rebuilding
+// them (zeroing them alone changes its gradients), the generic backward rebuilds its own (zeroing
+// them leaves its gradients bitwise unchanged).
+TEST_F(GdrSavedCuda, OnlyTheFastBackwardReadsTheChunkFactors) {
+  const Spec s{
+      .name = "factors", .lens = {100, 30}, .Hk = 1, .r = 2, .dk = 64, .dv = 64, .seed = 33};
+  Inputs in = make_inputs(s, true);
+  const int64_t nt = gdr_saved_chunks(in.T, in.N), n = saved_numel(in);
+  const int64_t factors_at = nt * in.Hv * in.dv * (in.dk + kGdrChunk);  // after Ht and Vt
+  for (bool generic : {false, true}) {
+    Route route(generic);
+    const std::string tag = generic ? "generic" : "fast";
+    Dev d = to_device(in);
+    OwnedTensor saved = OwnedTensor::zeros(DType::BF16, {n}, Device::CUDA);
+    forward(in, d, true, saved);
+    const Grads good = backward(in, d, true, saved);
+    copy_into(saved.view().slice0(factors_at, n),
+              OwnedTensor::zeros(DType::BF16, {n - factors_at}, Device::CUDA).view());
+    const Grads without_factors = backward(in, d, true, saved);
+    if (generic) {
+      expect_grads_bitwise(without_factors, good, tag + " with the chunk factors zeroed");
+    } else {
+      // dk goes through T and W (the WY backward): zero factors change it.
+      EXPECT_GT(testing::rel_err(without_factors.dk, good.dk), 1e-2)
+          << tag << ": zeroed chunk factors left dk unchanged";
+      EXPECT_GT(testing::rel_err(without_factors.dv, good.dv), 1e-2)
+          << tag << ": zeroed chunk factors left dv unchanged";
+    }
+  }
+}
+
 // One layout for both routes: the fast forward's `saved` and the generic forward's agree to bf16
 // precision (a transposed or shifted part would not), and a backward of either route given the
 // other route's `saved` matches ref and its own recomputing backward within the tolerance.
