@@ -54,6 +54,7 @@ using fast::load_b_kn;
 using fast::load_b_nk;
 using fast::masked_qk_a;
 using fast::mma;
+using fast::mma_tile_16x32;
 using fast::pack;
 using fast::unit_lower_inverse_blocked;
 
@@ -292,18 +293,8 @@ __device__ __forceinline__ void dvloc_chunk(const Dims& d, const IndexView& ix, 
     // P = Q K^T .* D (j <= i): warp (mt, nh) rows 16 mt.., columns 32 nh...
     const int mt = warp & 3, nh = warp >> 2;
     float p[4][4] = {};
-    if (32 * nh <= 16 * mt + 15) {
-      for (int kb = 0; kb < nkb; ++kb) {
-        uint32_t a[4], bb[4];
-        load_a_mk(a, Qs, ldk, 16 * mt, 16 * kb);
-#pragma unroll
-        for (int np = 0; np < 2; ++np) {
-          load_b_nk(bb, Ks, ldk, 32 * nh + 16 * np, 16 * kb);
-          mma(p[2 * np], a, bb[0], bb[1]);
-          mma(p[2 * np + 1], a, bb[2], bb[3]);
-        }
-      }
-    }
+    if (32 * nh <= 16 * mt + 15)
+      mma_tile_16x32<false, false>(p, Qs, ldk, Ks, ldk, 16 * mt, 32 * nh, 0, nkb);
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll

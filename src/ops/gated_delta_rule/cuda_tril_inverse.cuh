@@ -21,16 +21,7 @@ __device__ __forceinline__ void decayed_kkt_lower(const bf16_t* Ks, int ldk, int
                                                   int nh, const float* bs, const float* gm,
                                                   float* Mf) {
   float kk[4][4] = {};
-  for (int kb = 0; kb < nkb; ++kb) {
-    uint32_t a[4], b[4];
-    load_a_mk(a, Ks, ldk, 16 * mt, 16 * kb);
-#pragma unroll
-    for (int np = 0; np < 2; ++np) {
-      load_b_nk(b, Ks, ldk, 32 * nh + 16 * np, 16 * kb);
-      mma(kk[2 * np], a, b[0], b[1]);
-      mma(kk[2 * np + 1], a, b[2], b[3]);
-    }
-  }
+  mma_tile_16x32<false, false>(kk, Ks, ldk, Ks, ldk, 16 * mt, 32 * nh, 0, nkb);
   __syncthreads();  // gamma, beta G
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt) {
