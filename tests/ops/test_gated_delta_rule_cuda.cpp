@@ -287,6 +287,23 @@ TEST_F(GdrCuda, EveryStateSplitMatchesRef) {
   }
 }
 
+// The two shapes the scheduling knobs' tests share (each test its own seed): dk = dv = 128 over
+// several documents with a 1-token one and partial chunks, r value heads a key head; and dk = 48,
+// dv = 24 (the general staging: a half-empty value slice).
+Spec d128_docs_spec(int64_t r, uint64_t seed) {
+  return {.name = "d128_docs",
+          .lens = {300, 1, 63, 130},
+          .Hk = 2,
+          .r = r,
+          .dk = 128,
+          .dv = 128,
+          .g_lo = -2,
+          .seed = seed};
+}
+Spec dk48_dv24_spec(uint64_t seed) {
+  return {.name = "dk48_dv24", .lens = {130, 7}, .r = 2, .dk = 48, .dv = 24, .seed = seed};
+}
+
 // The staging pipeline of the state passes (cuda_state_pipe.cuh: ring depth 2..4, 16 or 32 value
 // columns per block, snapshots through shared memory or straight from the registers, the dk
 // partials summed by every warp or scattered over the warps) changes no
@@ -296,16 +313,7 @@ TEST_F(GdrCuda, EveryStateSplitMatchesRef) {
 // chunks) and dk = 48, dv = 24 (the general staging, a half-empty value slice). Bad knob values are
 // errors that name the knob.
 TEST_F(GdrCuda, EveryStatePipeGivesTheSameBits) {
-  const Spec specs[] = {
-      {.name = "d128_docs",
-       .lens = {300, 1, 63, 130},
-       .Hk = 2,
-       .r = 1,
-       .dk = 128,
-       .dv = 128,
-       .g_lo = -2,
-       .seed = 43},
-      {.name = "dk48_dv24", .lens = {130, 7}, .r = 2, .dk = 48, .dv = 24, .seed = 44}};
+  const Spec specs[] = {d128_docs_spec(1, 43), dk48_dv24_spec(44)};
   for (const Spec& s : specs) {
     Inputs in = make_inputs(s, true);
     Dev d = to_device(in);
@@ -380,16 +388,9 @@ TEST_F(GdrCuda, StateSplitChoice) {
 // an error naming the knob.
 TEST_F(GdrCuda, DqkwWarpsGiveTheSameGradients) {
   const Spec specs[] = {
-      {.name = "d128_docs",
-       .lens = {300, 1, 63, 130},
-       .Hk = 2,
-       .r = 2,
-       .dk = 128,
-       .dv = 128,
-       .g_lo = -2,
-       .seed = 45},
+      d128_docs_spec(2, 45),
       {.name = "d64", .lens = {190, 70}, .Hk = 1, .r = 2, .dk = 64, .dv = 64, .seed = 46},
-      {.name = "dk48_dv24", .lens = {130, 7}, .r = 2, .dk = 48, .dv = 24, .seed = 47}};
+      dk48_dv24_spec(47)};
   for (const Spec& s : specs) {
     Inputs in = make_inputs(s, true);
     const Result ref = run_ref(in, true);
@@ -423,24 +424,16 @@ TEST_F(GdrCuda, DqkwWarpsGiveTheSameGradients) {
 // with a 1-token one and partial chunks, and dk = 48, dv = 24. The first two must take it. A bad
 // knob value is an error naming the knob.
 TEST_F(GdrCuda, TrailingOutputGivesTheSameBits) {
-  const Spec specs[] = {
-      {.name = "d128_T3000_one_doc",
-       .lens = {3000},
-       .Hk = 2,
-       .r = 2,
-       .dk = 128,
-       .dv = 128,
-       .g_lo = -0.5,
-       .seed = 48},
-      {.name = "d128_docs",
-       .lens = {300, 1, 63, 130},
-       .Hk = 2,
-       .r = 1,
-       .dk = 128,
-       .dv = 128,
-       .g_lo = -2,
-       .seed = 49},
-      {.name = "dk48_dv24", .lens = {130, 7}, .r = 2, .dk = 48, .dv = 24, .seed = 50}};
+  const Spec specs[] = {{.name = "d128_T3000_one_doc",
+                         .lens = {3000},
+                         .Hk = 2,
+                         .r = 2,
+                         .dk = 128,
+                         .dv = 128,
+                         .g_lo = -0.5,
+                         .seed = 48},
+                        d128_docs_spec(1, 49),
+                        dk48_dv24_spec(50)};
   for (const Spec& s : specs) {
     Inputs in = make_inputs(s, true);
     const bool trails = gdr_trailing_output_for(in.T, in.N, in.Hk, in.Hv, in.dk, in.dv);
@@ -467,16 +460,7 @@ TEST_F(GdrCuda, TrailingOutputGivesTheSameBits) {
 // other (GDN_GDR_PREP_DVLOC=sequence): bitwise the same results, both against ref; a bad value is
 // an error naming the knob.
 TEST_F(GdrCuda, PrepDvlocScheduleGivesTheSameBits) {
-  const Spec specs[] = {
-      {.name = "d128_docs",
-       .lens = {300, 1, 63, 130},
-       .Hk = 2,
-       .r = 2,
-       .dk = 128,
-       .dv = 128,
-       .g_lo = -2,
-       .seed = 51},
-      {.name = "dk48_dv24", .lens = {130, 7}, .r = 2, .dk = 48, .dv = 24, .seed = 52}};
+  const Spec specs[] = {d128_docs_spec(2, 51), dk48_dv24_spec(52)};
   for (const Spec& s : specs) {
     Inputs in = make_inputs(s, true);
     const Result ref = run_ref(in, true);
