@@ -443,7 +443,7 @@ __global__ void __launch_bounds__(kStateThreads* KS)
 // (NW / 4) key columns. The shared memory (about 170 KB at dk = dv = 128) allows one block a
 // multiprocessor, so 8 warps left the SM two warps a scheduler, mostly waiting on fixed-latency
 // dependencies (ncu at T 32768, Hv 32: 34% issue, 2.35 ms; PERF.md run 25); 16 warps give it four.
-// Every dq_h, dk_h and dW element is the same sum in the same order for either NW; the dg part
+// Every dq, dk and dW element is the same sum in the same order for either NW; the dg part
 // differs in rounding only (its per-warp row dots and warp sums are grouped by NW).
 size_t dqkw_smem(const Dims& d, int nw) {
   return 2 * tile_bytes_bf16(kC, d.KP) + tile_bytes_bf16(kC, d.VP) + 2 * tile_bytes_bf16(d.VP, kC) +
@@ -896,7 +896,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         dk[nt][3] *= s1;
       }
     }
-    // The dk_h lines this warp adds to at the end (add_acc_f32), towards L2 now, a few products
+    // The dk lines this warp adds to at the end (add_acc_f32), towards L2 now, a few products
     // ahead: within the register budget the compiler issues those loads one at a time between the
     // stores, each waiting for its line (ncu at T 32768: long scoreboard, the largest stall of this
     // kernel; PERF.md run 25). One line a lane: rows g8 and g8 + 8, the two 32-column halves.
