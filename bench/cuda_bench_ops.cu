@@ -527,7 +527,7 @@ std::vector<OpCase> make_embedding_cases() {
   struct Bufs {
     OwnedTensor w, dw, y;
     std::vector<OwnedTensor> dy;
-    OwnedTensor ids_uniform, ids_skewed;
+    OwnedTensor ids_uniform, ids_skewed, plan_uniform, plan_skewed;
     int64_t distinct_uniform = 0, distinct_skewed = 0;
   };
   const int64_t T = 8192, V = 248320, D = 4096;
@@ -570,21 +570,41 @@ std::vector<OpCase> make_embedding_cases() {
            b};
   f.run = [b](int) { ops::embedding_forward({b->ids_uniform, b->w, b->y}); };
   cases.push_back(std::move(f));
-  for (bool skewed : {false, true}) {
-    const int64_t distinct = skewed ? b->distinct_skewed : b->distinct_uniform;
-    OpCase g{
-        "embedding.bwd",
-        fmt::format("T={} V={} D={} {} ({} ids)", T, V, D, skewed ? "skewed" : "uniform", distinct),
-        "embedding",
-        idb + T * row + 2.0 * 4.0 * D * static_cast<double>(distinct),
-        0,
-        nullptr,
-        b};
-    g.run = [b, skewed](int i) {
-      const Tensor& ids = skewed ? b->ids_skewed.view() : b->ids_uniform.view();
-      ops::embedding_backward({ids, b->dy[static_cast<size_t>(i) % b->dy.size()], b->dw});
-    };
-    cases.push_back(std::move(g));
+  // The training path (ops/embedding/op.h): the forward also writes the plan (the ids ranked on a
+  // side stream during the gather: + 8 bytes a token of sorted keys and tokens written), and the
+  // backward reads it instead of sorting (8 bytes a token read instead of the 4 of the ids).
+  const int64_t plan_n = ops::embedding_plan_numel(T, D);
+  b->plan_uniform = OwnedTensor::zeros(DType::I32, {plan_n}, Device::CUDA);
+  b->plan_skewed = OwnedTensor::zeros(DType::I32, {plan_n}, Device::CUDA);
+  ops::embedding_forward({b->ids_skewed, b->w, b->y, b->plan_skewed});
+  ops::embedding_forward({b->ids_uniform, b->w, b->y, b->plan_uniform});
+  OpCase fp{"embedding.fwd",
+            fmt::format("T={} V={} D={}, plan", T, V, D),
+            "embedding",
+            idb + 2 * T * row + 8.0 * T,
+            0,
+            nullptr,
+            b};
+  fp.run = [b](int) { ops::embedding_forward({b->ids_uniform, b->w, b->y, b->plan_uniform}); };
+  cases.push_back(std::move(fp));
+  for (bool plan : {false, true}) {
+    for (bool skewed : {false, true}) {
+      const int64_t distinct = skewed ? b->distinct_skewed : b->distinct_uniform;
+      OpCase g{"embedding.bwd",
+               fmt::format("T={} V={} D={} {} ({} ids){}", T, V, D, skewed ? "skewed" : "uniform",
+                           distinct, plan ? ", plan" : ""),
+               "embedding",
+               (plan ? 8.0 * T : idb) + T * row + 2.0 * 4.0 * D * static_cast<double>(distinct),
+               0,
+               nullptr,
+               b};
+      g.run = [b, skewed, plan](int i) {
+        const Tensor& ids = skewed ? b->ids_skewed.view() : b->ids_uniform.view();
+        const Tensor p = !plan ? Tensor() : skewed ? b->plan_skewed.view() : b->plan_uniform.view();
+        ops::embedding_backward({ids, b->dy[static_cast<size_t>(i) % b->dy.size()], b->dw, p});
+      };
+      cases.push_back(std::move(g));
+    }
   }
   return cases;
 }

@@ -422,6 +422,11 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
   Tensor ids = p.alloc(DType::I32, {T});     // [T]
   Tensor labels = p.alloc(DType::I32, {T});  // [T]
   Tensor cu = p.alloc(DType::I32, {N + 1});  // [N+1]
+  // The embedding's plan (ops/embedding/op.h): its forward ranks the ids for its backward at the
+  // same time as the gather, so that the backward sorts nothing. Kept with the ids to the end.
+  Tensor emb_plan = backward && backend_ == Backend::Cuda
+                        ? p.alloc(DType::I32, {embedding_plan_numel(T, D)})
+                        : Tensor();
   if (live) {
     ProfileRange pr("inputs");
     const size_t tb = static_cast<size_t>(T) * 4, cb = static_cast<size_t>(N + 1) * 4;
@@ -487,7 +492,7 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
   H[0] = p.alloc_act({T, D});
   if (live) {
     ProfileRange pr("embedding.fwd");
-    embedding_forward({ids, P(ids_.embed), H[0]});
+    embedding_forward({ids, P(ids_.embed), H[0], emb_plan});
   }
 
   // Where each layer activation lives. Kept ones stay in `arena` for the backward; dropped ones go
@@ -975,7 +980,7 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
   p.zero_group(static_cast<size_t>(L + 1));  // an untied embedding's gradient
   if (live) {
     ProfileRange pr("embedding.bwd");
-    embedding_backward({ids, dh, G(ids_.embed)});
+    embedding_backward({ids, dh, G(ids_.embed), emb_plan});
   }
   (void)N;
 }

@@ -188,6 +188,51 @@ TEST(Embedding, BadInputIsAClearError) {
         embedding_backward({ids, dy, dw64});
       },
       "embedding: tensor 'dw' has dtype F64, expected F32");
+  auto plan_short = OwnedTensor::zeros(DType::I32, {embedding_plan_numel(3, 4) - 1});
+  testing::expect_error(
+      [&] {
+        embedding_forward({ids, w, y, plan_short});
+      },
+      fmt::format("embedding: tensor 'plan' has shape [{}], expected [{}] "
+                  "(embedding_plan_numel(T=3, D=4))",
+                  embedding_plan_numel(3, 4) - 1, embedding_plan_numel(3, 4)));
+  auto plan_i64 = OwnedTensor::zeros(DType::I64, {embedding_plan_numel(3, 4)});
+  testing::expect_error(
+      [&] {
+        embedding_backward({ids, dy, dw, plan_i64});
+      },
+      "embedding: tensor 'plan' has dtype I64, expected I32");
+  testing::expect_error([] { (void)embedding_plan_numel(-1, 4); },
+                        "embedding: embedding_plan_numel needs T >= 0 and D >= 0, got T = -1");
+}
+
+TEST(Embedding, PlanLayoutAndTheCpuIgnoresAPlan) {
+  // The model's shape: keys and toks [8192] each, win_info [4 * 512], counters [512 windows * 16
+  // chunks of 256 columns], each part a multiple of 64 words.
+  const EmbeddingPlanLayout l(8192, 4096);
+  EXPECT_EQ(l.toks, 8192);
+  EXPECT_EQ(l.win_info, 16384);
+  EXPECT_EQ(l.counters, 16384 + 2048);
+  EXPECT_EQ(l.numel, 16384 + 2048 + 8192);
+  EXPECT_EQ(embedding_plan_numel(8192, 4096), l.numel);
+  EXPECT_EQ(embedding_plan_numel(1, 1), 4 * 64);
+  EXPECT_EQ(embedding_plan_numel(0, 0), 0);
+  // cpu neither writes nor reads a plan: same y and dW with one, the plan untouched.
+  const int64_t T = 40, V = 9, D = 5;
+  OwnedTensor ids = make_ids(T, V, 6, DType::I32);
+  OwnedTensor w = convert(randn({V, D}, 3), DType::F32), dy = convert(randn({T, D}, 4), DType::F32);
+  auto y0 = OwnedTensor::zeros(DType::F32, {T, D}), y1 = OwnedTensor::zeros(DType::F32, {T, D});
+  auto dw0 = OwnedTensor::zeros(DType::F32, {V, D}), dw1 = OwnedTensor::zeros(DType::F32, {V, D});
+  auto plan = OwnedTensor::empty(DType::I32, {embedding_plan_numel(T, D)});
+  for (int64_t i = 0; i < plan.numel(); ++i) plan.ptr<int32_t>()[i] = static_cast<int32_t>(i);
+  embedding_forward({ids, w, y0});
+  embedding_forward({ids, w, y1, plan});
+  embedding_backward({ids, dy, dw0});
+  embedding_backward({ids, dy, dw1, plan});
+  EXPECT_TRUE(bitwise_equal(y0, y1));
+  EXPECT_TRUE(bitwise_equal(dw0, dw1));
+  for (int64_t i = 0; i < plan.numel(); ++i)
+    ASSERT_EQ(plan.ptr<int32_t>()[i], static_cast<int32_t>(i)) << "plan word " << i;
 }
 
 // A backward that writes dW[id] = dy[t] (losing repeated ids) must be rejected by the probe.

@@ -6,6 +6,7 @@
 // forward, dW accumulated (+=) and bitwise deterministic, out-of-range device ids (NaN rows
 // forward, dropped backward, no out-of-bounds access) also at window boundaries, the scalar path,
 // each implementation's probe, the resolver's choice, `ops run` on the cuda backend, and bad input.
+// Every check also runs the forward with a plan and the backward from it (twice): the same bits.
 // Tolerances come from src/backend/tolerances.h.
 #include <cmath>
 #include <limits>
@@ -94,12 +95,35 @@ Out run_ref(const Tensor& ids, const Tensor& w, const Tensor& dy, const Tensor& 
   return o;
 }
 
+// A device plan (op.h) whose every word holds 0x7f7f7f7f: the forward must write what its
+// backward reads (the counters too).
+OwnedTensor poisoned_plan(int64_t T, int64_t D) {
+  const int64_t n = embedding_plan_numel(T, D);
+  OwnedTensor h = OwnedTensor::empty(DType::I32, {n});
+  for (int64_t i = 0; i < n; ++i) h.ptr<int32_t>()[i] = 0x7f7f7f7f;
+  return convert(h, DType::I32, Device::CUDA);
+}
+
+// The forward and backward of `impl`, then the same with a plan, which must give the same bits:
+// y, dW after one backward, and dW after a second backward from the same plan (so the first left
+// the plan's counters as it found them).
 Out run_cuda(const std::string& impl, const Tensor& ids, const Tensor& w, const Tensor& dy,
              const Tensor& dw0) {
   Out o{poisoned(DType::BF16, {ids.size(0), w.size(1)}), to_dev(dw0, DType::F32)};
   const EmbeddingTable& t = table_of(impl);
   t.forward({ids, w, o.y});
   t.backward({ids, dy, o.dw});
+
+  const int64_t T = ids.size(0), D = w.size(1);
+  OwnedTensor plan = poisoned_plan(T, D);
+  OwnedTensor y = poisoned(DType::BF16, {T, D});
+  t.forward({ids, w, y, plan});
+  expect_bitwise_equal(y, o.y, impl + " y with a plan");
+  for (int rep = 0; rep < 2; ++rep) {
+    OwnedTensor dw = to_dev(dw0, DType::F32);
+    t.backward({ids, dy, dw, plan});
+    expect_bitwise_equal(dw, o.dw, impl + " dw from the plan, backward " + std::to_string(rep));
+  }
   return o;
 }
 
@@ -403,6 +427,23 @@ TEST_F(EmbeddingCuda, BadInputIsAClearError) {
   EXPECT_NE(error_of([&] {
               embedding_forward({ids_host, w, y});
             }).find("embedding: all tensors must be on cuda"),
+            std::string::npos);
+  // A plan of the wrong size, dtype or device.
+  auto plan_short = OwnedTensor::zeros(DType::I32, {embedding_plan_numel(3, 4) - 1}, Device::CUDA);
+  EXPECT_NE(error_of([&] {
+              embedding_forward({ids, w, y, plan_short});
+            }).find("embedding: tensor 'plan' has shape"),
+            std::string::npos);
+  auto plan_f32 = OwnedTensor::zeros(DType::F32, {embedding_plan_numel(3, 4)}, Device::CUDA);
+  EXPECT_NE(error_of([&] {
+              embedding_backward(
+                  {ids, dy, OwnedTensor::zeros(DType::F32, {10, 4}, Device::CUDA), plan_f32});
+            }).find("embedding: tensor 'plan' has dtype F32, expected I32"),
+            std::string::npos);
+  auto plan_host = OwnedTensor::zeros(DType::I32, {embedding_plan_numel(3, 4)});
+  EXPECT_NE(error_of([&] {
+              embedding_forward({ids, w, y, plan_host});
+            }).find("embedding: tensor 'plan'"),
             std::string::npos);
 }
 

@@ -42,6 +42,11 @@
 // Every dW element thus receives its terms in an order fixed by the ids alone: bitwise
 // reproducible. The window size is a kernel argument (16; windows of 8 and 32 measured the same or
 // slower on the H200, PERF.md run 10): it changes the rounding, not the determinism.
+// With a plan (op.h), step 1 runs in the forward instead, on a side stream beside the gather, into
+// the plan; the backward is then step 2 alone, and step 2 sets each combine counter back to zero
+// as the segment's last block takes it, so the plan serves any number of backwards. H200, T 8192,
+// V 248320, D 4096 (PERF.md run 48): backward 100.8 -> 94.4 us (uniform ids), 93.3 -> 85.2
+// (skewed); forward 38.5 -> 40.3.
 // Bytes moved (the floor): dy, ids, and the touched dW rows read and written; plus ~20 bytes per
 // token of ranks and the partials of spanning segments.
 #include <cub/device/device_radix_sort.cuh>
@@ -79,6 +84,12 @@ constexpr int kDwThreads = 128;
 constexpr int kGroups = 2;   // column groups per thread, kDwThreads * V apart
 constexpr int kBatch = 2;    // positions whose loads are issued together
 constexpr int kMaxWin = 64;  // window sizes accepted (shared-memory staging arrays)
+// The window (16; windows of 8 and 32 measured the same or slower, PERF.md run 10) and the
+// narrowest column chunk (V = 1) are the plan's (op.h).
+constexpr int kPlanWin = static_cast<int>(EmbeddingPlanLayout::kWin);
+static_assert(kPlanWin >= 4 && kPlanWin % 4 == 0 && kPlanWin <= kMaxWin,
+              "staging: 16-byte pieces of the window, at most 16 per array");
+static_assert(kGroups * kDwThreads == EmbeddingPlanLayout::kChunkCols);
 
 // Programmatic dependent launch (memory_bound.cuh): the dW kernel waits for the ranks.
 using cuda::pdl_launch_dependents;
@@ -509,13 +520,16 @@ __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w,
   const int w1b = static_cast<int>(st.tail - 1) / a.win;
   __threadfence();  // this thread's partial stores, before thread 0 counts the arrival
   __syncthreads();
+  // The last arrival also sets the counter back to zero (no other block touches it after that):
+  // the counters are zero again when the kernel ends, so a forward's plan serves every backward.
   if (threadIdx.x == 0) {
-    if (a0)
-      s_last[0] =
-          atomicAdd(&a.counters[w0a * a.chunks + chunk], 1u) == static_cast<uint32_t>(w1a - w0a);
-    if (a1)
-      s_last[1] =
-          atomicAdd(&a.counters[w * a.chunks + chunk], 1u) == static_cast<uint32_t>(w1b - w);
+    auto arrive = [&](uint32_t* counter, int others) {
+      const bool last = atomicAdd(counter, 1u) == static_cast<uint32_t>(others);
+      if (last) *counter = 0u;
+      return last ? 1 : 0;
+    };
+    if (a0) s_last[0] = arrive(&a.counters[w0a * a.chunks + chunk], w1a - w0a);
+    if (a1) s_last[1] = arrive(&a.counters[w * a.chunks + chunk], w1b - w);
   }
   __syncthreads();
   const bool last0 = a0 && s_last[0] != 0, last1 = a1 && s_last[1] != 0;
@@ -569,17 +583,6 @@ __global__ void __launch_bounds__(kDwThreads, 8) emb2_dw_kernel(const DwArgs a) 
 
 size_t align256(size_t n) { return (n + 255) & ~size_t{255}; }
 
-// The forward is cuda.sorted_windows' (a gather; this implementation changes the backward only).
-void forward(const EmbeddingFwd& a) {
-  static const EmbeddingTable* t = [] {
-    for (const ImplDesc* i : Registry::global().impls("embedding", Backend::Cuda))
-      if (i->name == "cuda.sorted_windows") return static_cast<const EmbeddingTable*>(i->table);
-    return static_cast<const EmbeddingTable*>(nullptr);
-  }();
-  GDN_CHECK(t != nullptr, "embedding (cuda.v2): cuda.sorted_windows is not registered");
-  t->forward(a);
-}
-
 // Raises the rank kernel's dynamic shared-memory limit once per process (every instantiation).
 template <class Id>
 void rank_opt_in(size_t limit) {
@@ -589,6 +592,154 @@ void rank_opt_in(size_t limit) {
                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(limit)));
   });
+}
+
+// The plan's parts (op.h, EmbeddingPlanLayout) at `base`: in the caller's plan, or in scratch.
+Ranked ranked_at(uint32_t* base, const EmbeddingPlanLayout& l) {
+  Ranked r;
+  r.keys = base + l.keys;                                    // [T]
+  r.toks = base + l.toks;                                    // [T]
+  r.win_info = reinterpret_cast<uint4*>(base + l.win_info);  // [nwin]
+  r.counters = base + l.counters;                            // [nwin * chunks]
+  r.ncounters = static_cast<int>(l.nwin * l.chunks);
+  return r;
+}
+
+// Step 1 on stream s: the sorted (key, token) pairs, the windows' segment bounds and zeroed
+// counters into r. T <= kRankMaxT (and the rank kernel's shared memory fits): one rank kernel of
+// ceil(T / per_block) blocks; longer: the keys kernel, cub::DeviceRadixSort (its buffers in
+// scratch) and the bounds kernel.
+struct RankSetup {
+  int n, bits, shift, nbins;
+  size_t rank_smem, smem_limit;
+  bool rank_path;        // one rank kernel
+  size_t cub_bytes = 0;  // otherwise: cub's temporaries
+  size_t tok_bytes;
+  // Scratch the device-wide sort needs (keys_in, vals_in, cub's temporaries); 0 on the rank path.
+  size_t sort_bytes() const { return rank_path ? 0 : 2 * tok_bytes + align256(cub_bytes); }
+};
+
+RankSetup rank_setup(int64_t T, int64_t vocab, cudaStream_t s) {
+  RankSetup k;
+  k.n = static_cast<int>(T);
+  k.bits = std::bit_width(static_cast<uint64_t>(vocab));  // keys <= vocab
+  k.shift = std::max(0, k.bits - kRankBinBits);
+  k.nbins = static_cast<int>(vocab >> k.shift) + 1;
+  k.rank_smem = (2 * static_cast<size_t>(k.n) + 2 * static_cast<size_t>(k.nbins) + 1) * 4;
+  k.smem_limit = std::min(kRankSmemMax, cuda::Context::get().props().sharedMemPerBlockOptin);
+  k.rank_path = k.n <= kRankMaxT && k.rank_smem <= k.smem_limit;
+  k.tok_bytes = align256(static_cast<size_t>(k.n) * 4);
+  if (!k.rank_path) {
+    GDN_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+        nullptr, k.cub_bytes, static_cast<const uint32_t*>(nullptr),
+        static_cast<uint32_t*>(nullptr), static_cast<const uint32_t*>(nullptr),
+        static_cast<uint32_t*>(nullptr), k.n, 0, k.bits, s));
+  }
+  return k;
+}
+
+// `sort_base`: k.sort_bytes() of scratch (the caller takes all its scratch in one call).
+void rank_ids(const Tensor& ids, const Ranked& r, int64_t vocab, const RankSetup& k,
+              char* sort_base, int per_block, cudaStream_t s) {
+  const int n = k.n, nbins = k.nbins, shift = k.shift, bits = k.bits;
+  const size_t rank_smem = k.rank_smem, smem_limit = k.smem_limit;
+  const int nwin = (n + kPlanWin - 1) / kPlanWin;
+  const bool i32 = ids.dtype() == DType::I32;
+  if (k.rank_path) {
+    const auto grid = static_cast<unsigned>((n + per_block - 1) / per_block);
+    if (i32) {
+      rank_opt_in<int32_t>(smem_limit);
+      emb2_rank_kernel<int32_t><<<grid, kRankThreads, rank_smem, s>>>(
+          ids.ptr<int32_t>(), r, n, vocab, shift, nbins, kPlanWin, per_block);
+    } else {
+      rank_opt_in<int64_t>(smem_limit);
+      emb2_rank_kernel<int64_t><<<grid, kRankThreads, rank_smem, s>>>(
+          ids.ptr<int64_t>(), r, n, vocab, shift, nbins, kPlanWin, per_block);
+    }
+    GDN_CUDA_LAUNCH_CHECK("emb2_rank_kernel");
+    return;
+  }
+  size_t cub_bytes = k.cub_bytes;
+  const size_t tok_bytes = k.tok_bytes;
+  uint32_t* keys_in = reinterpret_cast<uint32_t*>(sort_base);              // [T]
+  uint32_t* vals_in = reinterpret_cast<uint32_t*>(sort_base + tok_bytes);  // [T]
+  void* cub_tmp = sort_base + 2 * tok_bytes;                               // [cub_bytes]
+  const auto kblocks = static_cast<unsigned>((n + 255) / 256);
+  if (i32) {
+    embedding_keys_kernel<int32_t>
+        <<<kblocks, 256, 0, s>>>(ids.ptr<int32_t>(), keys_in, vals_in, n, vocab);
+  } else {
+    embedding_keys_kernel<int64_t>
+        <<<kblocks, 256, 0, s>>>(ids.ptr<int64_t>(), keys_in, vals_in, n, vocab);
+  }
+  GDN_CUDA_LAUNCH_CHECK("embedding_keys_kernel");
+  GDN_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(cub_tmp, cub_bytes, keys_in, r.keys, vals_in,
+                                                 r.toks, n, 0, bits, s));
+  GDN_CUDA_LAUNCH_CHECK("cub::DeviceRadixSort::SortPairs");
+  const int threads = std::max(nwin, r.ncounters);
+  emb2_bounds_kernel<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, s>>>(r, n, kPlanWin,
+                                                                                  nwin);
+  GDN_CUDA_LAUNCH_CHECK("emb2_bounds_kernel");
+}
+
+// The sizes the kernels keep in int.
+void check_sizes(int64_t T, int64_t vocab, int64_t D) {
+  GDN_CHECK(T < INT_MAX / 2 && vocab < (int64_t{1} << 31) && D <= INT_MAX / 2 &&
+                EmbeddingPlanLayout(T, D).nwin * EmbeddingPlanLayout(T, D).chunks < INT_MAX,
+            "embedding (cuda): T = {}, V = {}, D = {} is too large", T, vocab, D);
+}
+
+// A second stream for the forward's ranks, forked from and joined to the compute stream inside
+// the call (two events), created on first use and never destroyed (as the compute stream). Higher
+// priority: the rank blocks take their multiprocessors before the gather's blocks fill them.
+struct SideStream {
+  cudaStream_t s = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr;
+  static const SideStream& get() {
+    static const SideStream side = [] {
+      SideStream r;
+      int least = 0, greatest = 0;
+      GDN_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+      GDN_CUDA_CHECK(cudaStreamCreateWithPriority(&r.s, cudaStreamNonBlocking, greatest));
+      GDN_CUDA_CHECK(cudaEventCreateWithFlags(&r.fork, cudaEventDisableTiming));
+      GDN_CUDA_CHECK(cudaEventCreateWithFlags(&r.join, cudaEventDisableTiming));
+      return r;
+    }();
+    return side;
+  }
+};
+
+// The forward: cuda.sorted_windows' gather (this implementation changes the backward only). With
+// a plan, step 1 runs on the side stream at the same time: the gather is bound by device memory,
+// the ranking by latency inside 32 blocks (kRankTokens a block at T = 8192), so its ~10 us hide
+// under the gather's ~38 (numbers: PERF.md).
+void forward(const EmbeddingFwd& a) {
+  static const EmbeddingTable* t = [] {
+    for (const ImplDesc* i : Registry::global().impls("embedding", Backend::Cuda))
+      if (i->name == "cuda.sorted_windows") return static_cast<const EmbeddingTable*>(i->table);
+    return static_cast<const EmbeddingTable*>(nullptr);
+  }();
+  GDN_CHECK(t != nullptr, "embedding (cuda.v2): cuda.sorted_windows is not registered");
+  const int64_t T = a.ids.size(0), vocab = a.w.size(0), D = a.w.size(1);
+  if (!a.plan.defined() || T == 0 || D == 0) {  // (a backward with T or D = 0 reads no plan)
+    t->forward(a);
+    return;
+  }
+  check_sizes(T, vocab, D);
+  const EmbeddingPlanLayout l(T, D);
+  const Ranked r = ranked_at(reinterpret_cast<uint32_t*>(a.plan.ptr<int32_t>()), l);
+  cudaStream_t s = cuda::stream();
+  const SideStream& side = SideStream::get();
+  GDN_CUDA_CHECK(cudaEventRecord(side.fork, s));
+  GDN_CUDA_CHECK(cudaStreamWaitEvent(side.s, side.fork, 0));
+  const RankSetup k = rank_setup(T, vocab, side.s);
+  char* sort_base = k.sort_bytes() == 0
+                        ? nullptr
+                        : static_cast<char*>(cuda::Context::get().scratch(k.sort_bytes()));
+  rank_ids(a.ids, r, vocab, k, sort_base, kRankTokens, side.s);
+  GDN_CUDA_CHECK(cudaEventRecord(side.join, side.s));
+  t->forward(a);
+  GDN_CUDA_CHECK(cudaStreamWaitEvent(s, side.join, 0));
 }
 
 template <int V, int kPf, bool kEf>
@@ -603,95 +754,38 @@ void launch_dw(const DwArgs& args, cudaStream_t s) {
   GDN_CUDA_LAUNCH_CHECK("emb2_dw_kernel");
 }
 
-// kEf: dW rows evict-first (load_dw, store_dw).
-template <int kWin, int kPerBlock, int kPf = 1, bool kEf = false>
+// kPerBlock: tokens ranked per block without a plan; kPf, kEf: dw_item.
+template <int kPerBlock, int kPf = 1, bool kEf = false>
 void backward(const EmbeddingBwd& a) {
-  // Staging: 16-byte pieces of the window (kWin % 4 == 0), at most 16 per array.
-  static_assert(kWin >= 4 && kWin % 4 == 0 && kWin <= kMaxWin && kMaxWin <= 64);
   const int64_t T = a.ids.size(0), vocab = a.dw.size(0), D = a.dy.size(1);
   if (T == 0 || D == 0) return;  // dW += 0
-  GDN_CHECK(T < INT_MAX / 2 && vocab < (int64_t{1} << 31) && D <= INT_MAX / 2,
-            "embedding (cuda): T = {}, V = {}, D = {} is too large", T, vocab, D);
+  check_sizes(T, vocab, D);
   const bf16_t* dy = reinterpret_cast<const bf16_t*>(a.dy.ptr<bf16>());  // [T, D]
   float* dw = a.dw.ptr<float>();                                         // [Vocab, D]
   const int n = static_cast<int>(T), d = static_cast<int>(D);
-  const int nwin = (n + kWin - 1) / kWin;
+  const EmbeddingPlanLayout l(T, D);
+  const int nwin = static_cast<int>(l.nwin);
   const int V =
       D % 4 == 0 && reinterpret_cast<uintptr_t>(dy) % 8 == 0 && cuda::aligned16(dw) ? 4 : 1;
-  const int64_t chunks64 = (D + kGroups * kDwThreads * V - 1) / (kGroups * kDwThreads * V);
-  GDN_CHECK(static_cast<int64_t>(nwin) * chunks64 < INT_MAX,
-            "embedding (cuda): T = {}, D = {} is too large", T, D);
-  const int chunks = static_cast<int>(chunks64);
-  const int bits = std::bit_width(static_cast<uint64_t>(vocab));  // keys <= vocab
+  const int chunks =
+      static_cast<int>((D + kGroups * kDwThreads * V - 1) / (kGroups * kDwThreads * V));
 
+  // Scratch: the partials [nwin, 2, D]; without a plan also the plan's parts (step 1 writes them).
   cuda::Context& ctx = cuda::Context::get();
-  const cudaDeviceProp& props = ctx.props();
-  const int shift = std::max(0, bits - kRankBinBits);
-  const int nbins = static_cast<int>(vocab >> shift) + 1;
-  const size_t rank_smem = (2 * static_cast<size_t>(n) + 2 * static_cast<size_t>(nbins) + 1) * 4;
-  const size_t smem_limit = std::min(kRankSmemMax, props.sharedMemPerBlockOptin);
-  const bool rank_path = n <= kRankMaxT && rank_smem <= smem_limit;
-
-  // Scratch: keys, toks [T]; win_info [nwin]; counters [nwin * chunks]; partial
-  // [nwin, 2, D]; for the device-wide sort also keys_in, vals_in [T] and cub's temporaries.
-  size_t cub_bytes = 0;
-  if (!rank_path) {
-    GDN_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
-        nullptr, cub_bytes, static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
-        static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr), n, 0, bits,
-        ctx.stream()));
-  }
-  const size_t tok_bytes = align256(static_cast<size_t>(n) * 4);
-  const size_t win_bytes = align256(static_cast<size_t>(nwin) * 16);
-  const size_t cnt_bytes = align256(static_cast<size_t>(nwin) * static_cast<size_t>(chunks) * 4);
   const size_t part_bytes = align256(static_cast<size_t>(nwin) * 2 * static_cast<size_t>(d) * 4);
-  const size_t sort_bytes = rank_path ? 0 : 2 * tok_bytes + align256(cub_bytes);
-  char* base = static_cast<char*>(
-      ctx.scratch(2 * tok_bytes + win_bytes + cnt_bytes + part_bytes + sort_bytes));
-  Ranked r;
-  r.keys = reinterpret_cast<uint32_t*>(base);                                  // [T]
-  r.toks = reinterpret_cast<uint32_t*>(base + tok_bytes);                      // [T]
-  r.win_info = reinterpret_cast<uint4*>(base + 2 * tok_bytes);                 // [nwin]
-  r.counters = reinterpret_cast<uint32_t*>(base + 2 * tok_bytes + win_bytes);  // [nwin * chunks]
-  r.ncounters = nwin * chunks;
-  char* after = base + 2 * tok_bytes + win_bytes + cnt_bytes;
-  float* partial = reinterpret_cast<float*>(after);  // [nwin, 2, D]
-  char* sort_base = after + part_bytes;
-
   cudaStream_t s = ctx.stream();
-  const bool i32 = a.ids.dtype() == DType::I32;
-  if (rank_path) {
-    const auto grid = static_cast<unsigned>((n + kPerBlock - 1) / kPerBlock);
-    if (i32) {
-      rank_opt_in<int32_t>(smem_limit);
-      emb2_rank_kernel<int32_t><<<grid, kRankThreads, rank_smem, s>>>(
-          a.ids.ptr<int32_t>(), r, n, vocab, shift, nbins, kWin, kPerBlock);
-    } else {
-      rank_opt_in<int64_t>(smem_limit);
-      emb2_rank_kernel<int64_t><<<grid, kRankThreads, rank_smem, s>>>(
-          a.ids.ptr<int64_t>(), r, n, vocab, shift, nbins, kWin, kPerBlock);
-    }
-    GDN_CUDA_LAUNCH_CHECK("emb2_rank_kernel");
+  const bool plan = a.plan.defined();
+  const RankSetup k = plan ? RankSetup{} : rank_setup(T, vocab, s);
+  const size_t plan_bytes = plan ? 0 : align256(static_cast<size_t>(l.numel) * 4);
+  const size_t sort_bytes = plan ? 0 : k.sort_bytes();
+  char* base = static_cast<char*>(ctx.scratch(part_bytes + plan_bytes + sort_bytes));
+  float* partial = reinterpret_cast<float*>(base);  // [nwin, 2, D]
+  Ranked r;
+  if (plan) {
+    r = ranked_at(reinterpret_cast<uint32_t*>(a.plan.ptr<int32_t>()), l);
   } else {
-    uint32_t* keys_in = reinterpret_cast<uint32_t*>(sort_base);              // [T]
-    uint32_t* vals_in = reinterpret_cast<uint32_t*>(sort_base + tok_bytes);  // [T]
-    void* cub_tmp = sort_base + 2 * tok_bytes;                               // [cub_bytes]
-    const auto kblocks = static_cast<unsigned>((n + 255) / 256);
-    if (i32) {
-      embedding_keys_kernel<int32_t>
-          <<<kblocks, 256, 0, s>>>(a.ids.ptr<int32_t>(), keys_in, vals_in, n, vocab);
-    } else {
-      embedding_keys_kernel<int64_t>
-          <<<kblocks, 256, 0, s>>>(a.ids.ptr<int64_t>(), keys_in, vals_in, n, vocab);
-    }
-    GDN_CUDA_LAUNCH_CHECK("embedding_keys_kernel");
-    GDN_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(cub_tmp, cub_bytes, keys_in, r.keys, vals_in,
-                                                   r.toks, n, 0, bits, s));
-    GDN_CUDA_LAUNCH_CHECK("cub::DeviceRadixSort::SortPairs");
-    const int threads = std::max(nwin, r.ncounters);
-    emb2_bounds_kernel<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, s>>>(r, n, kWin,
-                                                                                    nwin);
-    GDN_CUDA_LAUNCH_CHECK("emb2_bounds_kernel");
+    r = ranked_at(reinterpret_cast<uint32_t*>(base + part_bytes), l);
+    rank_ids(a.ids, r, vocab, k, base + part_bytes + plan_bytes, kPerBlock, s);
   }
 
   DwArgs args{r.keys,
@@ -703,7 +797,7 @@ void backward(const EmbeddingBwd& a) {
               partial,
               n,
               d,
-              kWin,
+              kPlanWin,
               nwin,
               chunks,
               static_cast<uint32_t>(vocab)};
@@ -714,10 +808,10 @@ void backward(const EmbeddingBwd& a) {
   }
 }
 
-const EmbeddingTable kTable16{forward, backward<16, kRankTokens>};
-const EmbeddingTable kTable16Fine{forward, backward<16, kRankTokensFine>};
-const EmbeddingTable kTable16FineDyPf{forward, backward<16, kRankTokensFine, -1>};
-const EmbeddingTable kTableEf{forward, backward<16, kRankTokensFine, -1, true>};
+const EmbeddingTable kTable16{forward, backward<kRankTokens>};
+const EmbeddingTable kTable16Fine{forward, backward<kRankTokensFine>};
+const EmbeddingTable kTable16FineDyPf{forward, backward<kRankTokensFine, -1>};
+const EmbeddingTable kTableEf{forward, backward<kRankTokensFine, -1, true>};
 
 }  // namespace
 

@@ -24,6 +24,19 @@ void same_device(const Tensor& ref, std::initializer_list<const Tensor*> ts) {
               device_name(ref.device()));
 }
 
+// The optional plan (op.h): I32 [embedding_plan_numel(T, D)], contiguous, on `dev`.
+void expect_plan(const Tensor& plan, int64_t T, int64_t D, Device dev) {
+  if (!plan.defined()) return;
+  const int64_t want = embedding_plan_numel(T, D);
+  GDN_CHECK(plan.ndim() == 1 && plan.size(0) == want,
+            "{}: tensor 'plan' has shape {}, expected [{}] (embedding_plan_numel(T={}, D={}))", kOp,
+            plan.shape_str(), want, T, D);
+  GDN_CHECK(plan.dtype() == DType::I32, "{}: tensor 'plan' has dtype {}, expected I32", kOp,
+            dtype_name(plan.dtype()));
+  expect_contiguous(plan, kOp, "plan");
+  expect_device(plan, kOp, "plan", dev);
+}
+
 void validate_fwd(const EmbeddingFwd& a) {
   expect_ids(a.ids);
   expect_shape(a.w, kOp, "w", {-1, -1});
@@ -32,6 +45,7 @@ void validate_fwd(const EmbeddingFwd& a) {
             dtype_name(a.w.dtype()));
   expect_tensor(a.y, kOp, "y", a.w.dtype(), {a.ids.size(0), a.w.size(1)});
   same_device(a.w, {&a.ids, &a.y});
+  expect_plan(a.plan, a.ids.size(0), a.w.size(1), a.ids.device());
   // Device ids are checked by the device kernel; host ids here, before any row is copied.
   if (a.ids.device() == Device::CPU) embedding_check_ids(a.ids, a.w.size(0));
 }
@@ -44,6 +58,7 @@ void validate_bwd(const EmbeddingBwd& a) {
             kOp, dtype_name(a.dy.dtype()));
   expect_tensor(a.dw, kOp, "dw", embedding_grad_dtype(a.dy.dtype()), {-1, a.dy.size(1)});
   same_device(a.dy, {&a.ids, &a.dw});
+  expect_plan(a.plan, a.ids.size(0), a.dy.size(1), a.ids.device());
   if (a.ids.device() == Device::CPU) embedding_check_ids(a.ids, a.dw.size(0));
 }
 
@@ -104,6 +119,12 @@ void run(const ImplDesc& impl, OpIO& io, bool backward) {
   t.backward(b);
 }
 }  // namespace
+
+int64_t embedding_plan_numel(int64_t T, int64_t D) {
+  GDN_CHECK(T >= 0 && D >= 0,
+            "{}: embedding_plan_numel needs T >= 0 and D >= 0, got T = {}, D = {}", kOp, T, D);
+  return EmbeddingPlanLayout(T, D).numel;
+}
 
 void embedding_check_ids(const Tensor& ids, int64_t vocab) {
   GDN_CHECK(ids.device() == Device::CPU, "{}: embedding_check_ids needs host ids", kOp);

@@ -10,7 +10,18 @@
 // Device ids are not read back (that would synchronise): the cuda kernels never access memory out
 // of bounds whatever the ids hold; forward writes a row of NaN for an id outside [0, V) (the loss
 // turns NaN and the trainer stops there) and backward drops that token's gradient.
-// Forward saves nothing: backward needs only ids.
+// Forward saves nothing the backward needs besides ids. Optionally (`plan`, cuda.v2* only) the
+// forward also ranks the ids for the backward, concurrently with its gather (a side stream joined
+// before it returns), so that the backward's sort of the ids is off the backward's critical path:
+//   plan: I32 [embedding_plan_numel(T, D)] on the ids' device: the (id, t) pairs in stable sorted
+//         order, each 16-position window's segment bounds and zeroed combine counters (layout:
+//         EmbeddingPlanLayout). Written (=) by the forward of cuda.v2, cuda.v2r, cuda.v2ry and
+//         cuda.v2re; read by their backward (which leaves the counters zeroed again, so a plan
+//         serves any number of backwards), which then runs no sort. The backward's result is
+//         bitwise the same with or without a plan. Other implementations (ref, cpu,
+//         cuda.sorted_windows) neither write nor read it. A plan is valid for the ids and the D
+//         of the forward that wrote it, with the same implementation: pass it to the backward of
+//         those ids only (like gated_delta_rule's `saved`, the device contents are not checked).
 // Dtypes: ref F64 W/y/dy/dW; cpu F32; cuda bf16 W/y/dy with an F32 dW, ids I32 or I64 on the
 // device.
 // Deterministic: yes, bitwise, and independent of the thread count: the cpu backward gives each
@@ -31,16 +42,42 @@
 namespace gdn::ops {
 
 struct EmbeddingFwd {
-  Tensor ids;  // [T] I32 or I64
-  Tensor w;    // [V, D]
-  Tensor y;    // [T, D] out (=)
+  Tensor ids;        // [T] I32 or I64
+  Tensor w;          // [V, D]
+  Tensor y;          // [T, D] out (=)
+  Tensor plan = {};  // optional, I32 [embedding_plan_numel(T, D)] out (=): see above
 };
 
 struct EmbeddingBwd {
-  Tensor ids;  // [T] I32 or I64
-  Tensor dy;   // [T, D]
-  Tensor dw;   // [V, D] out (+=), F32 (F64 on ref)
+  Tensor ids;        // [T] I32 or I64
+  Tensor dy;         // [T, D]
+  Tensor dw;         // [V, D] out (+=), F32 (F64 on ref)
+  Tensor plan = {};  // optional: the plan the forward of these ids wrote
 };
+
+// Where the parts of a plan lie, in 4-byte words from its start (every part 256-byte aligned):
+// keys [T] (sorted ids; V for an invalid id), toks [T] (the token at each sorted position),
+// win_info [4 nwin] (per window of kWin sorted positions: the first position of the segment that
+// holds its first position, one past the end of the segment that holds its last one, two unused
+// words), counters [nwin * chunks] (per window and column chunk of kChunkCols columns or fewer).
+struct EmbeddingPlanLayout {
+  static constexpr int64_t kWin = 16;         // sorted positions per window
+  static constexpr int64_t kChunkCols = 256;  // the fewest columns a backward block covers
+  int64_t keys = 0, toks = 0, win_info = 0, counters = 0, numel = 0;
+  int64_t nwin = 0, chunks = 0;
+  EmbeddingPlanLayout(int64_t T, int64_t D) {
+    auto up = [](int64_t n) { return (n + 63) / 64 * 64; };  // 64 words: 256 bytes
+    nwin = (T + kWin - 1) / kWin;
+    chunks = (D + kChunkCols - 1) / kChunkCols;
+    toks = up(T);
+    win_info = toks + up(T);
+    counters = win_info + up(4 * nwin);
+    numel = counters + up(nwin * chunks);
+  }
+};
+
+// The number of I32 elements of an embedding plan for T ids and rows of D (T, D >= 0).
+int64_t embedding_plan_numel(int64_t T, int64_t D);
 
 struct EmbeddingTable {
   void (*forward)(const EmbeddingFwd&);
