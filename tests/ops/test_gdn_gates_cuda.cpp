@@ -123,6 +123,28 @@ TEST_F(GdnGatesCuda, WideRangeAndTheSoftplusThreshold) {
   compare(run_cuda(to_device(in)), run_ref(in), " (wide range)");
 }
 
+TEST_F(GdnGatesCuda, UnalignedTensorsTakeTheElementwiseForward) {
+  // The forward takes 4 elements a thread when a and b are 8-byte and g and beta 16-byte aligned;
+  // else one element a thread. Each of the four misaligned in turn, and all aligned, at a width
+  // that is no multiple of 4 (the quads cross rows, and the last one is partial).
+  const int64_t T = 37, H = 7;
+  Inputs in = make_inputs(T, H, 31);
+  const Out ref = run_ref(in);
+  const Dev d = to_device(in);
+  for (int which = 0; which < 5; ++which) {
+    std::vector<OwnedTensor> keep;
+    Tensor a = which == 0 ? unaligned_copy(d.a, 2, keep) : d.a.view();
+    Tensor b = which == 1 ? unaligned_copy(d.b, 2, keep) : d.b.view();
+    OwnedTensor g0 = poisoned(DType::F32, {T, H}), beta0 = poisoned(DType::F32, {T, H});
+    Tensor g = which == 2 ? unaligned_copy(g0, 4, keep) : g0.view();
+    Tensor beta = which == 3 ? unaligned_copy(beta0, 8, keep) : beta0.view();
+    gdn_gates_forward({a, b, d.A_log, d.dt_bias, g, beta});
+    const std::string tag = " (misaligned: " + std::to_string(which) + ")";
+    expect_close(g, ref.g, kTol.fwd, "g" + tag);
+    expect_close(beta, ref.beta, kTol.fwd, "beta" + tag);
+  }
+}
+
 TEST_F(GdnGatesCuda, BackwardAccumulatesAndIsDeterministic) {
   const int64_t T = 8192, H = 32;
   Inputs in = make_inputs(T, H, 21);
