@@ -4,7 +4,8 @@
 // of tpr threads, one row per group; each thread keeps its P packs of the row in registers (16-byte
 // packs of 8 bf16 when D % 8 == 0 and every pointer is 16-byte aligned, else single elements), so
 // a row is read from device memory once. At the GDN shape (D = dk = 128) tpr = 8: 32 rows per
-// block, every thread with two independent 16-byte loads in flight per input.
+// block, every thread with two independent 16-byte loads in flight per input (the backward; the
+// forward at D = 128 takes l2norm_fwd_d128_kernel, half a warp a row).
 // Forward: sum of squares, group reduction, rstd = 1 / sqrt(ss + eps), y = x * rstd.
 // Backward: dot = <dy, y> over the row, dx = rstd * (dy - y * dot). Rows are independent: no
 // cross-row reduction, deterministic.
@@ -80,6 +81,35 @@ __global__ void __launch_bounds__(kBlock) l2norm_fwd_kernel(const bf16_t* __rest
   }
   for (int c = lane + P * tpr; c < npacks; c += tpr)
     emit(c, cuda::load_pack<V>(x, off + static_cast<int64_t>(c) * V));
+}
+
+// The forward at D = 128 with 16-byte packs (the GDN shape, dk = 128): half a warp a row, one pack
+// a thread, so that every warp instruction covers two whole rows (512 contiguous bytes), 16 rows a
+// block. At [8192 * 16, 128] on the H200 it ran at 0.746-0.759 of the copy rate against
+// 0.740-0.747 for l2norm_fwd_kernel<8> (tpr 8, two packs a thread), five rounds interleaved in one
+// call, and at the rate of a plain copy kernel of the same layout (y = x: 0.747-0.749), PERF.md
+// run 52.
+__global__ void __launch_bounds__(kBlock)
+    l2norm_fwd_d128_kernel(const bf16_t* __restrict__ x, bf16_t* __restrict__ y,
+                           float* __restrict__ rstd, int64_t R, float eps) {
+  constexpr int kD = 128;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kBlock / 16) + threadIdx.x / 16;
+  const int col = (static_cast<int>(threadIdx.x) & 15) * 8;
+  const bool active = row < R;
+  const Pack<8> p = active ? cuda::load_pack<8>(x, row * kD + col) : cuda::zero_pack<8>();
+  float f[8];
+  cuda::unpack(p, f);
+  float ss = 0.f;
+#pragma unroll
+  for (int v = 0; v < 8; ++v) ss += f[v] * f[v];
+#pragma unroll
+  for (int m = 8; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);  // the half-warp
+  if (!active) return;
+  const float r = 1.f / sqrtf(ss + eps);
+  if (col == 0) rstd[row] = r;
+#pragma unroll
+  for (int v = 0; v < 8; ++v) f[v] *= r;
+  cuda::store_pack<8>(y, row * kD + col, cuda::pack(f));
 }
 
 template <int V>
@@ -173,6 +203,14 @@ void forward(const L2NormFwd& a) {
   const cuda::RowLayout l = cuda::row_layout(D, cuda::aligned16(x) && cuda::aligned16(y), kBlock);
   const unsigned grid = grid_for(R, D, l);
   const float eps = static_cast<float>(a.eps);
+  if (l.vec == 8 && D == 128) {
+    const int64_t blocks = (R + kBlock / 16 - 1) / (kBlock / 16);
+    GDN_CHECK(blocks <= INT_MAX, "l2norm (cuda): {} rows is too many", R);
+    l2norm_fwd_d128_kernel<<<static_cast<unsigned>(blocks), kBlock, 0, cuda::stream()>>>(x, y, rstd,
+                                                                                         R, eps);
+    GDN_CUDA_LAUNCH_CHECK("l2norm_fwd_d128_kernel");
+    return;
+  }
   if (l.vec == 8) {
     l2norm_fwd_kernel<8>
         <<<grid, kBlock, 0, cuda::stream()>>>(x, y, rstd, R, static_cast<int>(D), l.tpr, eps);
