@@ -605,10 +605,8 @@ Ranked ranked_at(uint32_t* base, const EmbeddingPlanLayout& l) {
   return r;
 }
 
-// Step 1 on stream s: the sorted (key, token) pairs, the windows' segment bounds and zeroed
-// counters into r. T <= kRankMaxT (and the rank kernel's shared memory fits): one rank kernel of
-// ceil(T / per_block) blocks; longer: the keys kernel, cub::DeviceRadixSort (its buffers in
-// scratch) and the bounds kernel.
+// Step 1's sizes for T ids over `vocab`: its bucket bits, shared memory and path; for the
+// device-wide sort, cub's temporary bytes.
 struct RankSetup {
   int n, bits, shift, nbins;
   size_t rank_smem, smem_limit;
@@ -638,32 +636,32 @@ RankSetup rank_setup(int64_t T, int64_t vocab, cudaStream_t s) {
   return k;
 }
 
-// `sort_base`: k.sort_bytes() of scratch (the caller takes all its scratch in one call).
+// Step 1 on stream s: the sorted (key, token) pairs, the windows' segment bounds and zeroed
+// counters into r. On the rank path one rank kernel of ceil(T / per_block) blocks; otherwise the
+// keys kernel, cub::DeviceRadixSort and the bounds kernel, their buffers at `sort_base`
+// (k.sort_bytes() of scratch: the caller takes all its scratch in one call).
 void rank_ids(const Tensor& ids, const Ranked& r, int64_t vocab, const RankSetup& k,
               char* sort_base, int per_block, cudaStream_t s) {
-  const int n = k.n, nbins = k.nbins, shift = k.shift, bits = k.bits;
-  const size_t rank_smem = k.rank_smem, smem_limit = k.smem_limit;
-  const int nwin = (n + kPlanWin - 1) / kPlanWin;
+  const int n = k.n;
   const bool i32 = ids.dtype() == DType::I32;
   if (k.rank_path) {
     const auto grid = static_cast<unsigned>((n + per_block - 1) / per_block);
     if (i32) {
-      rank_opt_in<int32_t>(smem_limit);
-      emb2_rank_kernel<int32_t><<<grid, kRankThreads, rank_smem, s>>>(
-          ids.ptr<int32_t>(), r, n, vocab, shift, nbins, kPlanWin, per_block);
+      rank_opt_in<int32_t>(k.smem_limit);
+      emb2_rank_kernel<int32_t><<<grid, kRankThreads, k.rank_smem, s>>>(
+          ids.ptr<int32_t>(), r, n, vocab, k.shift, k.nbins, kPlanWin, per_block);
     } else {
-      rank_opt_in<int64_t>(smem_limit);
-      emb2_rank_kernel<int64_t><<<grid, kRankThreads, rank_smem, s>>>(
-          ids.ptr<int64_t>(), r, n, vocab, shift, nbins, kPlanWin, per_block);
+      rank_opt_in<int64_t>(k.smem_limit);
+      emb2_rank_kernel<int64_t><<<grid, kRankThreads, k.rank_smem, s>>>(
+          ids.ptr<int64_t>(), r, n, vocab, k.shift, k.nbins, kPlanWin, per_block);
     }
     GDN_CUDA_LAUNCH_CHECK("emb2_rank_kernel");
     return;
   }
-  size_t cub_bytes = k.cub_bytes;
-  const size_t tok_bytes = k.tok_bytes;
-  uint32_t* keys_in = reinterpret_cast<uint32_t*>(sort_base);              // [T]
-  uint32_t* vals_in = reinterpret_cast<uint32_t*>(sort_base + tok_bytes);  // [T]
-  void* cub_tmp = sort_base + 2 * tok_bytes;                               // [cub_bytes]
+  size_t cub_bytes = k.cub_bytes;                              // (cub takes it by reference)
+  uint32_t* keys_in = reinterpret_cast<uint32_t*>(sort_base);  // [T]
+  uint32_t* vals_in = reinterpret_cast<uint32_t*>(sort_base + k.tok_bytes);  // [T]
+  void* cub_tmp = sort_base + 2 * k.tok_bytes;                               // [cub_bytes]
   const auto kblocks = static_cast<unsigned>((n + 255) / 256);
   if (i32) {
     embedding_keys_kernel<int32_t>
@@ -674,8 +672,9 @@ void rank_ids(const Tensor& ids, const Ranked& r, int64_t vocab, const RankSetup
   }
   GDN_CUDA_LAUNCH_CHECK("embedding_keys_kernel");
   GDN_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(cub_tmp, cub_bytes, keys_in, r.keys, vals_in,
-                                                 r.toks, n, 0, bits, s));
+                                                 r.toks, n, 0, k.bits, s));
   GDN_CUDA_LAUNCH_CHECK("cub::DeviceRadixSort::SortPairs");
+  const int nwin = (n + kPlanWin - 1) / kPlanWin;
   const int threads = std::max(nwin, r.ncounters);
   emb2_bounds_kernel<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, s>>>(r, n, kPlanWin,
                                                                                   nwin);
@@ -684,8 +683,9 @@ void rank_ids(const Tensor& ids, const Ranked& r, int64_t vocab, const RankSetup
 
 // The sizes the kernels keep in int.
 void check_sizes(int64_t T, int64_t vocab, int64_t D) {
+  const EmbeddingPlanLayout l(T, D);
   GDN_CHECK(T < INT_MAX / 2 && vocab < (int64_t{1} << 31) && D <= INT_MAX / 2 &&
-                EmbeddingPlanLayout(T, D).nwin * EmbeddingPlanLayout(T, D).chunks < INT_MAX,
+                l.nwin * l.chunks < INT_MAX,
             "embedding (cuda): T = {}, V = {}, D = {} is too large", T, vocab, D);
 }
 
