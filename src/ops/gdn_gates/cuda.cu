@@ -2,7 +2,7 @@
 // fp32 arithmetic with the accurate expf / log1pf (op.h has the contract).
 //
 // Forward: 4 consecutive (token, head) elements a thread (8-byte loads of a and b, 16-byte stores
-// of g and beta) when every pointer allows it, else one element a thread, grid-stride. At
+// of g and beta) when every pointer allows it, else one element a thread (one kernel). At
 // [8192, 32] on the H200 the 4-element kernel took 5.0-5.1 us against 5.3-5.6 (PERF.md run 49).
 // Backward: blocks of 32 heads x 8 token lanes over tiles of kTileT tokens. Each thread writes da
 // and db of its elements and keeps its sums of dg * g and da in fp32 registers; the 8 token lanes
@@ -43,6 +43,10 @@ __device__ __forceinline__ void gates_fwd_elem(float av, float bv, int h,
   beta = cuda::sigmoidf_safe(bv);
 }
 
+// V consecutive (token, head) elements a thread: V = 4 (a and b as one 8-byte load each, g and
+// beta as one 16-byte store each) when every pointer is aligned so, else V = 1; the last thread
+// takes the n % V tail element by element.
+template <int V>
 __global__ void __launch_bounds__(256)
     gdn_gates_fwd_kernel(const bf16_t* __restrict__ a,       // [T, Hv]
                          const bf16_t* __restrict__ b,       // [T, Hv]
@@ -51,45 +55,30 @@ __global__ void __launch_bounds__(256)
                          float* __restrict__ g,              // [T, Hv]
                          float* __restrict__ beta,           // [T, Hv]
                          int64_t n, int H) {
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  const int64_t i0 = V * (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
+  if constexpr (V == 4) {
+    if (i0 + 4 <= n) {
+      const uint2 ua = *reinterpret_cast<const uint2*>(a + i0);
+      const uint2 ub = *reinterpret_cast<const uint2*>(b + i0);
+      const float af[4] = {cuda::bf16_lo(ua.x), cuda::bf16_hi(ua.x), cuda::bf16_lo(ua.y),
+                           cuda::bf16_hi(ua.y)};
+      const float bf[4] = {cuda::bf16_lo(ub.x), cuda::bf16_hi(ub.x), cuda::bf16_lo(ub.y),
+                           cuda::bf16_hi(ub.y)};
+      float gv[4], bv[4];
+      int h = static_cast<int>(i0 % H);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        gates_fwd_elem(af[k], bf[k], h, A_log, dt_bias, gv[k], bv[k]);
+        h = h + 1 == H ? 0 : h + 1;
+      }
+      *reinterpret_cast<float4*>(g + i0) = make_float4(gv[0], gv[1], gv[2], gv[3]);
+      *reinterpret_cast<float4*>(beta + i0) = make_float4(bv[0], bv[1], bv[2], bv[3]);
+      return;
+    }
+  }
+  for (int64_t i = i0; i < n && i < i0 + V; ++i)
     gates_fwd_elem(bf16_to_f32(a[i]), bf16_to_f32(b[i]), static_cast<int>(i % H), A_log, dt_bias,
                    g[i], beta[i]);
-  }
-}
-
-// Forward, 4 elements a thread: a and b as one 8-byte load each, g and beta as one 16-byte store
-// each (every pointer aligned so); the n % 4 tail element by element.
-__global__ void __launch_bounds__(256)
-    gdn_gates_fwd4_kernel(const bf16_t* __restrict__ a,       // [T, Hv]
-                          const bf16_t* __restrict__ b,       // [T, Hv]
-                          const float* __restrict__ A_log,    // [Hv]
-                          const float* __restrict__ dt_bias,  // [Hv]
-                          float* __restrict__ g,              // [T, Hv]
-                          float* __restrict__ beta,           // [T, Hv]
-                          int64_t n, int H) {
-  const int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, i0 = 4 * q;
-  if (i0 + 4 <= n) {
-    const uint2 ua = *reinterpret_cast<const uint2*>(a + i0);
-    const uint2 ub = *reinterpret_cast<const uint2*>(b + i0);
-    const float af[4] = {cuda::bf16_lo(ua.x), cuda::bf16_hi(ua.x), cuda::bf16_lo(ua.y),
-                         cuda::bf16_hi(ua.y)};
-    const float bf[4] = {cuda::bf16_lo(ub.x), cuda::bf16_hi(ub.x), cuda::bf16_lo(ub.y),
-                         cuda::bf16_hi(ub.y)};
-    float gv[4], bv[4];
-    int h = static_cast<int>(i0 % H);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      gates_fwd_elem(af[k], bf[k], h, A_log, dt_bias, gv[k], bv[k]);
-      h = h + 1 == H ? 0 : h + 1;
-    }
-    *reinterpret_cast<float4*>(g + i0) = make_float4(gv[0], gv[1], gv[2], gv[3]);
-    *reinterpret_cast<float4*>(beta + i0) = make_float4(bv[0], bv[1], bv[2], bv[3]);
-  } else {
-    for (int64_t i = i0; i < n; ++i)
-      gates_fwd_elem(bf16_to_f32(a[i]), bf16_to_f32(b[i]), static_cast<int>(i % H), A_log, dt_bias,
-                     g[i], beta[i]);
-  }
 }
 
 // partial: [2, ntiles, Hv]; plane 0 = sum of dg * g per tile, plane 1 = sum of da per tile.
@@ -175,18 +164,14 @@ void forward(const GdnGatesFwd& p) {
   const float* dt_bias = p.dt_bias.ptr<float>();  // [Hv]
   float* g = p.g.ptr<float>();                    // [T, Hv]
   float* beta = p.beta.ptr<float>();              // [T, Hv]
-  if (reinterpret_cast<uintptr_t>(a) % 8 == 0 && reinterpret_cast<uintptr_t>(b) % 8 == 0 &&
-      cuda::aligned16(g) && cuda::aligned16(beta)) {
-    const int64_t quads = (n + 3) / 4;
-    GDN_CHECK(quads / 256 < INT_MAX, "gdn_gates (cuda): [{}, {}] is too large", T, H);
-    gdn_gates_fwd4_kernel<<<static_cast<unsigned>((quads + 255) / 256), 256, 0, cuda::stream()>>>(
-        a, b, A_log, dt_bias, g, beta, n, static_cast<int>(H));
-    GDN_CUDA_LAUNCH_CHECK("gdn_gates_fwd4_kernel");
-    return;
-  }
-  const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 65536));
-  gdn_gates_fwd_kernel<<<blocks, 256, 0, cuda::stream()>>>(a, b, A_log, dt_bias, g, beta, n,
-                                                           static_cast<int>(H));
+  const bool vec = reinterpret_cast<uintptr_t>(a) % 8 == 0 &&
+                   reinterpret_cast<uintptr_t>(b) % 8 == 0 && cuda::aligned16(g) &&
+                   cuda::aligned16(beta);
+  const int64_t blocks = ((vec ? (n + 3) / 4 : n) + 255) / 256;
+  GDN_CHECK(blocks <= INT_MAX, "gdn_gates (cuda): [{}, {}] is too large", T, H);
+  auto* kernel = vec ? gdn_gates_fwd_kernel<4> : gdn_gates_fwd_kernel<1>;
+  kernel<<<static_cast<unsigned>(blocks), 256, 0, cuda::stream()>>>(a, b, A_log, dt_bias, g, beta,
+                                                                    n, static_cast<int>(H));
   GDN_CUDA_LAUNCH_CHECK("gdn_gates_fwd_kernel");
 }
 
