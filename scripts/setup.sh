@@ -7,6 +7,7 @@ set -euo pipefail
 # Header or tool each package provides, so we can also detect installs done outside dpkg.
 declare -A NEED=(
   [cmake]="cmake"
+  [ccache]="ccache"
   [ninja-build]="ninja"
   [g++]="g++"
   [libgtest-dev]="/usr/include/gtest/gtest.h"
