@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 
+#include "backend/cpu/blas.h"
 #include "gdn/core/env.h"
 #include "gdn/core/log.h"
 
@@ -141,6 +142,9 @@ void Registry::do_resolve(std::string_view op_name, const OpQuery& query, Resolu
   std::string where = fmt::format("{}/{}{}", op_name, backend_name(query.backend),
                                   query.shape_class.empty() ? "" : "[" + query.shape_class + "]");
   const bool strict = env::get_bool("GDN_STRICT_KERNELS");
+  // The CPU thread contract (one OpenMP pool, OpenBLAS single-threaded) holds before any CPU
+  // kernel runs, the probe's included: every kernel is reached through a resolution.
+  if (query.backend != Backend::Cuda) cpu::init_runtime();
   std::vector<const ImplDesc*> candidates = impls(op_name, query.backend);
   GDN_CHECK_HINT(!candidates.empty(), "`gdntrain ops list` shows what is compiled in",
                  "op '{}' has no implementation on backend {}", op_name,

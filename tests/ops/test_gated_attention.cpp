@@ -2,6 +2,7 @@
 // hand-computed cases for ref's forward conventions, finite-difference checks of ref, packing
 // (documents run together == run alone, RoPE positions restart per document), bad input, and
 // `gdntrain ops run` through run_op_file.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <numeric>
@@ -102,28 +103,36 @@ TEST_P(GatedAttentionSweep, CpuMatchesRef) {
   Result ref = run(in, DType::F64);
   Result cpu = run(in, DType::F32);
   const double tf = 1e-6, tb = 3e-6;
+  // dq_hat, dk_hat and the norm-weight gradients are built from dS = P o (dP - D), which cancels
+  // to 0 for a query that sees one key (P = 1, dP = D): with only one-token documents they are 0
+  // exactly, and what the fp32 kernel returns is rounding noise of the size of dP's terms (which
+  // OpenBLAS kernel set computes dP decides whether it cancels to 0 or to 1e-8). Measure them
+  // against the norm of dv = P^T dA, a gradient of the same chain that does not cancel; a wrong
+  // term still shows at O(1) against it.
+  const double ds_scale = testing::l2(ref.dv);
   struct Cmp {
     const OwnedTensor *got, *want;
     const char* what;
     double tol;
+    double scale;
   };
-  const Cmp cmps[] = {{&cpu.o, &ref.o, "o", tf},
-                      {&cpu.q_hat, &ref.q_hat, "q_hat", tf},
-                      {&cpu.k_hat, &ref.k_hat, "k_hat", tf},
-                      {&cpu.attn, &ref.attn, "attn", tf},
-                      {&cpu.lse, &ref.lse, "lse", tf},
-                      {&cpu.q_rstd, &ref.q_rstd, "q_rstd", tf},
-                      {&cpu.k_rstd, &ref.k_rstd, "k_rstd", tf},
-                      {&cpu.dqg, &ref.dqg, "dqg", tb},
-                      {&cpu.dk, &ref.dk, "dk", tb},
-                      {&cpu.dv, &ref.dv, "dv", tb},
-                      {&cpu.dwq, &ref.dwq, "dq_norm_w", tb},
-                      {&cpu.dwk, &ref.dwk, "dk_norm_w", tb}};
+  const Cmp cmps[] = {{&cpu.o, &ref.o, "o", tf, 0},
+                      {&cpu.q_hat, &ref.q_hat, "q_hat", tf, 0},
+                      {&cpu.k_hat, &ref.k_hat, "k_hat", tf, 0},
+                      {&cpu.attn, &ref.attn, "attn", tf, 0},
+                      {&cpu.lse, &ref.lse, "lse", tf, 0},
+                      {&cpu.q_rstd, &ref.q_rstd, "q_rstd", tf, 0},
+                      {&cpu.k_rstd, &ref.k_rstd, "k_rstd", tf, 0},
+                      {&cpu.dqg, &ref.dqg, "dqg", tb, 0},
+                      {&cpu.dk, &ref.dk, "dk", tb, ds_scale},
+                      {&cpu.dv, &ref.dv, "dv", tb, 0},
+                      {&cpu.dwq, &ref.dwq, "dq_norm_w", tb, ds_scale},
+                      {&cpu.dwk, &ref.dwk, "dk_norm_w", tb, ds_scale}};
   double worst_fwd = 0, worst_bwd = 0;  // printed for the record
   for (const Cmp& x : cmps) {
-    testing::expect_close(*x.got, *x.want, x.tol, x.what);
+    testing::expect_close(*x.got, *x.want, x.tol, x.what, x.scale);
     double& w = x.tol == tf ? worst_fwd : worst_bwd;
-    w = std::max(w, testing::rel_err(*x.got, *x.want));
+    w = std::max(w, testing::rel_err(*x.got, *x.want, x.scale));
   }
   std::printf("%s: worst relative L2 error cpu vs ref: forward %.3g, backward %.3g\n", c.name,
               worst_fwd, worst_bwd);
@@ -138,7 +147,14 @@ TEST_P(GatedAttentionSweep, CpuMatchesRef) {
     return out;
   };
   for (int64_t part : {0, 1}) {
-    double e = rel_l2_error(half(cpu.dqg, part), half(ref.dqg, part));
+    const std::vector<double> got = half(cpu.dqg, part), want = half(ref.dqg, part);
+    double num = 0, den = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      num += (got[i] - want[i]) * (got[i] - want[i]);
+      den += want[i] * want[i];
+    }
+    // The query half is dq_hat's (ds_scale, above); the gate half does not cancel.
+    const double e = std::sqrt(num) / std::max({std::sqrt(den), part ? 0.0 : ds_scale, 1e-300});
     EXPECT_LE(e, tb) << (part ? "dqg gate half" : "dqg query half");
   }
 }

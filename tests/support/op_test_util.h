@@ -50,14 +50,18 @@ inline OwnedTensor rounded(const Tensor& t, DType dtype) {
   return convert(convert(t, dtype), DType::F64);
 }
 
-// Relative L2 error of `got` against `want` (any float dtypes/devices).
-inline double rel_err(const Tensor& got, const Tensor& want) { return rel_l2_error(got, want); }
-
 // L2 norm of a tensor (any float dtype/device).
 inline double l2(const Tensor& t) {
   double s = 0;
   for (double x : to_f64_vector(t)) s += x * x;
   return std::sqrt(s);
+}
+
+// Relative L2 error of `got` against `want` (any float dtypes/devices); with `scale` > 0,
+// ||got - want|| / max(||want||, scale) as in expect_close below.
+inline double rel_err(const Tensor& got, const Tensor& want, double scale = 0) {
+  if (scale <= 0) return rel_l2_error(got, want);
+  return rel_l2_error(got, want) * std::max(l2(want), 1e-30) / std::max(l2(want), scale);
 }
 
 // Fails the test if ||got - want|| / max(||want||, scale) > tol; `what` names the tensor.

@@ -11,15 +11,14 @@
 // item, so the result does not depend on the schedule. Pass C maps dq_hat / dk_hat back through
 // RoPE and the norms in place and writes the gate gradient.
 // Tiles are GEMMs on strided views of the [T, H, hd] tensors (lda = H · hd), called from inside
-// OpenMP regions, so OpenBLAS must run each on the calling thread (see BlasOnCallingThread).
-#include <cblas.h>
+// OpenMP regions, so each runs on the calling thread (cpu::gemm, backend/cpu/blas.h).
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
-#include "backend/cpu/blas_threads.h"
+#include "backend/cpu/blas.h"
 #include "gdn/backend/registry.h"
 #include "ops/gated_attention/op.h"
 
@@ -42,8 +41,6 @@ Geo geo_of(const Tensor& qg, const Tensor& k, const Tensor& cu, int64_t rot) {
   g.group = g.Hq / g.Hkv;
   return g;
 }
-
-using cpu::BlasOnCallingThread;  // see src/backend/cpu/blas_threads.h
 
 inline float sigmoidf(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 inline size_t sz(int64_t n) { return static_cast<size_t>(n); }
@@ -174,7 +171,6 @@ void forward(const GatedAttentionFwd& a) {
   const int64_t hd = g.hd;
   const float eps = static_cast<float>(a.eps);
   const Rope rope = make_rope(a.cu_seqlens, g.T, g.rot, a.rope_theta);
-  const BlasOnCallingThread blas_guard;
 
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < g.T; ++t) {
@@ -206,9 +202,7 @@ void forward(const GatedAttentionFwd& a) {
         const int64_t bk = std::min(kBk, q1 - k0);
         const float* K = kh + (k0 * g.Hkv + j) * hd;  // [bk, hd] strided by ldkv
         const float* V = v + (k0 * g.Hkv + j) * hd;   // [bk, hd] strided by ldkv
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(bq),
-                    static_cast<int>(bk), static_cast<int>(hd), scale, Q, static_cast<int>(g.ldq()),
-                    K, static_cast<int>(g.ldkv()), 0.0f, S.data(), static_cast<int>(kBk));
+        cpu::gemm(false, true, bq, bk, hd, scale, Q, g.ldq(), K, g.ldkv(), 0.0f, S.data(), kBk);
         for (int64_t i = 0; i < bq; ++i) {
           float* srow = S.data() + i * kBk;  // [bk]
           const int64_t nv = visible(q0 + i, k0, bk);
@@ -229,10 +223,7 @@ void forward(const GatedAttentionFwd& a) {
           if (alpha != 1.0f)
             for (int64_t c = 0; c < hd; ++c) acc[sz(i * hd + c)] *= alpha;
         }
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(bq),
-                    static_cast<int>(hd), static_cast<int>(bk), 1.0f, S.data(),
-                    static_cast<int>(kBk), V, static_cast<int>(g.ldkv()), 1.0f, acc.data(),
-                    static_cast<int>(hd));
+        cpu::gemm(false, false, bq, hd, bk, 1.0f, S.data(), kBk, V, g.ldkv(), 1.0f, acc.data(), hd);
       }
       // Every row saw at least its own key, so l >= 1.
       for (int64_t i = 0; i < bq; ++i) {
@@ -258,9 +249,7 @@ void probs_tile(const Geo& g, const float* qh, const float* kh, const float* lse
   const int64_t hd = g.hd, j = h / g.group;
   const float* Q = qh + (q0 * g.Hq + h) * hd;   // [bq, hd] strided by ldq
   const float* K = kh + (k0 * g.Hkv + j) * hd;  // [bk, hd] strided by ldkv
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(bq), static_cast<int>(bk),
-              static_cast<int>(hd), scale, Q, static_cast<int>(g.ldq()), K,
-              static_cast<int>(g.ldkv()), 0.0f, P, static_cast<int>(kBk));
+  cpu::gemm(false, true, bq, bk, hd, scale, Q, g.ldq(), K, g.ldkv(), 0.0f, P, kBk);
   for (int64_t i = 0; i < bq; ++i) {
     float* prow = P + i * kBk;  // [bk]
     const int64_t nv = visible(q0 + i, k0, bk);
@@ -276,9 +265,7 @@ void dscores_tile(const Geo& g, const float* dA, const float* v, const float* D,
                   float* dS) {
   const int64_t hd = g.hd, j = h / g.group;
   const float* V = v + (k0 * g.Hkv + j) * hd;  // [bk, hd] strided by ldkv
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(bq), static_cast<int>(bk),
-              static_cast<int>(hd), 1.0f, dA, static_cast<int>(g.ldqg()), V,
-              static_cast<int>(g.ldkv()), 0.0f, dS, static_cast<int>(kBk));
+  cpu::gemm(false, true, bq, bk, hd, 1.0f, dA, g.ldqg(), V, g.ldkv(), 0.0f, dS, kBk);
   for (int64_t i = 0; i < bq; ++i) {
     const float Di = D[(q0 + i) * g.Hq + h];
     for (int64_t c = 0; c < bk; ++c)
@@ -309,7 +296,6 @@ void backward(const GatedAttentionBwd& a) {
   const int64_t hd = g.hd;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
   const Rope rope = make_rope(a.cu_seqlens, g.T, g.rot, a.rope_theta);
-  const BlasOnCallingThread blas_guard;
 
   // Pass 0: dA = do ∘ σ(gate), the gradient of attn, parked in the gate half of dqg (pass C
   // overwrites it with the gate gradient once passes A and B have read it); D = rowsum(dA ∘ attn).
@@ -352,15 +338,11 @@ void backward(const GatedAttentionBwd& a) {
             const float* Q = qh + (q0 * g.Hq + h) * hd;           // [bq, hd] strided by ldq
             const float* dA = dA_all + (q0 * g.Hq + h) * 2 * hd;  // [bq, hd] strided by ldqg
             probs_tile(g, qh, kh, lse, h, q0, bq, k0, bk, scale, P.data());
-            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(bk),
-                        static_cast<int>(hd), static_cast<int>(bq), 1.0f, P.data(),
-                        static_cast<int>(kBk), dA, static_cast<int>(g.ldqg()), 1.0f, dV.data(),
-                        static_cast<int>(hd));
+            cpu::gemm(true, false, bk, hd, bq, 1.0f, P.data(), kBk, dA, g.ldqg(), 1.0f, dV.data(),
+                      hd);
             dscores_tile(g, dA, v, D.data(), P.data(), h, q0, bq, k0, bk, scale, dS.data());
-            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(bk),
-                        static_cast<int>(hd), static_cast<int>(bq), 1.0f, dS.data(),
-                        static_cast<int>(kBk), Q, static_cast<int>(g.ldq()), 1.0f, dK.data(),
-                        static_cast<int>(hd));
+            cpu::gemm(true, false, bk, hd, bq, 1.0f, dS.data(), kBk, Q, g.ldq(), 1.0f, dK.data(),
+                      hd);
           }
         for (int64_t r = 0; r < bk; ++r) {
           std::copy_n(dK.data() + r * hd, hd, dk + ((k0 + r) * g.Hkv + j) * hd);
@@ -389,10 +371,8 @@ void backward(const GatedAttentionBwd& a) {
           const float* K = kh + (k0 * g.Hkv + j) * hd;  // [bk, hd] strided by ldkv
           probs_tile(g, qh, kh, lse, h, q0, bq, k0, bk, scale, P.data());
           dscores_tile(g, dA, v, D.data(), P.data(), h, q0, bq, k0, bk, scale, dS.data());
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(bq),
-                      static_cast<int>(hd), static_cast<int>(bk), 1.0f, dS.data(),
-                      static_cast<int>(kBk), K, static_cast<int>(g.ldkv()), 1.0f, dQ.data(),
-                      static_cast<int>(hd));
+          cpu::gemm(false, false, bq, hd, bk, 1.0f, dS.data(), kBk, K, g.ldkv(), 1.0f, dQ.data(),
+                    hd);
         }
         for (int64_t i = 0; i < bq; ++i)
           std::copy_n(dQ.data() + i * hd, hd, dqg + ((q0 + i) * g.Hq + h) * 2 * hd);

@@ -29,7 +29,7 @@
 #include <cmath>
 #include <vector>
 
-#include "backend/cpu/blas_threads.h"
+#include "backend/cpu/blas.h"
 #include "gdn/backend/registry.h"
 #include "ops/gated_delta_rule/op.h"
 
@@ -38,14 +38,7 @@ namespace gdn::ops {
 namespace {
 constexpr int64_t C = kGdrChunk;
 
-// Row-major sgemm: Cm[m, n] = alpha op(A) op(B) + beta Cm.
-void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* A,
-          int64_t lda, const float* B, int64_t ldb, float beta, float* Cm, int64_t ldc) {
-  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
-              static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), alpha, A,
-              static_cast<blasint>(lda), B, static_cast<blasint>(ldb), beta, Cm,
-              static_cast<blasint>(ldc));
-}
+using cpu::gemm;  // row-major Cm[m, n] = alpha op(A) op(B) + beta Cm (backend/cpu/blas.h)
 
 float dot(const float* a, const float* b, int64_t n) {
   float s = 0;
@@ -161,7 +154,8 @@ void chunk_prepare(const Ctx& c, int64_t t0, int64_t L, int64_t h, Work& w) {
       w.M[i * C + j] = j < i ? w.b[i] * w.D[i * C + j] * w.KK[i * C + j] : 0.f;
       w.Tm[i * C + j] = i == j ? 1.f : 0.f;
     }
-  // (I + M) T = I by forward substitution; CblasUnit takes the unit diagonal as implied.
+  // (I + M) T = I by forward substitution; CblasUnit takes the unit diagonal as implied. L >= 1:
+  // a chunk holds at least one token.
   cblas_strsm(CblasRowMajor, CblasLeft, CblasLower, CblasNoTrans, CblasUnit,
               static_cast<blasint>(L), static_cast<blasint>(L), 1.f, w.M.data(), C, w.Tm.data(), C);
   for (int64_t i = 0; i < L; ++i) {
@@ -257,7 +251,6 @@ void load_state(const Ctx& c, int64_t pair, std::vector<float>& S) {
 }
 
 void forward(const GatedDeltaRuleFwd& a) {
-  const cpu::BlasOnCallingThread one_blas_thread;  // backend/cpu/blas_threads.h
   Prepared p;
   prepare(a, p);
   const Ctx& c = p.c;
@@ -287,7 +280,6 @@ void forward(const GatedDeltaRuleFwd& a) {
 }
 
 void backward(const GatedDeltaRuleBwd& a) {
-  const cpu::BlasOnCallingThread one_blas_thread;  // backend/cpu/blas_threads.h
   Prepared p;
   prepare(a, p);
   const Ctx& c = p.c;

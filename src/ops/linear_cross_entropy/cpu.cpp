@@ -12,7 +12,7 @@
 //   pass 2, per slab (recomputing the tile in slab mode): G = c((1 + 2 lambda lse) p - eps/V)
 //     with the target column set from expm1(z_y - lse) in double, then dx_blk (+)= G w_slab and
 //     dw_slab += G^T x_blk.
-#include <cblas.h>
+#include "backend/cpu/blas.h"
 
 #include <algorithm>
 #include <cmath>
@@ -90,9 +90,7 @@ struct Run {
   double loss_sum = 0, z_sum = 0;
 
   void logits(int64_t r0, int64_t rb, int64_t c0, int64_t sb) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rb), static_cast<int>(sb),
-                static_cast<int>(D), 1.0f, x + r0 * D, static_cast<int>(D), w + c0 * D,
-                static_cast<int>(D), 0.0f, tile, static_cast<int>(sb));
+    cpu::gemm(false, true, rb, sb, D, 1.0f, x + r0 * D, D, w + c0 * D, D, 0.0f, tile, sb);
   }
 
   // Turns the tile rows into G (in place) for the slab [c0, c0 + sb).
@@ -175,13 +173,9 @@ struct Run {
       const int64_t sb = std::min(S, V - c0);
       if (!one_slab) logits(r0, rb, c0, sb);
       gradient_tile(r0, rb, c0, sb, one_slab);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rb),
-                  static_cast<int>(D), static_cast<int>(sb), 1.0f, tile, static_cast<int>(sb),
-                  w + c0 * D, static_cast<int>(D), c0 == 0 ? 0.0f : 1.0f, dx + r0 * D,
-                  static_cast<int>(D));
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(sb),
-                  static_cast<int>(D), static_cast<int>(rb), 1.0f, tile, static_cast<int>(sb),
-                  x + r0 * D, static_cast<int>(D), 1.0f, dw + c0 * D, static_cast<int>(D));
+      cpu::gemm(false, false, rb, D, sb, 1.0f, tile, sb, w + c0 * D, D, c0 == 0 ? 0.0f : 1.0f,
+                dx + r0 * D, D);
+      cpu::gemm(true, false, sb, D, rb, 1.0f, tile, sb, x + r0 * D, D, 1.0f, dw + c0 * D, D);
     }
   }
 };
