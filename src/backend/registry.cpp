@@ -115,7 +115,10 @@ const Resolution& Registry::resolve(std::string_view op, const OpQuery& query) {
   {
     std::lock_guard lock(mu_);
     auto it = resolved_.find(key);
-    if (it == resolved_.end()) it = resolved_.emplace(key, std::make_shared<Entry>()).first;
+    if (it == resolved_.end()) {
+      it = resolved_.emplace(key, std::make_shared<Entry>()).first;
+      order_.emplace_back(key, query);
+    }
     entry = it->second;
   }
   // call_once: concurrent callers wait for the first; if it throws (strict mode), the next call
@@ -127,6 +130,66 @@ const Resolution& Registry::resolve(std::string_view op, const OpQuery& query) {
 void Registry::clear_resolutions() {
   std::lock_guard lock(mu_);
   resolved_.clear();
+  order_.clear();
+  for (OpDispatch* d : dispatches_) d->clear();
+}
+
+std::vector<Registry::Decision> Registry::decisions() const {
+  std::lock_guard lock(mu_);
+  std::vector<Decision> out;
+  for (const auto& [key, query] : order_) {
+    auto it = resolved_.find(key);
+    if (it == resolved_.end() || it->second->result.impl == nullptr) continue;
+    out.push_back({it->second->result.impl->op, query, it->second->result});
+  }
+  return out;
+}
+
+void Registry::add_dispatch(OpDispatch* d) {
+  std::lock_guard lock(mu_);
+  dispatches_.push_back(d);
+}
+
+void Registry::remove_dispatch(OpDispatch* d) {
+  std::lock_guard lock(mu_);
+  std::erase(dispatches_, d);
+}
+
+OpQuery ShapeClass::query() const {
+  OpQuery q;
+  q.backend = backend_;
+  for (int i = 0; i < n_; ++i) {
+    q.shape_class += fmt::format("{}{}={}", i ? "," : "", names_[i], values_[i]);
+    q.dims[names_[i]] = values_[i];
+  }
+  return q;
+}
+
+OpDispatch::OpDispatch(std::string op) : op_(std::move(op)) {
+  Registry::global().add_dispatch(this);
+}
+OpDispatch::~OpDispatch() { Registry::global().remove_dispatch(this); }
+
+void OpDispatch::clear() {
+  std::lock_guard lock(mu_);
+  for (auto& row : slots_)
+    for (Slot& s : row) s.impl.store(nullptr, std::memory_order_release);
+}
+
+const ImplDesc& OpDispatch::resolve_slow(const ShapeClass& c) {
+  const ImplDesc* impl = Registry::global().resolve(op_, c.query()).impl;
+  std::lock_guard lock(mu_);
+  Slot* slots = slots_[static_cast<int>(c.backend())];
+  for (int i = 0; i < kSlots; ++i) {
+    const ImplDesc* p = slots[i].impl.load(std::memory_order_relaxed);
+    if (p != nullptr && slots[i].hash.load(std::memory_order_relaxed) == c.hash()) break;
+    if (p == nullptr) {  // the hash first, then the pointer that publishes it
+      slots[i].hash.store(c.hash(), std::memory_order_relaxed);
+      slots[i].impl.store(impl, std::memory_order_release);
+      break;
+    }
+  }
+  return *impl;
 }
 
 namespace {

@@ -10,6 +10,7 @@
 // probed.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <map>
 #include <memory>
@@ -31,13 +32,53 @@ DType backend_dtype(Backend b);
 // F64 host tensors run on ref, F32 host tensors on cpu, device tensors on cuda.
 Backend infer_backend(const Tensor& t);
 
-// What a caller asks an op to run: the backend, the resolution key's shape class and the sizes
-// the capability checks look at (op-specific names: "dk", "W", ...).
+// What a caller asks an op to run: the backend, the resolution key's shape class and the dims
+// that define it (op-specific names: "dk", "W", ...), which the capability checks read and the
+// probe builds its case from, so that the probe runs the kernels that class runs.
 struct OpQuery {
   Backend backend = Backend::Cpu;
-  std::string shape_class;  // "" is the op's default class
+  std::string shape_class;  // "" is the op's default class; else "D=2560,vec=1"
   std::map<std::string, int64_t> dims;
+  // dims[name], or `dflt` when the query does not set it (the default class, `ops run`).
+  int64_t dim(const std::string& name, int64_t dflt) const {
+    auto it = dims.find(name);
+    return it == dims.end() ? dflt : it->second;
+  }
 };
+
+// A call's shape class: the values its kernels dispatch on (head dims, widths, whether the
+// pointers allow 16-byte vectors, which optional tensors are present), added in a fixed order per
+// op. Building one allocates nothing: the per-call lookup uses a 64-bit hash of the values, and
+// the OpQuery (class name and dims) is made only the first time a class is seen.
+class ShapeClass {
+ public:
+  explicit ShapeClass(Backend b) : backend_(b) {}
+  ShapeClass& dim(const char* name, int64_t value) {
+    if (n_ < kMaxDims) {
+      names_[n_] = name;
+      values_[n_++] = value;
+    }
+    // FNV-1a over the value's bytes, and the count so that a short class is not a prefix.
+    for (int i = 0; i < 8; ++i)
+      hash_ = (hash_ ^ ((static_cast<uint64_t>(value) >> (8 * i)) & 0xff)) * 1099511628211ull;
+    hash_ = (hash_ ^ static_cast<uint64_t>(n_)) * 1099511628211ull;
+    return *this;
+  }
+  ShapeClass& flag(const char* name, bool value) { return dim(name, value ? 1 : 0); }
+  Backend backend() const { return backend_; }
+  uint64_t hash() const { return hash_; }
+  OpQuery query() const;
+
+ private:
+  static constexpr int kMaxDims = 10;
+  Backend backend_;
+  uint64_t hash_ = 1469598103934665603ull;
+  const char* names_[kMaxDims] = {};
+  int64_t values_[kMaxDims] = {};
+  int n_ = 0;
+};
+
+class OpDispatch;
 
 struct ImplDesc {
   std::string op;
@@ -114,8 +155,17 @@ class Registry {
   const Table& table(std::string_view op, const OpQuery& query) {
     return *static_cast<const Table*>(resolve(op, query).impl->table);
   }
-  // Forget every decision (tests only).
+  // Forget every decision, the OpDispatch tables' too (tests only; no op may run meanwhile).
   void clear_resolutions();
+  // Every (op, backend, class) resolved so far, in resolution order: `gdntrain probe --model`.
+  struct Decision {
+    std::string op;
+    OpQuery query;
+    Resolution result;
+  };
+  std::vector<Decision> decisions() const;
+  void add_dispatch(OpDispatch* d);
+  void remove_dispatch(OpDispatch* d);
 
  private:
   struct Entry {
@@ -126,7 +176,48 @@ class Registry {
   std::map<std::string, OpDesc, std::less<>> ops_;
   std::vector<std::unique_ptr<ImplDesc>> impls_;
   std::map<std::string, std::shared_ptr<Entry>, std::less<>> resolved_;
+  std::vector<std::pair<std::string, OpQuery>> order_;  // keys of resolved_ in resolution order
+  std::vector<OpDispatch*> dispatches_;
   void do_resolve(std::string_view op, const OpQuery& query, Resolution* out);
+};
+
+// The per-call door to an op's implementations: one per op (a function-local static in its
+// op.cpp). The first call of a (backend, shape class) resolves through Registry::resolve (probe,
+// one log line); every later call is a lookup in a fixed table of atomics (no string, no lock, no
+// map). Registry::clear_resolutions() empties every OpDispatch too.
+class OpDispatch {
+ public:
+  explicit OpDispatch(std::string op);
+  ~OpDispatch();
+  OpDispatch(const OpDispatch&) = delete;
+  OpDispatch& operator=(const OpDispatch&) = delete;
+
+  const ImplDesc& impl(const ShapeClass& c) {
+    const Slot* slots = slots_[static_cast<int>(c.backend())];
+    for (int i = 0; i < kSlots; ++i) {
+      const ImplDesc* p = slots[i].impl.load(std::memory_order_acquire);
+      if (p == nullptr) break;
+      if (slots[i].hash.load(std::memory_order_relaxed) == c.hash()) return *p;
+    }
+    return resolve_slow(c);
+  }
+  template <class Table>
+  const Table& table(const ShapeClass& c) {
+    return *static_cast<const Table*>(impl(c).table);
+  }
+  const std::string& op() const { return op_; }
+  void clear();
+
+ private:
+  static constexpr int kSlots = 32;  // classes per backend kept in the table; more still resolve
+  struct Slot {
+    std::atomic<uint64_t> hash{0};
+    std::atomic<const ImplDesc*> impl{nullptr};
+  };
+  const ImplDesc& resolve_slow(const ShapeClass& c);
+  std::string op_;
+  std::mutex mu_;
+  Slot slots_[3][kSlots];
 };
 
 // Relative L2 error ||got - want|| / max(||want||, 1e-30); +inf if got has a non-finite value.

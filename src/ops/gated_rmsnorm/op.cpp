@@ -3,6 +3,7 @@
 
 #include <vector>
 
+#include "backend/shape_class.h"
 #include "backend/tolerances.h"
 #include "gdn/backend/probe.h"
 #include "gdn/backend/registry.h"
@@ -44,15 +45,24 @@ void validate_bwd(const GatedRmsNormBwd& a) {
               device_name(a.x.device()));
 }
 
-OpQuery query_for(const Tensor& x) { return OpQuery{infer_backend(x), "", {{"D", x.size(1)}}}; }
+// The shape class: the row width and whether every row is whole 16-byte vectors (the CUDA
+// kernels' 8-wide path: the Qwen3.5 rows are one value head, D = 128).
+ShapeClass class_of(const Tensor& x, bool vec) {
+  return ShapeClass(infer_backend(x)).dim("D", x.size(1)).flag("vec", vec && x.size(1) % 8 == 0);
+}
+OpDispatch& dispatch() {
+  static OpDispatch d(kOp);
+  return d;
+}
 
 // Probe: odd width, one row 100x larger and one all-zero row (rstd = 1/sqrt(eps)), gates spread
 // over [-12, 12] so that both saturated ends of sigmoid and the silu minimum near z = -1.28 are
 // exercised, weights around 1 (the HF initialisation).
-ProbeError probe(const ImplDesc& impl, const OpQuery&) {
+ProbeError probe(const ImplDesc& impl, const OpQuery& query) {
   const auto& cand = *static_cast<const GatedRmsNormTable*>(impl.table);
   const auto& ref = *static_cast<const GatedRmsNormTable*>(Registry::global().ref(kOp).table);
-  const int64_t R = 7, D = 97;
+  // The class's width (97 without one) over 67 rows: several blocks' row groups.
+  const int64_t R = 67, D = probe_width(query.dim("D", 97), query.dim("vec", 0) != 0, 8);
   const DType st = gated_rmsnorm_stat_dtype(backend_dtype(impl.backend));
   std::vector<double> xv(static_cast<size_t>(R * D));
   for (size_t i = 0; i < xv.size(); ++i) {
@@ -128,12 +138,14 @@ void run(const ImplDesc& impl, OpIO& io, bool backward) {
 
 void gated_rmsnorm_forward(const GatedRmsNormFwd& a) {
   validate_fwd(a);
-  Registry::global().table<GatedRmsNormTable>(kOp, query_for(a.x)).forward(a);
+  dispatch().table<GatedRmsNormTable>(class_of(a.x, all_aligned16(a.x, a.z, a.w, a.y))).forward(a);
 }
 
 void gated_rmsnorm_backward(const GatedRmsNormBwd& a) {
   validate_bwd(a);
-  Registry::global().table<GatedRmsNormTable>(kOp, query_for(a.x)).backward(a);
+  dispatch()
+      .table<GatedRmsNormTable>(class_of(a.x, all_aligned16(a.x, a.z, a.w, a.dy, a.dx, a.dz)))
+      .backward(a);
 }
 
 GDN_REGISTER(gated_rmsnorm_op) {

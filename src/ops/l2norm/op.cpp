@@ -3,6 +3,7 @@
 
 #include <vector>
 
+#include "backend/shape_class.h"
 #include "backend/tolerances.h"
 #include "gdn/backend/probe.h"
 #include "gdn/backend/registry.h"
@@ -37,14 +38,23 @@ void validate_bwd(const L2NormBwd& a) {
               device_name(a.y.device()));
 }
 
-OpQuery query_for(const Tensor& x) { return OpQuery{infer_backend(x), "", {{"D", x.size(1)}}}; }
+// The shape class: the row width and whether every row is whole 16-byte vectors (the CUDA
+// kernels' 8-wide path, and a D = 128 forward of its own).
+ShapeClass class_of(const Tensor& x, bool vec) {
+  return ShapeClass(infer_backend(x)).dim("D", x.size(1)).flag("vec", vec && x.size(1) % 8 == 0);
+}
+OpDispatch& dispatch() {
+  static OpDispatch d(kOp);
+  return d;
+}
 
 // Probe: odd width; one row 100x larger, one all-zero row (rstd = 1/sqrt(eps)) and one row so
 // small that sum(x^2) ~ eps, where the eps convention decides the result.
-ProbeError probe(const ImplDesc& impl, const OpQuery&) {
+ProbeError probe(const ImplDesc& impl, const OpQuery& query) {
   const auto& cand = *static_cast<const L2NormTable*>(impl.table);
   const auto& ref = *static_cast<const L2NormTable*>(Registry::global().ref(kOp).table);
-  const int64_t R = 9, D = 97;
+  // The class's width (97 without one) over 67 rows: several blocks' row groups.
+  const int64_t R = 67, D = probe_width(query.dim("D", 97), query.dim("vec", 0) != 0, 8);
   std::vector<double> xv(static_cast<size_t>(R * D));
   for (size_t i = 0; i < xv.size(); ++i) {
     const int64_t row = static_cast<int64_t>(i) / D;
@@ -104,12 +114,12 @@ void run(const ImplDesc& impl, OpIO& io, bool backward) {
 
 void l2norm_forward(const L2NormFwd& a) {
   validate_fwd(a);
-  Registry::global().table<L2NormTable>(kOp, query_for(a.x)).forward(a);
+  dispatch().table<L2NormTable>(class_of(a.x, all_aligned16(a.x, a.y))).forward(a);
 }
 
 void l2norm_backward(const L2NormBwd& a) {
   validate_bwd(a);
-  Registry::global().table<L2NormTable>(kOp, query_for(a.y)).backward(a);
+  dispatch().table<L2NormTable>(class_of(a.y, all_aligned16(a.y, a.dy, a.dx))).backward(a);
 }
 
 GDN_REGISTER(l2norm_op) {

@@ -279,14 +279,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // --- host side ---------------------------------------------------------------------------------
 
-// cuda.rowwise (cuda.cu): the forward, and the backward of the calls this kernel does not cover.
+// cuda.rowwise (cuda.cu): the forward (this implementation replaces only the backward).
 const RmsNormTable& rowwise() {
   static const RmsNormTable* t = [] {
     for (const ImplDesc* i : Registry::global().impls("rmsnorm", Backend::Cuda))
       if (i->name == "cuda.rowwise") return static_cast<const RmsNormTable*>(i->table);
     return static_cast<const RmsNormTable*>(nullptr);
   }();
-  GDN_CHECK(t != nullptr, "rmsnorm (cuda.bulk): the fallback cuda.rowwise is not registered");
+  GDN_CHECK(t != nullptr, "rmsnorm (cuda.bulk): cuda.rowwise, its forward, is not registered");
   return *t;
 }
 
@@ -342,10 +342,8 @@ template <bool kPdl, int kFlags>
 void backward(const RmsNormBwd& a) {
   const int64_t R = a.x.size(0), D = a.x.size(1);
   if (R == 0 || D == 0) return;  // dw += 0
-  if (!covered(a)) {
-    rowwise().backward(a);
-    return;
-  }
+  // The resolver chose this implementation for the call's shape class (supports, below).
+  GDN_CHECK(covered(a), "rmsnorm (cuda.bulk): a call outside its shape class (D = {})", D);
   const bf16_t* x = reinterpret_cast<const bf16_t*>(a.x.ptr<bf16>());    // [R, D]
   const bf16_t* w = reinterpret_cast<const bf16_t*>(a.w.ptr<bf16>());    // [D]
   const float* rstd = a.rstd.ptr<float>();                               // [R]
@@ -382,20 +380,31 @@ void backward(const RmsNormBwd& a) {
   }
 }
 
+// The shape classes whose backward this kernel covers (op.cpp's class_of: D and "vec"); the
+// others resolve to cuda.rowwise.
+std::string supports(const OpQuery& q) {
+  const int64_t D = q.dim("D", -1);
+  if (D < 0) return "needs the call's row width (shape class)";
+  if (q.dim("vec", 0) == 0 || D % 8 != 0) return "rows are not whole 16-byte vectors";
+  if (D < kMinD || D > kMaxD) return fmt::format("D = {} outside {}..{}", D, kMinD, kMaxD);
+  if (stages_for(D, tpr_for(D)) < 2) return fmt::format("D = {}: fewer than 2 ring stages fit", D);
+  return "";
+}
+
 const RmsNormTable kTable{forward, backward<false, 0>};
 const RmsNormTable kTableP2{forward, backward<true, kEarly | kTwoStages>};
 
 }  // namespace
 
 GDN_REGISTER(rmsnorm_cuda_bulk) {
-  Registry::global().add_impl({"rmsnorm", "cuda.bulk", Backend::Cuda, 20, nullptr, &kTable});
+  Registry::global().add_impl({"rmsnorm", "cuda.bulk", Backend::Cuda, 20, supports, &kTable});
   // The default since mem7: the dw sum as a programmatic dependent, the first rows requested
   // before the w load, at most 2 ring stages. Device run 2 (H200, `cuda_bench_ops --iters 30
   // --filter rmsnorm.bwd --rounds 3 --impls ...`, one process), [8192, 4096] plain / zero-centred,
   // us: cuda.bulk 66.8 64.1 64.1 / 64.4 64.0 62.8; cuda.bulkp2 62.8 62.1 61.5 / 61.9 61.9 61.2
   // (0.753-0.773 of the copy rate); [8192, 2048] 38.5-39.2 -> 36.8-37.2. Steps measured alone in
   // the same process: the PDL dw sum 0-2 us, the early requests ~1 us, 2 stages ~0.5 us.
-  Registry::global().add_impl({"rmsnorm", "cuda.bulkp2", Backend::Cuda, 22, nullptr, &kTableP2});
+  Registry::global().add_impl({"rmsnorm", "cuda.bulkp2", Backend::Cuda, 22, supports, &kTableP2});
 }
 
 }  // namespace gdn::ops

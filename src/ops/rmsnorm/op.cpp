@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "backend/shape_class.h"
 #include "backend/tolerances.h"
 #include "gdn/backend/probe.h"
 #include "gdn/backend/registry.h"
@@ -40,17 +41,29 @@ void validate_bwd(const RmsNormBwd& a) {
   expect_tensor(a.dw, kOp, "dw", rmsnorm_stat_dtype(a.x.dtype()), {d});
 }
 
-OpQuery query_for(const Tensor& x) { return OpQuery{infer_backend(x), "", {{"D", x.size(1)}}}; }
+// The shape class: the row width (the CUDA forward has fixed-width kernels at 2048 and up to 4096,
+// the bulk backward covers 1024..8192) and whether every row is whole 16-byte vectors.
+ShapeClass class_of(const Tensor& x, bool vec) {
+  return ShapeClass(infer_backend(x)).dim("D", x.size(1)).flag("vec", vec && x.size(1) % 8 == 0);
+}
+OpDispatch& dispatch() {
+  static OpDispatch d(kOp);
+  return d;
+}
 
-// Probe: rows of odd width, weights around 0 (zero-centred) and 1; and rows of a width with whole
-// 16-byte units (D = 1024), the ones cuda.bulk's own backward covers (it defers odd widths to
-// cuda.rowwise, so the odd case alone would never probe its kernel).
-ProbeError probe(const ImplDesc& impl, const OpQuery&) {
+// Probe, at the class's width (97, vector rows of 1024, when the query has none): 2 and 67 rows
+// (part of one block's row group, and several blocks), weights around 0 (zero-centred) and 1.
+ProbeError probe(const ImplDesc& impl, const OpQuery& query) {
   const auto& cand = *static_cast<const RmsNormTable*>(impl.table);
   const auto& ref = *static_cast<const RmsNormTable*>(Registry::global().ref(kOp).table);
+  std::vector<int64_t> widths;
+  if (query.dims.contains("D"))
+    widths = {probe_width(query.dim("D", 0), query.dim("vec", 0) != 0, 8)};
+  else
+    widths = {97, 1024};
   ProbeError err;
-  for (const auto& [R, D] : {std::pair<int64_t, int64_t>{7, 97}, {5, 1024}})
-    for (bool zc : {false, true}) {
+  for (const int64_t D : widths)
+    for (const auto& [R, zc] : {std::pair<int64_t, bool>{2, false}, {67, true}}) {
       ProbeTensors p(impl.backend);
       auto x = p.normal({R, D}, 11, 2.0);
       auto w = p.normal({D}, 12, 0.1);
@@ -112,12 +125,12 @@ void run(const ImplDesc& impl, OpIO& io, bool backward) {
 
 void rmsnorm_forward(const RmsNormFwd& a) {
   validate_fwd(a);
-  Registry::global().table<RmsNormTable>(kOp, query_for(a.x)).forward(a);
+  dispatch().table<RmsNormTable>(class_of(a.x, all_aligned16(a.x, a.w, a.y))).forward(a);
 }
 
 void rmsnorm_backward(const RmsNormBwd& a) {
   validate_bwd(a);
-  Registry::global().table<RmsNormTable>(kOp, query_for(a.x)).backward(a);
+  dispatch().table<RmsNormTable>(class_of(a.x, all_aligned16(a.x, a.w, a.dy, a.dx))).backward(a);
 }
 
 GDN_REGISTER(rmsnorm_op) {

@@ -1,0 +1,27 @@
+// Helpers for the ops' shape classes (registry.h: ShapeClass, OpDispatch) and their probes.
+#pragma once
+
+#include <cstdint>
+
+#include "gdn/core/tensor.h"
+
+namespace gdn {
+
+// Whether a tensor's data may be read as 16-byte vectors (an undefined tensor does not object).
+inline bool aligned16(const Tensor& t) {
+  return !t.defined() || reinterpret_cast<uintptr_t>(t.data()) % 16 == 0;
+}
+template <class... Ts>
+bool all_aligned16(const Ts&... ts) {
+  return (aligned16(ts) && ...);
+}
+
+// The width a probe uses for a class of rows of width D whose kernels take `multiple`-wide vectors
+// when vec is set: D itself, or when the class is the scalar one but D is a multiple (the call's
+// pointers were not 16-byte aligned), D + 1, which the same scalar code runs (probe tensors are
+// always aligned).
+inline int64_t probe_width(int64_t D, bool vec, int64_t multiple) {
+  return !vec && D % multiple == 0 ? D + 1 : D;
+}
+
+}  // namespace gdn
