@@ -354,6 +354,7 @@ class EncodeState {
   };
   std::vector<Cand> heap;
   std::string scratch;
+  std::vector<std::string>* pieces = nullptr;  // pre_tokenize(): collect instead of merging
   pcre2_jit_stack* jit_stack = nullptr;
   pcre2_match_context* mctx = nullptr;
   std::vector<pcre2_match_data*> match;
@@ -380,6 +381,7 @@ struct Tokenizer::Impl {
   bool ignore_merges = false;
   AddedMatcher added_raw, added_norm;
   std::unordered_map<std::string, int32_t, StrHash, std::equal_to<>> added_ids;
+  std::unordered_map<int32_t, std::string> added_content;
   bool decoder_byte_level = false;
   std::string decoder_type = "null";
   int64_t vocab_size = 0;
@@ -640,6 +642,7 @@ void Tokenizer::Impl::parse_added(const json& a) {
     const bool normalized = t.value("normalized", !t.value("special", false));
     (normalized && nfc ? added_norm : added_raw).add(content, static_cast<int32_t>(id));
     added_ids[content] = static_cast<int32_t>(id);
+    added_content[static_cast<int32_t>(id)] = content;
     vocab_size = std::max(vocab_size, id + 1);
   }
 }
@@ -705,6 +708,10 @@ void Tokenizer::Impl::pretokenize(size_t step, std::string_view s, std::vector<i
 }
 
 void Tokenizer::Impl::bpe(std::string_view word, std::vector<int32_t>& out, EncodeState& st) const {
+  if (st.pieces != nullptr) {
+    st.pieces->emplace_back(word);
+    return;
+  }
   if (word.size() == 1 && byte_sym[static_cast<uint8_t>(word[0])] >= 0 && !ignore_merges) {
     out.push_back(byte_sym[static_cast<uint8_t>(word[0])]);
     return;
@@ -875,6 +882,25 @@ std::string Tokenizer::decode(std::span<const int32_t> ids) const {
     bytes += impl_->id_bytes[static_cast<size_t>(id)];
   }
   return utf8_lossy(bytes);
+}
+
+std::vector<std::string> Tokenizer::pre_tokenize(std::string_view text) const {
+  GDN_CHECK(valid_utf8(text), "pre_tokenize: the text is not valid UTF-8");
+  auto st = make_state();
+  std::vector<std::string> pieces;
+  st->pieces = &pieces;
+  std::vector<int32_t> ids;  // added tokens only
+  impl_->added_raw.split(
+      text,
+      [&](std::string_view piece) {
+        const std::string n =
+            impl_->nfc && !trivially_nfc(piece) ? nfc_string(piece) : std::string(piece);
+        impl_->added_norm.split(
+            n, [&](std::string_view p) { impl_->pretokenize(0, p, ids, *st); },
+            [&](int32_t id) { pieces.push_back(impl_->added_content.at(id)); });
+      },
+      [&](int32_t id) { pieces.push_back(impl_->added_content.at(id)); });
+  return pieces;
 }
 
 int64_t Tokenizer::vocab_size() const { return impl_->vocab_size; }

@@ -64,6 +64,10 @@ class Tokenizer {
   // the decoder is not ByteLevel.
   std::string decode(std::span<const int32_t> ids) const;
 
+  // The pieces the BPE sees (after the added-token split, normalization and pre-tokenization),
+  // as UTF-8 bytes; an added token appears as its content. For tests and `tokenize --pieces`.
+  std::vector<std::string> pre_tokenize(std::string_view text) const;
+
   // One more than the largest id (model vocabulary and added tokens).
   int64_t vocab_size() const;
   std::optional<int32_t> token_to_id(std::string_view token) const;
