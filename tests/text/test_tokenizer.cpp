@@ -208,7 +208,7 @@ TEST(Tokenizer, DecodeInvertsEncode) {
 TEST(Tokenizer, InvalidUtf8IsAnError) {
   const Tokenizer t = load(make_tokenizer(kQwen35));
   for (const std::string& bad : {std::string("ab\xff"), std::string("\xc3"),
-                                std::string("\xed\xa0\x80"), std::string("\xc0\xaf")}) {
+                                 std::string("\xed\xa0\x80"), std::string("\xc0\xaf")}) {
     try {
       t.encode(bad);
       FAIL() << "accepted invalid UTF-8";
