@@ -11,10 +11,15 @@ if(GDN_BENCH)
 endif()
 set(BLA_VENDOR OpenBLAS)
 find_package(BLAS REQUIRED)
+# Real text (src/text): PCRE2 (regex with lookahead and Unicode classes, JIT), utf8proc (NFC),
+# zlib and zstd (compressed corpora).
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(GDN_TEXT_LIBS REQUIRED IMPORTED_TARGET libpcre2-8 libutf8proc zlib libzstd)
 find_path(GDN_CBLAS_INCLUDE cblas.h PATHS /usr/include/x86_64-linux-gnu/openblas-pthread
           /usr/include/openblas /usr/include/x86_64-linux-gnu /usr/include REQUIRED)
 
 add_library(gdn_deps INTERFACE)
 target_link_libraries(gdn_deps INTERFACE fmt::fmt nlohmann_json::nlohmann_json CLI11::CLI11
-                      OpenMP::OpenMP_CXX ${BLAS_LIBRARIES} Threads::Threads)
+                      OpenMP::OpenMP_CXX ${BLAS_LIBRARIES} Threads::Threads
+                      PkgConfig::GDN_TEXT_LIBS)
 target_include_directories(gdn_deps INTERFACE ${GDN_CBLAS_INCLUDE})

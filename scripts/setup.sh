@@ -17,6 +17,12 @@ declare -A NEED=(
   [nlohmann-json3-dev]="/usr/include/nlohmann/json.hpp"
   [libcli11-dev]="/usr/include/CLI/CLI.hpp"
   [libfmt-dev]="/usr/include/fmt/format.h"
+  [libpcre2-dev]="/usr/include/pcre2.h"
+  [libutf8proc-dev]="/usr/include/utf8proc.h"
+  [zlib1g-dev]="/usr/include/zlib.h"
+  [libzstd-dev]="/usr/include/zstd.h"
+  [pkg-config]="pkg-config"
+  [python3-venv]="/usr/lib/python3.11/ensurepip/__init__.py"
 )
 
 have() {
@@ -40,7 +46,11 @@ if [ "${GDN_SETUP_DEBUG_TOOLS:-0}" = 1 ]; then
     missing+=(libclang-rt-14-dev)
 fi
 
+pyenv() {  # build/pyenv with HF tokenizers, for the tokenizer exactness test
+  "$(dirname "$0")/pyenv.sh" || echo "setup: build/pyenv could not be made; test_tokenizer_vs_hf will fail" >&2
+}
 if [ ${#missing[@]} -eq 0 ]; then
+  pyenv
   exit 0
 fi
 echo "setup: installing missing packages: ${missing[*]}" >&2
@@ -54,3 +64,4 @@ export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 echo "setup: done" >&2
+pyenv

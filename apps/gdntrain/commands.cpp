@@ -9,6 +9,7 @@ void add_commands(CLI::App& app, Commands& cmds) {
   add_dump_command(app, cmds);
   add_train_command(app, cmds);
   add_prepare_command(app, cmds);
+  add_tokenize_command(app, cmds);
 }
 
 }  // namespace gdn::cli

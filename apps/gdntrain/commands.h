@@ -23,5 +23,6 @@ void add_ops_command(CLI::App& app, Commands& cmds);
 void add_dump_command(CLI::App& app, Commands& cmds);
 void add_train_command(CLI::App& app, Commands& cmds);
 void add_prepare_command(CLI::App& app, Commands& cmds);
+void add_tokenize_command(CLI::App& app, Commands& cmds);
 
 }  // namespace gdn::cli

@@ -1,13 +1,27 @@
 #include "train/prepare.h"
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
+#include <exception>
+#include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "gdn/core/arena.h"
 #include "gdn/core/error.h"
 #include "gdn/core/log.h"
+#include "text/input_reader.h"
+#include "text/tokenizer.h"
 
 namespace gdn::train {
 
@@ -27,69 +41,364 @@ std::string ByteTokenizer::decode(std::span<const int32_t> ids) {
 }
 
 namespace {
-bool is_jsonl(const std::string& path, InputFormat f) {
+
+bool is_jsonl(std::string path, InputFormat f) {
   if (f != InputFormat::Auto) return f == InputFormat::Jsonl;
+  for (const char* z : {".gz", ".zst", ".zstd"})
+    if (path.ends_with(z)) path.resize(path.size() - std::strlen(z));
   return path.ends_with(".jsonl") || path.ends_with(".json");
 }
+
+// A batch of raw lines from one file, tokenized by one thread.
+struct Batch {
+  int64_t seq = 0;
+  size_t file = 0;
+  int64_t first_line = 0;  // 1-based line number of the first line
+  bool jsonl = false;
+  std::string data;            // the lines back to back
+  std::vector<uint32_t> ends;  // end offset of each line in data
+  std::vector<uint8_t> blank;  // JSONL lines that are blank (skipped, not counted)
+};
+
+struct Result {
+  std::vector<int32_t> tokens;
+  std::vector<int32_t> lengths;  // per document, EOS included
+  int64_t skipped = 0;
+  int64_t text_bytes = 0;
+  std::exception_ptr error;
+};
+
+// What turns a document's text into ids, per thread.
+class Encoder {
+ public:
+  Encoder(const text::Tokenizer* tok) : tok_(tok) {
+    if (tok_ != nullptr) state_ = tok_->make_state();
+  }
+  void encode(std::string_view s, std::vector<int32_t>& out) {
+    if (tok_ == nullptr) {
+      ByteTokenizer::encode(s, out);
+    } else {
+      tok_->encode(s, out, *state_);
+    }
+  }
+
+ private:
+  const text::Tokenizer* tok_;
+  text::EncodeStatePtr state_;
+};
+
+void process(const Batch& b, const std::vector<std::string>& paths, const std::string& key,
+             int32_t eos, Encoder& enc, Result& r) {
+  try {
+    size_t start = 0;
+    nlohmann::json j;
+    for (size_t i = 0; i < b.ends.size(); ++i) {
+      std::string_view line(b.data.data() + start, b.ends[i] - start);
+      start = b.ends[i];
+      const int64_t lineno = b.first_line + static_cast<int64_t>(i);
+      if (b.jsonl && b.blank[i]) continue;
+      std::string_view text = line;
+      std::string owned;
+      if (b.jsonl) {
+        try {
+          j = nlohmann::json::parse(line);
+        } catch (const nlohmann::json::exception& e) {
+          GDN_FAIL("prepare: {}:{}: not valid JSON: {}", paths[b.file], lineno, e.what());
+        }
+        auto it = j.is_object() ? j.find(key) : j.end();
+        GDN_CHECK_HINT(j.is_object() && it != j.end() && it->is_string(),
+                       "choose the field with --json-key",
+                       "prepare: {}:{}: expected an object with a string field \"{}\"",
+                       paths[b.file], lineno, key);
+        owned = it->get<std::string>();
+        text = owned;
+      } else if (!text.empty() && text.back() == '\r') {
+        text.remove_suffix(1);
+      }
+      r.text_bytes += static_cast<int64_t>(text.size());
+      if (text.empty()) {
+        ++r.skipped;
+        continue;
+      }
+      const size_t before = r.tokens.size();
+      try {
+        enc.encode(text, r.tokens);
+      } catch (const Error& e) {
+        GDN_FAIL_HINT(e.hint(), "prepare: {}:{}: {}", paths[b.file], lineno, e.message());
+      }
+      r.tokens.push_back(eos);
+      r.lengths.push_back(static_cast<int32_t>(r.tokens.size() - before));
+    }
+  } catch (...) {
+    r.error = std::current_exception();
+  }
+}
+
+// Resolves the document separator of a tokenizer.json (see PrepareOptions::eos).
+int32_t resolve_eos(const text::Tokenizer& tok, const std::string& path, const std::string& eos) {
+  if (!eos.empty()) {
+    auto id = tok.token_to_id(eos);
+    GDN_CHECK_HINT(id.has_value(), "give a token of the tokenizer's vocabulary, e.g. <|endoftext|>",
+                   "--eos '{}' is not a token of {}", eos, path);
+    return *id;
+  }
+  if (auto id = tok.token_to_id("<|endoftext|>")) return *id;
+  const auto cfg = std::filesystem::path(path).parent_path() / "tokenizer_config.json";
+  std::ifstream f(cfg);
+  if (f.good()) {
+    try {
+      nlohmann::json j = nlohmann::json::parse(f);
+      std::string name;
+      if (j.contains("eos_token") && j["eos_token"].is_string()) name = j["eos_token"];
+      if (j.contains("eos_token") && j["eos_token"].is_object())
+        name = j["eos_token"].value("content", "");
+      if (auto id = name.empty() ? std::nullopt : tok.token_to_id(name)) return *id;
+    } catch (const nlohmann::json::exception&) {
+      // fall through to the error below
+    }
+  }
+  GDN_FAIL_HINT("name the document separator with --eos TOKEN",
+                "{} has no <|endoftext|> token and no usable eos_token in {}", path, cfg.string());
+}
+
+std::string format_eta(double s) {
+  if (!std::isfinite(s) || s < 0) return "--:--";
+  const auto t = static_cast<int64_t>(s);
+  return t >= 3600 ? fmt::format("{}:{:02d}:{:02d}", t / 3600, (t / 60) % 60, t % 60)
+                   : fmt::format("{:02d}:{:02d}", t / 60, t % 60);
+}
+
 }  // namespace
 
 PrepareStats prepare_dataset(const PrepareOptions& opt) {
   GDN_CHECK(!opt.inputs.empty(), "prepare: no input files");
   GDN_CHECK(!opt.output_prefix.empty(), "prepare: no output prefix");
   GDN_CHECK(opt.progress_every_bytes > 0, "prepare: the progress interval must be positive");
-  // Open every input first so that a typo fails before any work.
-  for (const auto& in : opt.inputs) {
-    std::ifstream f(in, std::ios::binary);
-    GDN_CHECK(f.good(), "prepare: cannot open input '{}': {}", in, std::strerror(errno));
-  }
-  IndexedDatasetWriter writer(opt.output_prefix, opt.dtype);
+  GDN_CHECK(opt.batch_bytes > 0, "prepare: the batch size must be positive");
+  GDN_CHECK(opt.threads >= 0, "prepare: --threads must be >= 0");
+  const auto t0 = std::chrono::steady_clock::now();
+  auto elapsed = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
   PrepareStats st;
-  int64_t next_report = opt.progress_every_bytes;
-  std::vector<int32_t> doc;
-  std::string line;
-  for (const auto& path : opt.inputs) {
-    std::ifstream f(path, std::ios::binary);
-    GDN_CHECK(f.good(), "prepare: cannot open input '{}'", path);
-    const bool jsonl = is_jsonl(path, opt.format);
-    int64_t lineno = 0;
-    while (std::getline(f, line)) {
-      ++lineno;
-      st.bytes_read += static_cast<int64_t>(line.size()) + 1;
-      if (!line.empty() && line.back() == '\r') line.pop_back();
-      std::string_view text = line;
-      std::string owned;
-      if (jsonl) {
-        if (line.find_first_not_of(" \t") == std::string::npos) continue;  // blank line
-        nlohmann::json j;
-        try {
-          j = nlohmann::json::parse(line);
-        } catch (const nlohmann::json::exception& e) {
-          GDN_FAIL("prepare: {}:{}: not valid JSON: {}", path, lineno, e.what());
+  std::optional<text::Tokenizer> tok;
+  if (!opt.tokenizer.empty()) {
+    tok.emplace(text::Tokenizer::from_file(opt.tokenizer));
+    st.vocab_size = tok->vocab_size();
+    st.eos_id = resolve_eos(*tok, opt.tokenizer, opt.eos);
+  } else {
+    GDN_CHECK_HINT(opt.eos.empty(), "--eos needs --tokenizer",
+                   "prepare: --eos '{}' given without a tokenizer (the byte tokenizer's EOS is 1)",
+                   opt.eos);
+    st.vocab_size = ByteTokenizer::kVocabSize;
+    st.eos_id = ByteTokenizer::kEos;
+  }
+  st.dtype = opt.dtype.value_or(st.vocab_size <= 65536 ? TokenDType::U16 : TokenDType::I32);
+  GDN_CHECK_HINT(st.dtype != TokenDType::U16 || st.vocab_size <= 65536,
+                 "use --dtype int32 (or leave --dtype unset)",
+                 "prepare: the tokenizer has {} ids, too many for uint16", st.vocab_size);
+  // Open every input first so that a typo fails before any work.
+  int64_t total_file_bytes = 0;
+  for (const auto& in : opt.inputs) {
+    text::LineReader probe(in);
+    total_file_bytes += text::file_size(in);
+  }
+  st.threads = opt.threads > 0 ? opt.threads
+                               : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  IndexedDatasetWriter writer(opt.output_prefix, st.dtype);
+
+  // Work queue: the reader (this thread) makes batches in input order; workers tokenize them;
+  // this thread writes results strictly in batch order, so the output does not depend on the
+  // thread count. At most `max_in_flight` batches exist at once (bounded memory).
+  const int64_t max_in_flight = 2 * static_cast<int64_t>(st.threads);
+  std::mutex mu;
+  std::condition_variable cv_work, cv_done;
+  std::deque<std::shared_ptr<Batch>> queue;
+  std::map<int64_t, Result> done;
+  bool closing = false;
+  std::vector<std::thread> workers;
+  auto stop_workers = [&] {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      closing = true;
+    }
+    cv_work.notify_all();
+    for (auto& w : workers) w.join();
+    workers.clear();
+  };
+  struct Joiner {
+    std::function<void()> f;
+    ~Joiner() { f(); }
+  } joiner{stop_workers};
+  const std::string& key = opt.json_key;
+  if (st.threads > 1) {
+    for (int t = 0; t < st.threads; ++t) {
+      workers.emplace_back([&] {
+        Encoder enc(tok ? &*tok : nullptr);
+        for (;;) {
+          std::shared_ptr<Batch> b;
+          {
+            std::unique_lock<std::mutex> lk(mu);
+            cv_work.wait(lk, [&] { return closing || !queue.empty(); });
+            if (queue.empty()) return;
+            b = queue.front();
+            queue.pop_front();
+          }
+          Result r;
+          process(*b, opt.inputs, key, st.eos_id, enc, r);
+          {
+            std::lock_guard<std::mutex> lk(mu);
+            done.emplace(b->seq, std::move(r));
+          }
+          cv_done.notify_all();
         }
-        GDN_CHECK(j.is_object() && j.contains("text") && j["text"].is_string(),
-                  "prepare: {}:{}: expected an object with a string field \"text\"", path, lineno);
-        owned = j["text"].get<std::string>();
-        text = owned;
+      });
+    }
+  }
+  Encoder inline_enc(tok && st.threads == 1 ? &*tok : nullptr);
+
+  int64_t next_seq = 0, next_write = 0, file_bytes_done = 0, cur_file_bytes = 0;
+  int64_t next_report = opt.progress_every_bytes;
+  double last_bar = -1;
+  auto progress = [&](bool final) {
+    const int64_t fb = file_bytes_done + cur_file_bytes;
+    const double t = elapsed();
+    if (opt.progress_bar) {
+      if (!final && t - last_bar < 0.25) return;
+      last_bar = t;
+      const double frac =
+          total_file_bytes > 0 ? std::min(1.0, static_cast<double>(fb) / total_file_bytes) : 1.0;
+      const int width = 30, filled = static_cast<int>(frac * width);
+      const double rate = t > 0 ? static_cast<double>(fb) / t : 0;
+      std::fprintf(stderr, "\r[%s%s] %5.1f%%  %.1f MB/s  ETA %s  %lld docs  %lld tokens%s",
+                   std::string(static_cast<size_t>(filled), '#').c_str(),
+                   std::string(static_cast<size_t>(width - filled), '.').c_str(), 100 * frac,
+                   rate / 1e6, format_eta(rate > 0 ? (total_file_bytes - fb) / rate : -1).c_str(),
+                   static_cast<long long>(st.documents), static_cast<long long>(st.tokens),
+                   final ? "\n" : "");
+      std::fflush(stderr);
+    } else if (st.bytes_read >= next_report) {
+      log::info("prepare: {} read, {} documents, {} tokens, {:.1f} MB/s",
+                format_bytes(static_cast<double>(st.bytes_read)), st.documents, st.tokens,
+                t > 0 ? static_cast<double>(fb) / t / 1e6 : 0.0);
+      while (next_report <= st.bytes_read) next_report += opt.progress_every_bytes;
+    }
+  };
+  auto write_result = [&](Result& r) {
+    if (r.error) std::rethrow_exception(r.error);
+    size_t off = 0;
+    for (int32_t len : r.lengths) {
+      writer.add_document(
+          std::span<const int32_t>(r.tokens.data() + off, static_cast<size_t>(len)));
+      off += static_cast<size_t>(len);
+    }
+    st.documents += static_cast<int64_t>(r.lengths.size());
+    st.tokens += static_cast<int64_t>(r.tokens.size());
+    st.skipped_empty += r.skipped;
+    st.bytes_read += r.text_bytes;
+    ++next_write;
+    progress(false);
+  };
+  // Writes the next result in order, waiting for it (threads) or making it (inline).
+  auto write_next = [&] {
+    std::unique_lock<std::mutex> lk(mu);
+    cv_done.wait(lk, [&] { return done.count(next_write) > 0; });
+    Result r = std::move(done[next_write]);
+    done.erase(next_write);
+    lk.unlock();
+    write_result(r);
+  };
+  auto submit = [&](std::shared_ptr<Batch> b) {
+    if (b->ends.empty()) return;
+    b->seq = next_seq++;
+    if (st.threads == 1) {
+      Result r;
+      process(*b, opt.inputs, key, st.eos_id, inline_enc, r);
+      write_result(r);
+      return;
+    }
+    while (next_seq - 1 - next_write >= max_in_flight) write_next();
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      queue.push_back(std::move(b));
+    }
+    cv_work.notify_one();
+  };
+
+  std::string line;
+  for (size_t fi = 0; fi < opt.inputs.size(); ++fi) {
+    text::LineReader reader(opt.inputs[fi]);
+    const bool jsonl = is_jsonl(opt.inputs[fi], opt.format);
+    int64_t lineno = 0;
+    auto batch = std::make_shared<Batch>();
+    auto fresh = [&] {
+      batch = std::make_shared<Batch>();
+      batch->file = fi;
+      batch->jsonl = jsonl;
+      batch->first_line = lineno + 1;
+    };
+    fresh();
+    while (reader.next_line(line)) {
+      ++lineno;
+      GDN_CHECK(line.size() < (size_t{1} << 31), "prepare: {}:{}: a line of {} bytes is too long",
+                opt.inputs[fi], lineno, line.size());
+      if (batch->data.size() + line.size() > (size_t{1} << 31)) {
+        submit(batch);
+        fresh();
+        batch->first_line = lineno;
       }
-      if (text.empty()) {
-        ++st.skipped_empty;
-      } else {
-        doc.clear();
-        ByteTokenizer::encode(text, doc);
-        doc.push_back(ByteTokenizer::kEos);
-        writer.add_document(doc);
-        ++st.documents;
-        st.tokens += static_cast<int64_t>(doc.size());
-      }
-      if (st.bytes_read >= next_report) {
-        log::info("prepare: {} read, {} documents, {} tokens",
-                  format_bytes(static_cast<double>(st.bytes_read)), st.documents, st.tokens);
-        while (next_report <= st.bytes_read) next_report += opt.progress_every_bytes;
+      batch->data += line;
+      batch->ends.push_back(static_cast<uint32_t>(batch->data.size()));
+      if (jsonl) batch->blank.push_back(line.find_first_not_of(" \t\r") == std::string::npos);
+      if (static_cast<int64_t>(batch->data.size()) >= opt.batch_bytes) {
+        cur_file_bytes = reader.file_bytes_read();
+        submit(batch);
+        fresh();
       }
     }
-    GDN_CHECK(!f.bad(), "prepare: reading '{}' failed", path);
+    submit(batch);
+    file_bytes_done += reader.file_bytes_read();
+    cur_file_bytes = 0;
+  }
+  while (next_write < next_seq) write_next();
+  stop_workers();
+  joiner.f = [] {};
+  writer.finish();
+  st.file_bytes = file_bytes_done;
+  st.seconds = elapsed();
+  progress(true);
+  return st;
+}
+
+PrepareStats merge_datasets(const std::vector<std::string>& prefixes,
+                            const std::string& output_prefix, std::optional<TokenDType> dtype) {
+  GDN_CHECK(!prefixes.empty(), "merge: no input datasets");
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<IndexedDataset> in;
+  bool all16 = true;
+  for (const auto& p : prefixes) {
+    in.emplace_back(p);
+    all16 = all16 && (in.back().dtype() == TokenDType::U16 || in.back().dtype() == TokenDType::U8);
+  }
+  PrepareStats st;
+  st.dtype = dtype.value_or(all16 ? TokenDType::U16 : TokenDType::I32);
+  IndexedDatasetWriter writer(output_prefix, st.dtype);
+  std::vector<int32_t> buf;
+  for (const auto& ds : in) {
+    for (int64_t d = 0; d < ds.num_documents(); ++d) {
+      auto [a, b] = ds.document_sequences(d);
+      for (int64_t s = a; s < b; ++s) {
+        buf.resize(static_cast<size_t>(ds.sequence_length(s)));
+        ds.read_sequence(s, 0, static_cast<int64_t>(buf.size()), buf.data());
+        writer.add_sequence(buf);
+        st.tokens += static_cast<int64_t>(buf.size());
+      }
+      writer.end_document();
+      ++st.documents;
+    }
   }
   writer.finish();
+  st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;
 }
 
