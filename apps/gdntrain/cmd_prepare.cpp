@@ -34,7 +34,7 @@ void add_prepare_command(CLI::App& app, Commands& cmds) {
       ->check(CLI::IsMember({"auto", "text", "jsonl"}))
       ->capture_default_str();
   sub->add_option("--progress-mb", args->progress_mb, "Progress line on stderr every N MiB read")
-      ->check(CLI::PositiveNumber)
+      ->check(positive_real())
       ->capture_default_str();
   sub->callback([&cmds, args] {
     cmds.selected = [args] {
