@@ -99,15 +99,19 @@ void ConfigTree::merge_file(const std::string& path) {
                  path);
   std::stringstream ss;
   ss << in.rdbuf();
-  if (path.size() >= 5 && path.substr(path.size() - 5) == ".json") {
-    nlohmann::json j = nlohmann::json::parse(ss.str(), nullptr, false);
+  merge_text(ss.str(), path.size() >= 5 && path.substr(path.size() - 5) == ".json", path);
+}
+
+void ConfigTree::merge_text(const std::string& text, bool json, const std::string& path) {
+  if (json) {
+    nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
     GDN_CHECK(!j.is_discarded(), "config file '{}' is not valid JSON", path);
     merge(j, tree_, "");
     return;
   }
   std::string line, section;
   int lineno = 0;
-  std::istringstream lines(ss.str());
+  std::istringstream lines(text);
   while (std::getline(lines, line)) {
     ++lineno;
     auto hash = line.find('#');
