@@ -33,7 +33,9 @@ class Checker {
     const int64_t i = v->get<int64_t>();
     return (i >= lo && i <= hi) || bad(key, *v, allowed);
   }
-  bool choice(const std::string& key, std::initializer_list<const char*> options) {
+  // `noun` (optional) words the line as "data.kind 'parquet' is not a data source: ...".
+  bool choice(const std::string& key, std::initializer_list<const char*> options,
+              const char* noun = nullptr) {
     const nlohmann::json* v = value(key);
     if (v == nullptr) return false;
     std::string list;
@@ -42,7 +44,13 @@ class Checker {
       list += (list.empty() ? "" : ", ") + std::string(o);
       found = found || (v->is_string() && v->get<std::string>() == o);
     }
-    return found || bad(key, *v, ("one of " + list).c_str());
+    if (found) return true;
+    if (noun != nullptr && v->is_string()) {
+      add(fmt::format("{} '{}' is not {}: must be one of {}", key, v->get<std::string>(), noun,
+                      list));
+      return false;
+    }
+    return bad(key, *v, ("one of " + list).c_str());
   }
   bool string(const std::string& key, bool non_empty) {
     const nlohmann::json* v = value(key);
@@ -96,7 +104,7 @@ void validate_train_config(const ConfigTree& cfg) {
   c.string("model.config", true);
   c.string("model.init_from", false);
   c.integer("model.seed", 0, kMaxI64, "a non-negative integer");
-  const bool kind_ok = c.choice("data.kind", {"mqar", "indexed"});
+  const bool kind_ok = c.choice("data.kind", {"mqar", "indexed"}, "a data source");
   c.integer("data.seed", 0, kMaxI64, "a non-negative integer");
   c.number("data.eval_fraction", 0, 1, false, true, "in [0, 1)");
   if (kind_ok && cfg.get_string("data.kind") == "indexed") c.string("data.path", true);
@@ -115,7 +123,7 @@ void validate_train_config(const ConfigTree& cfg) {
   c.integer("train.micro_batch_tokens", 1, kMaxI32, "in [1, 2^31)");
   c.integer("train.grad_accum", 1, int64_t{1} << 20, "a positive integer");
   c.number("train.z_loss", 0, kInf, false, true, "a finite number >= 0");
-  c.choice("train.device", {"auto", "cpu", "cuda", "ref"});
+  c.choice("train.device", {"auto", "cpu", "cuda", "ref"}, "a device");
   c.choice("train.recompute", {"none", "selective", "full"});
 
   const bool lr_ok = c.number("optim.lr", 0, kInf, true, true, "a finite number > 0");

@@ -131,8 +131,8 @@ TEST(Robustness, ACheckpointThatDoesNotFitIsAnErrorAndLeavesNoPartialDirectory) 
   fs::path a = temp_dir("ckfull");
   const std::string run = (a / "run").string();
   Shell r = shell("trap \"\" XFSZ; ulimit -f 16; exec " + kBin + " train" + kSmall +
-                    " --steps 2 --run-dir " + run,
-                a);
+                      " --steps 2 --run-dir " + run,
+                  a);
   EXPECT_NE(r.status, 0) << r.err;
   EXPECT_NE(r.err.find("writing checkpoint step 2 failed"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("there is no complete checkpoint yet"), std::string::npos) << r.err;
@@ -161,8 +161,8 @@ TEST(Robustness, NonFiniteWeightsAreRefusedNamingTheTensor) {
   EXPECT_NE(e.find("8192 of its 8192 values are not finite"), std::string::npos) << e;
   // `gdntrain dump` on it (which printed `mean loss -nan` and exited 0) fails naming the tensor.
   Shell r = shell(kBin + " dump --model " + a.string() + " --docs " + GDN_TEST_DATA_DIR +
-                    "/golden/r1_tied/docs.safetensors --out " + (a / "out.st").string(),
-                a);
+                      "/golden/r1_tied/docs.safetensors --out " + (a / "out.st").string(),
+                  a);
   EXPECT_EQ(r.status, 1) << r.err;
   EXPECT_NE(r.err.find(bad), std::string::npos) << r.err;
   EXPECT_FALSE(fs::exists(a / "out.st"));
@@ -197,7 +197,8 @@ TEST(Robustness, EveryBadConfigKeyIsRefusedBeforeAnyStepNamingTheKey) {
       {"train.grad_accum=0", "train.grad_accum = 0: must be a positive integer"},
       {"train.micro_batch_tokens=-1", "train.micro_batch_tokens = -1: must be in [1, 2^31)"},
       {"train.recompute=\"most\"", "train.recompute = \"most\": must be one of none"},
-      {"train.device=\"tpu\"", "train.device = \"tpu\": must be one of auto, cpu, cuda, ref"},
+      {"train.device=\"tpu\"",
+       "train.device 'tpu' is not a device: must be one of auto, cpu, cuda, ref"},
       {"data.eval_fraction=1.5", "data.eval_fraction = 1.5: must be in [0, 1)"},
       {"data.kind=\"indexed\"", "data.path = \"\": must be a non-empty string"},
       {"data.mqar.num_pairs=0", "data.mqar.num_pairs = 0: must be a positive integer"},
