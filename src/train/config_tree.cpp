@@ -43,6 +43,13 @@ std::string trim(const std::string& s) {
 ConfigTree::ConfigTree(nlohmann::json defaults) : tree_(std::move(defaults)) {}
 
 void ConfigTree::set_value(const std::string& path, const nlohmann::json& value) {
+  // The tree is printed and saved as JSON, which holds UTF-8 only: refuse other bytes here, where
+  // the key can be named (nlohmann's dump() would throw a type_error later, found by fuzz_config).
+  try {
+    (void)value.dump();
+  } catch (const nlohmann::json::type_error&) {
+    GDN_FAIL("configuration key '{}': the value is not valid UTF-8", path);
+  }
   auto parts = split_path(path);
   nlohmann::json* node = &tree_;
   for (size_t i = 0; i < parts.size(); ++i) {
