@@ -1,5 +1,6 @@
 #include "train/config_tree.h"
 
+#include <cmath>
 #include <fstream>
 #include <sstream>
 
@@ -80,7 +81,9 @@ void ConfigTree::set_value(const std::string& path, const nlohmann::json& value)
             value.dump());
   if (node->is_number_integer() && value.is_number_float()) {
     double d = value.get<double>();
-    GDN_CHECK(d == static_cast<double>(static_cast<int64_t>(d)),
+    // The range check comes first: casting a double outside int64's range is undefined (UBSan,
+    // found by fuzz_config with 4e42).
+    GDN_CHECK(std::isfinite(d) && d >= -9.2e18 && d <= 9.2e18 && d == std::trunc(d),
               "configuration key '{}' expects an integer, got {}", path, value.dump());
     *node = static_cast<int64_t>(d);
   } else {
