@@ -60,11 +60,11 @@ void add_prepare_command(CLI::App& app, Commands& cmds) {
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   sub->add_option("--batch-kb", args->batch_kb, "Text handed to a thread at a time, in KiB")
-      ->check(CLI::PositiveNumber)
+      ->check(positive_real())
       ->capture_default_str();
   sub->add_option("--progress-mb", args->progress_mb,
                   "When stderr is not a terminal: a progress line every N MiB read")
-      ->check(CLI::PositiveNumber)
+      ->check(positive_real())
       ->capture_default_str();
   sub->add_flag("--no-progress", args->no_progress, "No progress bar on a terminal");
   sub->add_flag("--merge", args->merge,

@@ -24,6 +24,20 @@ int run_probe(const ProbeOptions& o) {
   } else {
     for (const auto& b : o.backends) backends.push_back(backend_from_name(b));
   }
+  for (Backend b : backends)
+    GDN_CHECK_HINT(b != Backend::Cuda || cuda_available(),
+                   "build the cuda preset and run on a machine with a GPU, or probe --backend cpu",
+                   "probe --backend cuda: no CUDA device is available to this build");
+  if (!o.op.empty()) {
+    std::string names;
+    bool known = false;
+    for (const OpDesc* op : reg.ops()) {
+      known = known || op->name == o.op;
+      names += (names.empty() ? "" : ", ") + op->name;
+    }
+    GDN_CHECK_HINT(known, "`gdntrain ops list` lists the ops", "probe --op '{}': no such op ({})",
+                   o.op, names);
+  }
   int failures = 0;
   std::printf("%-22s %-5s %-26s %10s %10s %9s\n", "op", "back", "implementation", "fwd err",
               "bwd err", "probe ms");

@@ -11,6 +11,7 @@
 namespace gdn::cli {
 
 namespace {
+
 struct TrainCli {
   std::string config, run_dir, device, init_from;
   std::vector<std::string> sets;
@@ -32,15 +33,15 @@ void add_train_command(CLI::App& app, Commands& cmds) {
       ->check(CLI::IsMember({"auto", "cpu", "cuda", "ref"}));
   sub->add_option("--init-from", o->init_from, "Start from an HF checkpoint directory");
   sub->add_option("--steps", o->steps, "Number of optimizer steps (same as train.steps)")
-      ->check(CLI::PositiveNumber);
+      ->check(positive_count());
   sub->add_flag("--resume", o->resume, "Continue from the latest complete checkpoint");
   sub->add_option("--stop-after", o->stop_after,
                   "Stop (with a checkpoint) after this many steps; --resume continues")
-      ->check(CLI::PositiveNumber);
+      ->check(positive_count());
   sub->add_option("--profile-step", o->profile_step,
                   "Time this step (1-based) op by op (CUDA events on the GPU): a table in the log "
                   "and RUN_DIR/profile_step<N>.json")
-      ->check(CLI::PositiveNumber);
+      ->check(positive_count());
   sub->callback([&cmds, o] {
     cmds.selected = [o] {
       train::ConfigTree cfg(train::default_train_config());

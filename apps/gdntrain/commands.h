@@ -16,6 +16,12 @@ struct Commands {
 
 void add_commands(CLI::App& app, Commands& cmds);
 
+// Counts given on the command line: positive integers, with a short message (CLI::PositiveNumber
+// prints the range of a double, hundreds of digits).
+const CLI::Validator& positive_count();
+// Positive finite numbers, likewise.
+const CLI::Validator& positive_real();
+
 // One function per command family, each in its own file.
 void add_env_command(CLI::App& app, Commands& cmds);
 void add_probe_command(CLI::App& app, Commands& cmds);

@@ -1,7 +1,9 @@
 // gdntrain: the command-line program. Every subcommand is a thin layer over libgdn; errors are
 // caught here, printed with a `hint:` line, and turned into a non-zero exit status.
 #include <CLI/CLI.hpp>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 
 #include "commands.h"
 #include "gdn/core/env.h"
@@ -14,10 +16,18 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", "gdntrain 0.1.0");
   gdn::cli::Commands cmds;
   gdn::cli::add_commands(app, cmds);
+  // "gdntrain train --help", or "gdntrain --help" before a subcommand was parsed.
+  auto help_line = [&app] {
+    for (const CLI::App* sub : app.get_subcommands())
+      return fmt::format("run `gdntrain {} --help` for the expected arguments", sub->get_name());
+    return std::string("run `gdntrain --help` for the commands");
+  };
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    const int rc = app.exit(e);  // --help and --version are ParseErrors with status 0
+    if (rc != 0) std::fprintf(stderr, "hint: %s\n", help_line().c_str());
+    return rc;
   }
   try {
     gdn::env::check_environment();
@@ -26,12 +36,16 @@ int main(int argc, char** argv) {
                             : level == "warn"  ? gdn::log::Level::Warn
                             : level == "error" ? gdn::log::Level::Error
                                                : gdn::log::Level::Info);
-    return cmds.run();
+    const int rc = cmds.run();
+    // What a command printed must have reached its destination (a full disk under a redirected
+    // stdout is an error, not a silent success).
+    GDN_CHECK_HINT(std::fflush(stdout) == 0 && std::ferror(stdout) == 0,
+                   "free space where the output goes, or redirect it elsewhere",
+                   "writing the standard output failed: {}", std::strerror(errno));
+    return rc;
   } catch (const gdn::Error& e) {
     std::fprintf(stderr, "error: %s\n  at %s:%d\n", e.message().c_str(), e.file(), e.line());
-    std::fprintf(stderr, "hint: %s\n",
-                 e.hint().empty() ? "run `gdntrain <command> --help` for the expected arguments"
-                                  : e.hint().c_str());
+    std::fprintf(stderr, "hint: %s\n", e.hint().empty() ? help_line().c_str() : e.hint().c_str());
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr,

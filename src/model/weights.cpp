@@ -437,6 +437,33 @@ void check_store_layout(const ParamStore& store, const Qwen35Config& c, std::str
 
 }  // namespace
 
+void check_finite(const Tensor& t, std::string_view name, std::string_view label) {
+  GDN_CHECK(t.dtype() == DType::F32 && t.device() == Device::CPU && t.is_contiguous(),
+            "check_finite: '{}' must be a contiguous F32 host tensor", name);
+  const float* p = t.ptr<float>();  // [numel]
+  const int64_t n = t.numel();
+  int64_t first = -1, count = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(p[i])) [[unlikely]] {
+      if (first < 0) first = i;
+      ++count;
+    }
+  }
+  if (first < 0) return;
+  const std::vector<int64_t> shape = t.shape_vec();
+  std::vector<int64_t> index(shape.size());
+  int64_t rest = first;
+  for (size_t d = shape.size(); d-- > 0;) {
+    index[d] = shape[d] > 0 ? rest % shape[d] : 0;
+    rest = shape[d] > 0 ? rest / shape[d] : 0;
+  }
+  GDN_FAIL_HINT(
+      "the file is corrupt or comes from a diverged run: load an earlier checkpoint",
+      "{}: tensor '{}' holds a non-finite value {} at [{}] (element {}; {} of its {} values are "
+      "not finite)",
+      label, name, p[first], fmt::join(index, ", "), first, count, n);
+}
+
 HfExtras load_hf_weights(const std::string& path, const Qwen35Config& c, ParamStore& store) {
   check_store_layout(store, c, "load_hf_weights");
   OpenCheckpoint ck = open_checkpoint(path);
@@ -494,6 +521,7 @@ HfExtras load_hf_weights(const std::string& path, const Qwen35Config& c, ParamSt
     const std::string n = hf_name(store.spec(i).name, ex.prefix);
     const SourceTensor& src = ck.tensors.at(n);
     OwnedTensor v = src.file->load(n, DType::F32);
+    check_finite(v.view(), n, ck.label);
     std::memcpy(store.tensor(i).data(), v.view().data(), static_cast<size_t>(v.view().nbytes()));
     ex.disk_dtypes[n] = src.info->dtype_name;
   }

@@ -159,7 +159,13 @@ struct HfExtras {
 
 // Loads `path` (a checkpoint directory, a .safetensors file or a model.safetensors.index.json)
 // into `store`, which must have the layout of param_specs(c). The prefix is detected.
+// Every loaded tensor is checked to be finite: a NaN or inf weight is an error naming the first
+// such tensor and element (a corrupt or diverged checkpoint never loads silently).
 HfExtras load_hf_weights(const std::string& path, const Qwen35Config& c, ParamStore& store);
+
+// Throws gdn::Error naming `name`, `label` (the file), the first non-finite element's index and
+// value, and how many there are, when the F32 host tensor `t` holds a NaN or inf.
+void check_finite(const Tensor& t, std::string_view name, std::string_view label);
 
 struct SaveOptions {
   DType dtype = DType::BF16;                 // F32, BF16 or F16 on disk

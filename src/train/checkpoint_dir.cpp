@@ -75,6 +75,11 @@ std::string CheckpointDir::commit(int64_t step, const std::string& summary) {
   return dst.string();
 }
 
+void CheckpointDir::abandon(int64_t step) noexcept {
+  std::error_code ec;
+  fs::remove_all(fs::path(root_) / fmt::format(".tmp-step-{}", step), ec);
+}
+
 std::vector<std::pair<int64_t, std::string>> CheckpointDir::list() const {
   std::vector<std::pair<int64_t, std::string>> out;
   std::error_code ec;

@@ -21,6 +21,9 @@ class CheckpointDir {
   // Finishes it: writes the COMPLETE marker (with `summary`), renames into place, prunes old ones.
   std::string commit(int64_t step, const std::string& summary);
 
+  // Removes the temporary directory of a checkpoint whose write failed (never throws).
+  void abandon(int64_t step) noexcept;
+
   // Complete checkpoints, oldest first.
   std::vector<std::pair<int64_t, std::string>> list() const;
   std::optional<std::string> latest() const;

@@ -1,5 +1,6 @@
 #include "train/config_tree.h"
 
+#include <cmath>
 #include <fstream>
 #include <sstream>
 
@@ -43,6 +44,13 @@ std::string trim(const std::string& s) {
 ConfigTree::ConfigTree(nlohmann::json defaults) : tree_(std::move(defaults)) {}
 
 void ConfigTree::set_value(const std::string& path, const nlohmann::json& value) {
+  // The tree is printed and saved as JSON, which holds UTF-8 only: refuse other bytes here, where
+  // the key can be named (nlohmann's dump() would throw a type_error later, found by fuzz_config).
+  try {
+    (void)value.dump();
+  } catch (const nlohmann::json::type_error&) {
+    GDN_FAIL("configuration key '{}': the value is not valid UTF-8", path);
+  }
   auto parts = split_path(path);
   nlohmann::json* node = &tree_;
   for (size_t i = 0; i < parts.size(); ++i) {
@@ -73,7 +81,9 @@ void ConfigTree::set_value(const std::string& path, const nlohmann::json& value)
             value.dump());
   if (node->is_number_integer() && value.is_number_float()) {
     double d = value.get<double>();
-    GDN_CHECK(d == static_cast<double>(static_cast<int64_t>(d)),
+    // The range check comes first: casting a double outside int64's range is undefined (UBSan,
+    // found by fuzz_config with 4e42).
+    GDN_CHECK(std::isfinite(d) && d >= -9.2e18 && d <= 9.2e18 && d == std::trunc(d),
               "configuration key '{}' expects an integer, got {}", path, value.dump());
     *node = static_cast<int64_t>(d);
   } else {
@@ -99,15 +109,19 @@ void ConfigTree::merge_file(const std::string& path) {
                  path);
   std::stringstream ss;
   ss << in.rdbuf();
-  if (path.size() >= 5 && path.substr(path.size() - 5) == ".json") {
-    nlohmann::json j = nlohmann::json::parse(ss.str(), nullptr, false);
+  merge_text(ss.str(), path.size() >= 5 && path.substr(path.size() - 5) == ".json", path);
+}
+
+void ConfigTree::merge_text(const std::string& text, bool json, const std::string& path) {
+  if (json) {
+    nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
     GDN_CHECK(!j.is_discarded(), "config file '{}' is not valid JSON", path);
     merge(j, tree_, "");
     return;
   }
   std::string line, section;
   int lineno = 0;
-  std::istringstream lines(ss.str());
+  std::istringstream lines(text);
   while (std::getline(lines, line)) {
     ++lineno;
     auto hash = line.find('#');

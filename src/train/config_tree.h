@@ -16,6 +16,8 @@ class ConfigTree {
   // Merges a file: `.json` as JSON; anything else as simple TOML (sections, key = value, values
   // parsed as JSON scalars/arrays or bare strings, # comments).
   void merge_file(const std::string& path);
+  // The same for a file's text: `json` picks the format, `path` names it in errors.
+  void merge_text(const std::string& text, bool json, const std::string& path);
   // "optim.lr=1e-3", "data.path=/x", "model.layers=[1,2]".
   void set(const std::string& assignment);
   const nlohmann::json& json() const { return tree_; }

@@ -142,11 +142,15 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
       GDN_CHECK(ptr >= 0 && ptr % item == 0,
                 "{}: sequence {} starts at byte {}, not a multiple of the token size {}", f, i, ptr,
                 item);
-      GDN_CHECK(static_cast<uint64_t>(ptr) <= bin_size_ &&
-                    static_cast<uint64_t>(len) * static_cast<uint64_t>(item) <=
-                        bin_size_ - static_cast<uint64_t>(ptr),
-                "{}: sequence {} (bytes {}..{}) runs past the end of {} ({} bytes; truncated?)", f,
-                i, ptr, ptr + len * item, bin_path, bin_size_);
+      GDN_CHECK(
+          static_cast<uint64_t>(ptr) <= bin_size_ &&
+              static_cast<uint64_t>(len) * static_cast<uint64_t>(item) <=
+                  bin_size_ - static_cast<uint64_t>(ptr),
+          "{}: sequence {} (bytes {}..{}) runs past the end of {} ({} bytes; truncated?)", f, i,
+          ptr,
+          // unsigned: ptr + len * item overflows int64 for absurd pointers (fuzz_indexed)
+          static_cast<uint64_t>(ptr) + static_cast<uint64_t>(len) * static_cast<uint64_t>(item),
+          bin_path, bin_size_);
       total_tokens_ += len;
     }
     GDN_CHECK(doc_index(0) == 0, "{}: document_indices[0] = {}, expected 0", f, doc_index(0));

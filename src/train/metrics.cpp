@@ -17,14 +17,36 @@ MetricsWriter::MetricsWriter(const std::string& path) : path_(path) {
 }
 
 MetricsWriter::~MetricsWriter() {
-  if (f_ != nullptr) std::fclose(f_);
+  if (f_ != nullptr) std::fclose(f_);  // an error path: the error already being reported wins
 }
 
+namespace {
+constexpr const char* kSpaceHint =
+    "free space on the file system holding the run directory (or raise its size limit), then "
+    "continue with --resume: the last complete checkpoint is untouched";
+}  // namespace
+
 void MetricsWriter::write(const nlohmann::json& record) {
-  std::string line = record.dump() + "\n";
-  GDN_CHECK(std::fwrite(line.data(), 1, line.size(), f_) == line.size(),
-            "writing metrics to '{}' failed", path_);
-  std::fflush(f_);
+  GDN_CHECK(f_ != nullptr, "metrics file '{}' is already closed", path_);
+  const std::string line = record.dump() + "\n";
+  // A full disk shows up at the flush (stdio buffers the line): both are checked, so a cut
+  // metrics.jsonl is never a silent success. A torn last line is dropped on resume.
+  const bool wrote = std::fwrite(line.data(), 1, line.size(), f_) == line.size();
+  const int err = errno;
+  GDN_CHECK_HINT(wrote, kSpaceHint, "writing metrics to '{}' failed: {}", path_,
+                 std::strerror(err));
+  GDN_CHECK_HINT(std::fflush(f_) == 0, kSpaceHint, "writing metrics to '{}' failed: {}", path_,
+                 std::strerror(errno));
+}
+
+void MetricsWriter::close() {
+  if (f_ == nullptr) return;
+  const bool ok = std::ferror(f_) == 0;
+  const int rc = std::fclose(f_);
+  const int err = errno;
+  f_ = nullptr;
+  GDN_CHECK_HINT(ok && rc == 0, kSpaceHint, "closing metrics file '{}' failed: {}", path_,
+                 std::strerror(err));
 }
 
 void truncate_metrics(const std::string& path, int64_t last_step) {

@@ -15,7 +15,10 @@ class MetricsWriter {
   ~MetricsWriter();
   MetricsWriter(const MetricsWriter&) = delete;
   MetricsWriter& operator=(const MetricsWriter&) = delete;
+  // Appends one line and flushes it; a failed write or flush (a full disk) throws gdn::Error.
   void write(const nlohmann::json& record);
+  // Closes the file, checking for errors (the destructor closes silently, on error paths only).
+  void close();
   const std::string& path() const { return path_; }
 
  private:

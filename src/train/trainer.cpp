@@ -26,6 +26,7 @@
 #include "train/metrics.h"
 #include "train/mqar.h"
 #include "train/packing.h"
+#include "train/run_config.h"
 #include "train/schedule.h"
 
 namespace gdn::train {
@@ -45,7 +46,8 @@ nlohmann::json default_train_config() {
     "eval": {"every": 100, "batches": 4},
     "log": {"every": 10},
     "checkpoint": {"every": 200, "keep": 2, "at_end": true},
-    "run": {"dir": "runs/default"}
+    "run": {"dir": "runs/default"},
+    "resume": {"allow_changes": false}
   })");
 }
 
@@ -390,10 +392,34 @@ void write_profile(const std::string& run_dir, int64_t step, const std::vector<P
   write_file_atomic(fmt::format("{}/profile_step{}.json", run_dir, step), j.dump(2) + "\n");
 }
 
+void write_checkpoint_files(const std::string& dir, const model::Qwen35Config& cfg,
+                            const model::ParamStore& master, const Optimizer& opt,
+                            const nlohmann::json& state, const nlohmann::json& train_config);
+
 void save_checkpoint(CheckpointDir& cd, int64_t step, const model::Qwen35Config& cfg,
                      const model::ParamStore& master, const Optimizer& opt,
-                     const nlohmann::json& state) {
+                     const nlohmann::json& state, const nlohmann::json& train_config) {
   std::string dir = cd.begin(step);
+  try {
+    write_checkpoint_files(dir, cfg, master, opt, state, train_config);
+  } catch (const Error& e) {
+    // A full disk (or any failed write, fsync or rename) stops the run with an error; the
+    // partial temporary directory is removed so that it does not hold the space, and the
+    // previous complete checkpoints are untouched (they were never opened for writing).
+    cd.abandon(step);
+    const auto latest = cd.latest();
+    GDN_FAIL_HINT(
+        "free space on the file system holding the run directory, then continue with --resume",
+        "writing checkpoint step {} failed: {}; {}", step, e.what(),
+        latest ? fmt::format("the last complete checkpoint is {}", *latest)
+               : std::string("there is no complete checkpoint yet"));
+  }
+  cd.commit(step, fmt::format("step {}", step));
+}
+
+void write_checkpoint_files(const std::string& dir, const model::Qwen35Config& cfg,
+                            const model::ParamStore& master, const Optimizer& opt,
+                            const nlohmann::json& state, const nlohmann::json& train_config) {
   model::SaveOptions so;
   so.dtype = DType::F32;  // fp32 master weights: exact resume, and transformers loads F32
   so.prefix = model::prefix_for(cfg);
@@ -406,7 +432,8 @@ void save_checkpoint(CheckpointDir& cd, int64_t step, const model::Qwen35Config&
   }
   write_safetensors(dir + "/optimizer.safetensors", moments);
   write_file_atomic(dir + "/trainer.json", state.dump(2) + "\n");
-  cd.commit(step, fmt::format("step {}", step));
+  // The training configuration the checkpoint was made with: resume compares it with its own.
+  write_file_atomic(dir + "/" + kTrainConfigFile, train_config.dump(2) + "\n");
 }
 
 void load_moments(const std::string& path, Optimizer& opt) {
@@ -418,11 +445,69 @@ void load_moments(const std::string& path, Optimizer& opt) {
       GDN_CHECK(f.contains(name), "{}: optimizer state has no tensor '{}'", path, name);
       Tensor dst = store->tensor(i);
       OwnedTensor src = f.load(name, DType::F32);
-      GDN_CHECK(src.numel() == dst.numel(), "{}: '{}' has {} elements, expected {}", path, name,
-                src.numel(), dst.numel());
+      GDN_CHECK(src.view().shape_vec() == dst.shape_vec(), "{}: '{}' has shape [{}], expected [{}]",
+                path, name, fmt::join(src.view().shape_vec(), ", "),
+                fmt::join(dst.shape_vec(), ", "));
+      model::check_finite(src.view(), name, path);
       copy_into(dst, src);
     }
   }
+}
+
+std::string read_text_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  GDN_CHECK(in.good(), "cannot read '{}'", path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  GDN_CHECK(!in.bad(), "reading '{}' failed", path);
+  return ss.str();
+}
+
+// --resume: the training configuration the checkpoint was written with (its own copy, else the
+// run directory's config.json, which this start has not rewritten yet) against this one.
+void check_resume_against(const std::string& ckpt, const std::string& run_dir,
+                          const ConfigTree& cfg) {
+  std::string saved_path = ckpt + "/" + kTrainConfigFile;
+  if (!fs::exists(saved_path)) saved_path = run_dir + "/config.json";
+  if (!fs::exists(saved_path)) {
+    log::warn("--resume: {} has no saved training configuration to compare with", ckpt);
+    return;
+  }
+  const nlohmann::json saved = nlohmann::json::parse(read_text_file(saved_path), nullptr, false);
+  GDN_CHECK(!saved.is_discarded(), "{} is not valid JSON", saved_path);
+  const bool allow = cfg.get_bool("resume.allow_changes");
+  for (const ConfigChange& ch : check_resume_config(saved, cfg.json(), allow, saved_path)) {
+    if (ch.key.starts_with("resume.")) continue;
+    if (resume_blocks_change(ch.key))
+      log::warn("--resume with resume.allow_changes: {} changed from {} to {}", ch.key, ch.saved,
+                ch.now);
+    else
+      log::info("--resume: {} changed from {} to {}", ch.key, ch.saved, ch.now);
+  }
+}
+
+// --resume: the checkpoint's tensors must be the configured model's, name for name and shape for
+// shape (a changed model shape is named here, not as a bare element count).
+void check_same_tensors(const std::string& ckpt, const std::vector<model::ParamSpec>& saved,
+                        const std::vector<model::ParamSpec>& want) {
+  auto shape = [](const std::vector<int64_t>& s) {
+    return fmt::format("[{}]", fmt::join(s, ", "));
+  };
+  const std::string hint =
+      "resume with the model configuration the checkpoint was written with (its config.json), "
+      "or start a new run in another --run-dir";
+  for (size_t i = 0; i < std::min(saved.size(), want.size()); ++i) {
+    GDN_CHECK_HINT(saved[i].name == want[i].name, hint,
+                   "--resume: checkpoint {} holds tensor '{}' where the configured model has '{}'",
+                   ckpt, saved[i].name, want[i].name);
+    GDN_CHECK_HINT(saved[i].shape == want[i].shape, hint,
+                   "--resume: tensor '{}' has shape {} in checkpoint {} but shape {} in the "
+                   "configured model",
+                   want[i].name, shape(saved[i].shape), ckpt, shape(want[i].shape));
+  }
+  GDN_CHECK_HINT(saved.size() == want.size(), hint,
+                 "--resume: checkpoint {} holds {} parameter tensors, the configured model {}",
+                 ckpt, saved.size(), want.size());
 }
 
 // Seconds since this process started (Linux: /proc/self/stat's start time against /proc/uptime,
@@ -451,12 +536,11 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
   const auto t_launch = std::chrono::steady_clock::now();
   // Launch = process start when /proc tells it, else the start of run_training.
   const double before_run = std::max(0.0, seconds_since_process_start());
+  // Every key is checked before any work; RUN_DIR/config.json is written (atomically) only once
+  // the start has passed every check, so a rejected start leaves the directory as it was.
+  validate_train_config(cfg);
   const std::string run_dir = cfg.get_string("run.dir");
-  fs::create_directories(run_dir);
-  write_file_atomic(run_dir + "/config.json", cfg.json().dump(2) + "\n");
-  if (!topt.quiet)
-    log::info("effective configuration (saved to {}/config.json):\n{}", run_dir,
-              cfg.json().dump(2));
+  if (!topt.quiet) log::info("effective configuration:\n{}", cfg.json().dump(2));
 
   // Backend.
   std::string device = cfg.get_string("train.device");
@@ -569,18 +653,17 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
     auto latest = cd.latest();
     GDN_CHECK_HINT(latest.has_value(), "run without --resume to start a new run",
                    "--resume: no complete checkpoint in {}/checkpoints", run_dir);
+    check_resume_against(*latest, run_dir, cfg);
     ensure_host_stores();
     model::HfCheckpoint ck = model::load_hf_checkpoint(*latest);
-    GDN_CHECK(ck.params.size() == master.size(), "{}: checkpoint has {} tensors, expected {}",
-              *latest, ck.params.size(), master.size());
+    check_same_tensors(*latest, ck.params.specs(), master.specs());
     for (size_t i = 0; i < master.size(); ++i) copy_into(master.tensor(i), ck.params.tensor(i));
     load_moments(*latest + "/optimizer.safetensors", opt);
-    std::ifstream in(*latest + "/trainer.json");
-    nlohmann::json st = nlohmann::json::parse(in, nullptr, false);
-    GDN_CHECK(!st.is_discarded() && st.contains("step"), "{}/trainer.json is unreadable", *latest);
-    start_step = st["step"].get<int64_t>();
-    skipped = st.value("skipped_steps", int64_t{0});
-    resumed_tokens = st.value("tokens_seen", 0.0);
+    const TrainerState st =
+        parse_trainer_state(read_text_file(*latest + "/trainer.json"), *latest + "/trainer.json");
+    start_step = st.step;
+    skipped = st.skipped_steps;
+    resumed_tokens = st.tokens_seen;
     truncate_metrics(run_dir + "/metrics.jsonl", start_step);
     log::info("resuming from {} (step {})", *latest, start_step);
   } else {
@@ -590,6 +673,8 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
     std::error_code ec;
     fs::remove(run_dir + "/metrics.jsonl", ec);
   }
+  write_file_atomic(run_dir + "/config.json", cfg.json().dump(2) + "\n");
+  if (!topt.quiet) log::info("effective configuration saved to {}/config.json", run_dir);
   // The optimizer works where the gradients are. On cuda the fp32 master weights and moments live
   // in one device arena (the host stores are refreshed only to write checkpoints) and the step
   // writes the bf16 compute copy in the same pass; on cpu it updates the host stores directly.
@@ -852,7 +937,7 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
         ensure_host_stores();
         dev.download(master, opt);
       }
-      save_checkpoint(cd, step + 1, mcfg, master, opt, trainer_state(step + 1));
+      save_checkpoint(cd, step + 1, mcfg, master, opt, trainer_state(step + 1), cfg.json());
     }
     return stops_at(step);
   };
@@ -995,6 +1080,7 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
     }
   }
   if (pending && !stop) finalise(*pending);
+  metrics.close();
   (void)untouched;
   if (!topt.quiet) {
     if (res.eval_accuracy >= 0)

@@ -1,0 +1,50 @@
+// The training configuration as a whole: validation of every key before any work (ARCHITECTURE
+// §6), the comparison a resume makes between the configuration a checkpoint was written with and
+// the new one, and the checkpoint's trainer state (trainer.json), parsed and checked.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "train/config_tree.h"
+
+namespace gdn::train {
+
+// Each checkpoint holds the training configuration it was written with under this name.
+inline constexpr const char* kTrainConfigFile = "train_config.json";
+
+// Checks every key of the effective configuration (types, ranges, choices, and the relations
+// between keys such as optim.min_lr <= optim.lr). Throws one gdn::Error that lists every bad key
+// with its value and what is allowed.
+void validate_train_config(const ConfigTree& cfg);
+
+struct ConfigChange {
+  std::string key, saved, now;  // values as JSON text; "(absent)" where a side lacks the key
+};
+
+// Every leaf key whose value differs between `saved` and `now`.
+std::vector<ConfigChange> config_changes(const nlohmann::json& saved, const nlohmann::json& now);
+
+// Keys a resume refuses to change unless resume.allow_changes is true: the model (model.*), the
+// data (data.*), every seed, and the micro-batch layout (train.micro_batch_tokens,
+// train.grad_accum), which decides the examples each step sees.
+bool resume_blocks_change(const std::string& key);
+
+// The resume check: with changed blocking keys and !allow, throws an error listing them (saved
+// and new values); otherwise returns every change (the caller logs them).
+std::vector<ConfigChange> check_resume_config(const nlohmann::json& saved,
+                                              const nlohmann::json& now, bool allow,
+                                              const std::string& label);
+
+// trainer.json of a checkpoint.
+struct TrainerState {
+  int64_t step = 0;
+  int64_t skipped_steps = 0;
+  double tokens_seen = 0;
+};
+// Parses and checks trainer.json's text; `label` names the file in errors.
+TrainerState parse_trainer_state(const std::string& text, const std::string& label);
+
+}  // namespace gdn::train
