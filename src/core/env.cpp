@@ -30,13 +30,6 @@ constexpr Knob kKnobs[] = {
      "pre-activation with a conv pass). Not scheduling-only: the pre-activation is rounded to the "
      "activation dtype between the passes.",
      false, nullptr},
-    {"GDN_FUSED_FWD", KnobType::Bool, "0",
-     "gated_delta_rule forward on CUDA: 1 takes the fused route (one kernel per document, value "
-     "head and 32 value columns keeps the state on chip across chunks; its own probe, falls back "
-     "to the decomposed route with one log line where it cannot run); 0 the decomposed chain "
-     "(prep, state pass, output). Both save the same tensors for the one backward. Not "
-     "scheduling-only: the routes round differently.",
-     false, nullptr},
     {"GDN_FUSED_LM_HEAD", KnobType::Bool, "1",
      "LM head loss: 1 runs the fused linear_cross_entropy; 0 (A/B) materialises the logits per "
      "row chunk (gemm, chunk sized by GDN_FLCE_CHUNK_BYTES), then a separate cross_entropy + "
@@ -65,10 +58,6 @@ constexpr Knob kKnobs[] = {
      "8 or 16 (cuda_fast_bwd.cu). The gradients of q, k, v and beta are the same bitwise; g's "
      "differs in rounding only (its partial sums are grouped by the warps).",
      true, nullptr},
-    {"GDN_GDR_GENERIC", KnobType::Bool, "0",
-     "gated_delta_rule on CUDA: 1 takes the generic WMMA route for every shape (the reference for "
-     "the fast route, which otherwise runs head dims <= 128 that are multiples of 8).",
-     false, nullptr},
     {"GDN_GDR_PREP_DVLOC", KnobType::Choice, "interleave",
      "gated_delta_rule on CUDA, fast route's backward without `saved` (A/B; given `saved` it "
      "runs no prep): 'sequence' runs prep and then the dV'_loc kernel instead of one grid whose "

@@ -297,23 +297,21 @@ TEST_F(EnvTest, UnknownVariableWarnsWithClosestKnob) {
   EXPECT_THROW(env::check_environment(), Error);
 }
 
-// Issue 7's GDN_FUSED_FWD is a knob again (the gated delta rule's fused forward route): setting it
-// warns about nothing, and a value that is not a boolean is an error naming it.
-TEST_F(EnvTest, FusedForwardKnobIsKnown) {
-  setenv("GDN_FUSED_FWD", "1", 1);
-  std::vector<std::string> lines;
-  log::set_sink([&](log::Level, std::string_view l) { lines.emplace_back(l); });
-  env::check_environment();
-  for (const std::string& l : lines) EXPECT_EQ(l.find("GDN_FUSED_FWD"), std::string::npos) << l;
-  EXPECT_TRUE(env::get_bool("GDN_FUSED_FWD"));
-  setenv("GDN_FUSED_FWD", "fused", 1);
-  try {
+// GDN_FUSED_FWD and GDN_GDR_GENERIC are gone (issue 21): the gated delta rule's routes are registry
+// candidates, forced with GDN_OP_GATED_DELTA_RULE. Setting either old knob warns that it is
+// unknown.
+TEST_F(EnvTest, RetiredRouteKnobsWarn) {
+  for (const char* name : {"GDN_FUSED_FWD", "GDN_GDR_GENERIC"}) {
+    setenv(name, "1", 1);
+    std::vector<std::string> lines;
+    log::set_sink([&](log::Level, std::string_view l) { lines.emplace_back(l); });
     env::check_environment();
-    ADD_FAILURE() << "GDN_FUSED_FWD=fused was accepted";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("GDN_FUSED_FWD"), std::string::npos) << e.what();
+    log::set_sink({});
+    int named = 0;
+    for (const std::string& l : lines) named += l.find(name) != std::string::npos;
+    EXPECT_EQ(named, 1) << name;
+    unsetenv(name);
   }
-  unsetenv("GDN_FUSED_FWD");
 }
 
 TEST(EnvTable, EveryKnobHasHelpAndAValidDefault) {

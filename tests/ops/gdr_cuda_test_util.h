@@ -97,15 +97,19 @@ inline Dev to_device(const Inputs& in) {
           opt(in.dhT, DType::F32)};
 }
 
-// Selects the gated delta rule's route (GDN_GDR_GENERIC) for the life of the object.
+// Selects the gated delta rule's route for the life of the object: the fast route cuda.chunk64
+// or cuda.chunk64_generic, forced with GDN_OP_GATED_DELTA_RULE (decisions are per process and
+// shape class: forgotten on both ends).
 struct Route {
   explicit Route(bool generic) {
-    setenv("GDN_GDR_GENERIC", generic ? "1" : "0", 1);
+    setenv("GDN_OP_GATED_DELTA_RULE", generic ? "cuda.chunk64_generic" : "cuda.chunk64", 1);
     env::reset_cache_for_testing();
+    Registry::global().clear_resolutions();
   }
   ~Route() {
-    unsetenv("GDN_GDR_GENERIC");
+    unsetenv("GDN_OP_GATED_DELTA_RULE");
     env::reset_cache_for_testing();
+    Registry::global().clear_resolutions();
   }
   Route(const Route&) = delete;
   Route& operator=(const Route&) = delete;

@@ -386,14 +386,13 @@ TEST(GatedDeltaRule, ProbeAcceptsCpuAndMeasuresSmallError) {
   std::printf("[gdr] probe cpu.chunk64: fwd %.2e bwd %.2e\n", r.error.fwd, r.error.bwd);
 }
 
-// GDN_FUSED_FWD selects a forward route on cuda only: the fused route's registry key exists with
-// the oracle (its probe's reference) and only cuda implementations, and the knob leaves the cpu
-// op's resolution and results unchanged.
-TEST(GatedDeltaRule, FusedForwardKnobIsCudaOnly) {
+// The fused forward is one of the op's cuda candidates (forced with GDN_OP_GATED_DELTA_RULE): the
+// cpu has no such implementation, so forcing it on the cpu is an error naming it, and without the
+// knob the cpu results are those of cpu.chunk64.
+TEST(GatedDeltaRule, FusedForwardIsACudaCandidateOnly) {
   Registry& reg = Registry::global();
-  ASSERT_TRUE(reg.has_op(kGdrFusedFwdOp));
-  EXPECT_NO_THROW(reg.ref(kGdrFusedFwdOp));
-  EXPECT_TRUE(reg.impls(kGdrFusedFwdOp, Backend::Cpu).empty());
+  for (const ImplDesc* i : reg.impls("gated_delta_rule", Backend::Cpu))
+    EXPECT_EQ(i->name.find("fused"), std::string::npos) << i->name;
   const int64_t T = 70, Hk = 1, Hv = 2, dk = 16, dv = 8;
   OwnedTensor q = convert(testing::randn({T, Hk, dk}, 61, 0.3), DType::F32);
   OwnedTensor k = convert(testing::randn({T, Hk, dk}, 62, 0.3), DType::F32);
@@ -407,12 +406,19 @@ TEST(GatedDeltaRule, FusedForwardKnobIsCudaOnly) {
     return o;
   };
   OwnedTensor want = run();
-  setenv("GDN_FUSED_FWD", "1", 1);
+  setenv("GDN_OP_GATED_DELTA_RULE", "cuda.fused_fwd", 1);
   env::reset_cache_for_testing();
-  OwnedTensor got = run();
-  unsetenv("GDN_FUSED_FWD");
+  reg.clear_resolutions();
+  try {
+    run();
+    ADD_FAILURE() << "forcing cuda.fused_fwd on the cpu was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cuda.fused_fwd"), std::string::npos) << e.what();
+  }
+  unsetenv("GDN_OP_GATED_DELTA_RULE");
   env::reset_cache_for_testing();
-  EXPECT_EQ(testing::rel_err(got, want), 0.0);
+  reg.clear_resolutions();
+  EXPECT_EQ(testing::rel_err(run(), want), 0.0);
 }
 
 // Deliberately wrong variants of the cpu implementation: the probe must reject each one.

@@ -526,9 +526,24 @@ TEST_F(GdrCuda, GarbageDeviceCuSeqlensAreSanitised) {
   expect_bitwise_equal(got, want, "garbage cu_seqlens");
 }
 
+// The production class (Qwen3.5: dk = dv = 128, aligned, in-kernel l2norm, no states, `saved`)
+// resolves to the fast route, which passes its probe there; a class the fast route does not take
+// (dk 192) to the generic one.
+OpQuery production_class() {
+  return OpQuery{Backend::Cuda,
+                 "dk=128,dv=128,vec=1,l2=1,states=0,saved=1",
+                 {{"dk", 128}, {"dv", 128}, {"vec", 1}, {"l2", 1}, {"states", 0}, {"saved", 1}}};
+}
+
 TEST_F(GdrCuda, ResolverChoosesCudaAndItPassesItsProbe) {
-  const Resolution& r =
-      Registry::global().resolve("gated_delta_rule", OpQuery{Backend::Cuda, "", {}});
+  const Resolution& wide = Registry::global().resolve(
+      "gated_delta_rule",
+      OpQuery{Backend::Cuda,
+              "dk=192,dv=64,vec=1,l2=1,states=1,saved=0",
+              {{"dk", 192}, {"dv", 64}, {"vec", 1}, {"l2", 1}, {"states", 1}, {"saved", 0}}});
+  ASSERT_NE(wide.impl, nullptr);
+  EXPECT_EQ(wide.impl->name, "cuda.chunk64_generic");
+  const Resolution& r = Registry::global().resolve("gated_delta_rule", production_class());
   ASSERT_NE(r.impl, nullptr);
   EXPECT_EQ(r.impl->name, "cuda.chunk64");
   EXPECT_EQ(r.impl->backend, Backend::Cuda);
@@ -574,14 +589,21 @@ TEST_F(GdrCuda, ProbeRejectsWrongCudaImplementations) {
   struct Wrong {
     const char* what;
     GatedDeltaRuleTable table;
+    bool in_production;  // wrong in the production class too (which has no states)
   };
-  static const Wrong wrong[] = {{"ignores h0", {fwd_no_h0, bwd_ok}},
-                                {"flips use_qk_l2norm", {fwd_no_l2, bwd_ok}},
-                                {"ignores dhT", {fwd_ok, bwd_no_dhT}},
-                                {"drops dg", {fwd_ok, bwd_zero_dg}}};
+  static const Wrong wrong[] = {{"ignores h0", {fwd_no_h0, bwd_ok}, false},
+                                {"flips use_qk_l2norm", {fwd_no_l2, bwd_ok}, true},
+                                {"ignores dhT", {fwd_ok, bwd_no_dhT}, false},
+                                {"drops dg", {fwd_ok, bwd_zero_dg}, true}};
   for (const Wrong& w : wrong) {
     ImplDesc impl{"gated_delta_rule", "cuda.wrong", Backend::Cuda, 0, nullptr, &w.table};
     const ProbeError e = op.probe(impl, OpQuery{Backend::Cuda, "", {}});
+    if (w.in_production) {
+      const ProbeError p = op.probe(impl, production_class());
+      EXPECT_TRUE(p.fwd > kTol.fwd || p.bwd > kTol.bwd)
+          << w.what << " at the production class: probe errors fwd " << p.fwd << " bwd " << p.bwd
+          << " pass";
+    }
     EXPECT_TRUE(e.fwd > kTol.fwd || e.bwd > kTol.bwd)
         << w.what << ": probe errors fwd " << e.fwd << " bwd " << e.bwd << " pass";
   }
@@ -609,7 +631,8 @@ TEST_F(GdrCuda, OpsRunOnCudaBackend) {
                      nt("cu_seqlens", cu), nt("h0", h0), nt("do", dout), nt("dhT", dhT)},
                     {{"use_qk_l2norm", "1"}});
   OpRunResult res = run_op_file("gated_delta_rule", Backend::Cuda, inp, out, true, {});
-  EXPECT_EQ(res.impl, "cuda.chunk64");
+  // `ops run` resolves the op's default class (no dims): the route that takes any shape.
+  EXPECT_EQ(res.impl, "cuda.chunk64_generic");
   SafeTensorsFile f(out);
   auto check = [&](const char* name, const OwnedTensor& want, double tol) {
     testing::expect_close(f.load(name, DType::F64), want, tol, std::string("ops run ") + name);

@@ -1,19 +1,17 @@
-// Gated delta rule on CUDA (label gpu): the fused forward route (GDN_FUSED_FWD=1, cuda.fused_fwd,
-// op.h), which keeps the state on chip across chunks and saves the same tensors as the decomposed
-// route for the one backward.
+// Gated delta rule on CUDA (label gpu): the fused forward route (cuda.fused_fwd, chosen with
+// GDN_OP_GATED_DELTA_RULE=cuda.fused_fwd; op.h), which keeps the state on chip across chunks and
+// saves the same tensors as the decomposed route for the one backward.
 //   - over the swept shapes of the CUDA tests (gdr_cuda_test_util.h: partial chunks, 1-token, empty
 //     and 50 documents, r in {1, 2, 3}, dk != dv, with and without h0 / dhT and the l2norm, strong
 //     and no decay, beta near 0 and 1): o and hT against ref (fp64), and every gradient of the
 //     shared backward given the fused forward's `saved` (NaN-poisoned first, so a slot the backward
 //     reads that the fused kernel did not write fails); shapes the fused route takes must not log a
-//     fallback, the others (head dims above 128 or not multiples of 8) take the decomposed forward;
+//     rejection, the others (head dims above 128 or not multiples of 8) are an error when forced;
 //   - the fused and decomposed routes agree: o, hT, their `saved` (Vt exact zeros past a partial
 //     chunk's end on both), and each backward given the other's `saved`;
-//   - with the knob the op resolves to cuda.fused_fwd, whose own probe passes, and the probe
-//   rejects
-//     a wrong fused forward; without it the op stays on cuda.chunk64;
-//   - a call the fused route does not take falls back with one log line, and is an error under
-//     GDN_STRICT_KERNELS.
+//   - forced, the op resolves to cuda.fused_fwd, whose own probe passes, and the probe rejects a
+//     wrong fused forward; without it the production class resolves to cuda.chunk64;
+//   - forcing it for a class it does not take is an error naming it and the reason.
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -37,17 +35,20 @@ using GdrFused = GdrCudaTest;
 
 constexpr ProbeError kTol = bf16_tolerance("gated_delta_rule");
 
-// Sets GDN_FUSED_FWD (and optionally GDN_STRICT_KERNELS) for the life of the object.
+// Forces cuda.fused_fwd (GDN_OP_GATED_DELTA_RULE; and optionally sets GDN_STRICT_KERNELS) for
+// the life of the object; resolutions are forgotten on both ends.
 struct Knobs {
   explicit Knobs(bool fused, bool strict = false) {
-    setenv("GDN_FUSED_FWD", fused ? "1" : "0", 1);
+    if (fused) setenv("GDN_OP_GATED_DELTA_RULE", "cuda.fused_fwd", 1);
     if (strict) setenv("GDN_STRICT_KERNELS", "1", 1);
     env::reset_cache_for_testing();
+    Registry::global().clear_resolutions();
   }
   ~Knobs() {
-    unsetenv("GDN_FUSED_FWD");
+    unsetenv("GDN_OP_GATED_DELTA_RULE");
     unsetenv("GDN_STRICT_KERNELS");
     env::reset_cache_for_testing();
+    Registry::global().clear_resolutions();
   }
   Knobs(const Knobs&) = delete;
   Knobs& operator=(const Knobs&) = delete;
@@ -68,7 +69,8 @@ struct LogLines {
     return n;
   }
 };
-constexpr std::string_view kFallback = "GDN_FUSED_FWD=1, but";
+// The resolver's line for an implementation it passes over.
+constexpr std::string_view kFallback = "cuda.fused_fwd:";
 
 bool fused_takes(const Spec& s) {
   return s.dk <= 128 && s.dv <= 128 && s.dk % 8 == 0 && s.dv % 8 == 0;
@@ -113,6 +115,16 @@ TEST_P(GdrFusedSweep, MatchesRefThroughTheSharedBackward) {
   Knobs knobs(true);
   LogLines log;
   OwnedTensor saved = poisoned(DType::BF16, {saved_numel(in)});
+  if (!fused_takes(s)) {  // forced for a class it does not take: an error naming it
+    try {
+      forward(in, d, l2, saved);
+      ADD_FAILURE() << tag << ": forcing cuda.fused_fwd at dk " << s.dk << ", dv " << s.dv
+                    << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("cuda.fused_fwd"), std::string::npos) << e.what();
+    }
+    return;
+  }
   const Fwd f = forward(in, d, l2, saved);
   expect_fwd_close(f, ref_f, kTol.fwd, tag);
   // The fused forward's o and hT do not depend on whether it also writes `saved`.
@@ -121,9 +133,7 @@ TEST_P(GdrFusedSweep, MatchesRefThroughTheSharedBackward) {
   testing::expect_bitwise_equal(f2.hT, f.hT, tag + " hT without saved");
   const Grads g = backward(in, d, l2, saved);
   expect_grads_close(g, ref_g, kTol.bwd, tag + " bwd given fused saved", "[gdr fused]");
-  if (fused_takes(s)) {
-    EXPECT_EQ(log.count(kFallback), 0) << tag << ": " << log.lines.front();
-  }
+  EXPECT_EQ(log.count(kFallback), 0) << tag << ": " << log.lines.front();
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -223,34 +233,43 @@ TEST_F(GdrFused, ManyDocumentsAtHeadDim128) {
 }
 
 TEST_F(GdrFused, KnobSelectsTheFusedImplementationWhichPassesItsOwnProbe) {
+  const auto last_decision = [] {
+    const std::vector<Registry::Decision> all = Registry::global().decisions();
+    for (auto it = all.rbegin(); it != all.rend(); ++it)
+      if (it->op == "gated_delta_rule") return *it;
+    ADD_FAILURE() << "no gated_delta_rule decision";
+    return Registry::Decision{};
+  };
+  Inputs in =
+      make_inputs({.name = "d128", .lens = {10, 70}, .dk = 128, .dv = 128, .seed = 45}, true);
+  Dev d = to_device(in);
   {
     Knobs knobs(true);
-    Inputs in = make_inputs({.name = "tiny", .lens = {10}, .seed = 45}, true);
-    Dev d = to_device(in);
-    forward(in, d, true, Tensor());  // resolves kGdrFusedFwdOp
-    const Resolution& r =
-        Registry::global().resolve(kGdrFusedFwdOp, OpQuery{Backend::Cuda, "", {}});
-    ASSERT_NE(r.impl, nullptr);
-    EXPECT_EQ(r.impl->name, "cuda.fused_fwd");
-    EXPECT_LE(r.error.fwd, kTol.fwd);
-    EXPECT_LE(r.error.bwd, kTol.bwd);
-    EXPECT_GT(r.error.fwd, 0.0);  // bf16 outputs: exactly 0 would mean nothing was compared
-    EXPECT_TRUE(r.rejected.empty()) << r.rejected.front();
-    std::printf("[gdr fused] probe cuda.fused_fwd: fwd %.2e bwd %.2e\n", r.error.fwd, r.error.bwd);
+    forward(in, d, true, Tensor());
+    const Registry::Decision r = last_decision();
+    ASSERT_NE(r.result.impl, nullptr);
+    EXPECT_EQ(r.result.impl->name, "cuda.fused_fwd");
+    EXPECT_LE(r.result.error.fwd, kTol.fwd);
+    EXPECT_LE(r.result.error.bwd, kTol.bwd);
+    EXPECT_GT(r.result.error.fwd, 0.0);  // bf16 outputs: exactly 0 would mean nothing compared
+    EXPECT_TRUE(r.result.rejected.empty()) << r.result.rejected.front();
+    std::printf("[gdr fused] probe cuda.fused_fwd [%s]: fwd %.2e bwd %.2e\n",
+                r.query.shape_class.c_str(), r.result.error.fwd, r.result.error.bwd);
   }
-  const Resolution& r0 =
-      Registry::global().resolve("gated_delta_rule", OpQuery{Backend::Cuda, "", {}});
-  ASSERT_NE(r0.impl, nullptr);
-  EXPECT_EQ(r0.impl->name, "cuda.chunk64");
-  // The fused key's fallback is the decomposed route.
+  Knobs none(false);
+  forward(in, d, true, Tensor());
+  const Registry::Decision r0 = last_decision();
+  ASSERT_NE(r0.result.impl, nullptr);
+  EXPECT_EQ(r0.result.impl->name, "cuda.chunk64");
   std::vector<std::string> names;
-  for (const ImplDesc* i : Registry::global().impls(kGdrFusedFwdOp, Backend::Cuda))
+  for (const ImplDesc* i : Registry::global().impls("gated_delta_rule", Backend::Cuda))
     names.push_back(i->name);
-  EXPECT_EQ(names, (std::vector<std::string>{"cuda.fused_fwd", "cuda.chunk64"}));
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"cuda.chunk64", "cuda.chunk64_generic", "cuda.fused_fwd"}));
 }
 
 const GatedDeltaRuleTable* fused_table() {
-  for (const ImplDesc* i : Registry::global().impls(kGdrFusedFwdOp, Backend::Cuda))
+  for (const ImplDesc* i : Registry::global().impls("gated_delta_rule", Backend::Cuda))
     if (i->name == "cuda.fused_fwd") return static_cast<const GatedDeltaRuleTable*>(i->table);
   return nullptr;
 }
@@ -268,45 +287,32 @@ void bwd_ok(const GatedDeltaRuleBwd& a) { fused_table()->backward(a); }
 
 TEST_F(GdrFused, ProbeRejectsAWrongFusedForward) {
   ASSERT_NE(fused_table(), nullptr) << "cuda.fused_fwd is not registered";
-  const OpDesc& op = Registry::global().op(kGdrFusedFwdOp);
+  const OpDesc& op = Registry::global().op("gated_delta_rule");
   static const GatedDeltaRuleTable wrong[] = {{fwd_wrong_scale, bwd_ok}, {fwd_no_h0, bwd_ok}};
   for (const GatedDeltaRuleTable& w : wrong) {
-    ImplDesc impl{kGdrFusedFwdOp, "cuda.wrong", Backend::Cuda, 0, nullptr, &w};
+    ImplDesc impl{"gated_delta_rule", "cuda.wrong", Backend::Cuda, 0, nullptr, &w};
     const ProbeError e = op.probe(impl, OpQuery{Backend::Cuda, "", {}});
     EXPECT_GT(e.fwd, kTol.fwd) << "probe errors fwd " << e.fwd << " bwd " << e.bwd << " pass";
   }
 }
 
-// dk = 136 (above the fused route's 128): one log line, then the decomposed forward; an error
-// naming the knob under GDN_STRICT_KERNELS.
-TEST_F(GdrFused, ACallItDoesNotTakeFallsBackWithOneLogLine) {
+// dk = 136 (above the fused route's 128): forcing it is an error that names the implementation and
+// why it cannot run, with or without GDN_STRICT_KERNELS (the knob asked for it by name).
+TEST_F(GdrFused, ForcingItForAClassItDoesNotTakeIsAnError) {
   const Spec s{.name = "dk136", .lens = {70, 5}, .r = 2, .dk = 136, .dv = 16, .seed = 46};
   Inputs in = make_inputs(s, true);
   Dev d = to_device(in);
-  Fwd want;
-  {
-    Knobs knobs(false);
-    want = forward(in, d, true, Tensor());
-  }
-  {
-    Knobs knobs(true, true);
+  for (bool strict : {false, true}) {
+    Knobs knobs(true, strict);
     try {
       forward(in, d, true, Tensor());
-      ADD_FAILURE() << "GDN_STRICT_KERNELS accepted the fused route's fallback";
+      ADD_FAILURE() << "forcing cuda.fused_fwd at dk 136 was accepted (strict " << strict << ")";
     } catch (const Error& e) {
       const std::string m = e.what();
-      EXPECT_NE(m.find("GDN_STRICT_KERNELS"), std::string::npos) << m;
-      EXPECT_NE(m.find("GDN_FUSED_FWD=1"), std::string::npos) << m;
+      EXPECT_NE(m.find("cuda.fused_fwd"), std::string::npos) << m;
       EXPECT_NE(m.find("dk = 136"), std::string::npos) << m;
     }
   }
-  Knobs knobs(true);
-  LogLines log;
-  const Fwd got = forward(in, d, true, Tensor());
-  forward(in, d, true, Tensor());
-  EXPECT_EQ(log.count(kFallback), 1);
-  testing::expect_bitwise_equal(got.o, want.o, "fallback o");
-  testing::expect_bitwise_equal(got.hT, want.hT, "fallback hT");
 }
 
 }  // namespace

@@ -96,43 +96,50 @@ TEST(TrainCuda, TracksTheCpuRunFromTheSameInitialisation) {
 }
 
 // The gated delta rule's two CUDA routes (the fast mma.sync route and the generic WMMA route,
-// GDN_GDR_GENERIC=1) compute the same function with different rounding: the first two training
-// steps agree to bf16 precision.
+// GDN_OP_GATED_DELTA_RULE=cuda.chunk64_generic) compute the same function with different rounding:
+// the first two training steps agree to bf16 precision.
+void force_gdr(const char* impl) {
+  if (impl != nullptr)
+    setenv("GDN_OP_GATED_DELTA_RULE", impl, 1);
+  else
+    unsetenv("GDN_OP_GATED_DELTA_RULE");
+  env::reset_cache_for_testing();
+  Registry::global().clear_resolutions();
+}
+
 TEST(TrainCuda, GdrRouteKnobAgreesToBf16Precision) {
   TrainOptions quiet;
   quiet.quiet = true;
-  setenv("GDN_GDR_GENERIC", "0", 1);
-  env::reset_cache_for_testing();
+  force_gdr("cuda.chunk64");
   TrainResult a = run_training(tiny("fast", "cuda", 2), quiet);
-  setenv("GDN_GDR_GENERIC", "1", 1);
-  env::reset_cache_for_testing();
+  force_gdr("cuda.chunk64_generic");
   TrainResult b = run_training(tiny("generic", "cuda", 2), quiet);
-  unsetenv("GDN_GDR_GENERIC");
-  env::reset_cache_for_testing();
+  force_gdr(nullptr);
   for (size_t i = 0; i < 2; ++i) {
     std::printf("step %zu: fast route %.6f generic route %.6f\n", i + 1, a.losses[i], b.losses[i]);
     EXPECT_NEAR(a.losses[i], b.losses[i], 1e-2 * a.losses[i]) << "step " << i + 1;
   }
 }
 
-// GDN_FUSED_FWD=1: the gated delta rule's fused forward (state on chip across chunks) instead of
-// the decomposed chain, with the same backward. The two forwards round differently in general
-// (op.h; at dk = dv = 128 they happen to agree bitwise), so the first two training steps agree to
-// bf16 precision, and the fused route is the one the op resolved.
+// GDN_OP_GATED_DELTA_RULE=cuda.fused_fwd: the gated delta rule's fused forward (state on chip
+// across chunks) instead of the decomposed chain, with the same backward. The two forwards round
+// differently in general (op.h; at dk = dv = 128 they happen to agree bitwise), so the first two
+// training steps agree to bf16 precision, and the fused route is the one every class resolved to.
 TEST(TrainCuda, GdrFusedForwardKnobAgreesToBf16Precision) {
   TrainOptions quiet;
   quiet.quiet = true;
-  env::reset_cache_for_testing();
+  force_gdr(nullptr);
   TrainResult a = run_training(tiny("decomposed", "cuda", 2), quiet);
-  setenv("GDN_FUSED_FWD", "1", 1);
-  env::reset_cache_for_testing();
+  force_gdr("cuda.fused_fwd");
   TrainResult b = run_training(tiny("fused_fwd", "cuda", 2), quiet);
-  unsetenv("GDN_FUSED_FWD");
-  env::reset_cache_for_testing();
-  const Resolution& r =
-      Registry::global().resolve(ops::kGdrFusedFwdOp, OpQuery{Backend::Cuda, "", {}});
-  ASSERT_NE(r.impl, nullptr);
-  EXPECT_EQ(r.impl->name, "cuda.fused_fwd");
+  int fused = 0;
+  for (const Registry::Decision& d : Registry::global().decisions())
+    if (d.op == "gated_delta_rule") {
+      EXPECT_EQ(d.result.impl->name, "cuda.fused_fwd") << d.query.shape_class;
+      ++fused;
+    }
+  EXPECT_GT(fused, 0);
+  force_gdr(nullptr);
   ASSERT_EQ(a.losses.size(), 2u);
   ASSERT_EQ(b.losses.size(), 2u);
   for (size_t i = 0; i < 2; ++i) {
@@ -252,8 +259,8 @@ TEST(TrainCuda, RecomputePoliciesLeaveTheLossesBitwiseUnchanged) {
 TEST(TrainCuda, GdrSavedStatesLeaveTheLossesBitwiseUnchanged) {
   TrainOptions quiet;
   quiet.quiet = true;
-  for (const char* route : {"0", "1"}) {
-    setenv("GDN_GDR_GENERIC", route, 1);
+  for (const char* route : {"cuda.chunk64", "cuda.chunk64_generic"}) {
+    force_gdr(route);
     std::vector<std::vector<double>> runs;
     for (const char* min_doc : {"32", "0"}) {
       setenv("GDN_GDR_SAVED_MIN_DOC_TOKENS", min_doc, 1);
@@ -265,12 +272,12 @@ TEST(TrainCuda, GdrSavedStatesLeaveTheLossesBitwiseUnchanged) {
     ASSERT_EQ(runs[0].size(), 3u);
     ASSERT_EQ(runs[1].size(), 3u);
     for (size_t i = 0; i < 3; ++i) {
-      std::printf("GDN_GDR_GENERIC=%s step %zu: saved %.9f recomputed %.9f\n", route, i + 1,
-                  runs[0][i], runs[1][i]);
-      EXPECT_EQ(runs[0][i], runs[1][i]) << "GDN_GDR_GENERIC=" << route << " step " << i + 1;
+      std::printf("%s step %zu: saved %.9f recomputed %.9f\n", route, i + 1, runs[0][i],
+                  runs[1][i]);
+      EXPECT_EQ(runs[0][i], runs[1][i]) << route << " step " << i + 1;
     }
   }
-  unsetenv("GDN_GDR_GENERIC");
+  force_gdr(nullptr);
   unsetenv("GDN_GDR_SAVED_MIN_DOC_TOKENS");
   env::reset_cache_for_testing();
 }

@@ -669,15 +669,15 @@ bool covered(const Tensor& x, const Tensor& weight, const Tensor& a, const Tenso
   return ok;
 }
 
-// The old implementation, for the calls this one does not cover.
-const CausalConv1dTable& tiled() {
-  static const CausalConv1dTable* t = [] {
-    for (const ImplDesc* i : Registry::global().impls("causal_conv1d", Backend::Cuda))
-      if (i->name == "cuda.tiled") return static_cast<const CausalConv1dTable*>(i->table);
-    return static_cast<const CausalConv1dTable*>(nullptr);
-  }();
-  GDN_CHECK(t != nullptr, "causal_conv1d (cuda.v2): the fallback cuda.tiled is not registered");
-  return *t;
+// The shape classes this kernel covers (op.cpp's class_of: W, C and "vec", every tensor read as
+// 16-byte pieces aligned); the others resolve to cuda.tiled.
+std::string supports(const OpQuery& q) {
+  const int64_t W = q.dim("W", -1), C = q.dim("C", -1);
+  if (W < 0 || C < 0) return "needs the call's width and channels (shape class)";
+  if (W > kMaxW) return fmt::format("W = {} above {}", W, kMaxW);
+  if (q.dim("vec", 0) == 0) return "channels not whole 16-byte packs or tensors not aligned";
+  if ((C + kCB - 1) / kCB > 65535) return fmt::format("C = {}: too many channel columns", C);
+  return "";
 }
 
 // The shared checks plus this kernel's channel columns.
@@ -707,10 +707,8 @@ int64_t blocks_per_column(const void* kernel, int warps, size_t smem, const Shap
 // states follow.
 template <class Main>
 void forward_with(const CausalConv1dFwd& a, Main main) {
-  if (!covered(a.x, a.weight, a.y, a.weight, a.bias)) {
-    tiled().forward(a);
-    return;
-  }
+  GDN_CHECK(covered(a.x, a.weight, a.y, a.weight, a.bias),
+            "causal_conv1d (cuda.v2): a call outside its shape class");
   const Shape k = shape_of(a.x, a.weight, a.cu_seqlens);
   if (k.C == 0) return;
   const ConvFwdPtrs p = conv_fwd_ptrs(a);
@@ -771,10 +769,8 @@ void forward_staged(const CausalConv1dFwd& a) {
 
 template <bool kStream>
 void backward_impl(const CausalConv1dBwd& a) {
-  if (!covered(a.x, a.weight, a.dy, a.dx, Tensor())) {
-    tiled().backward(a);
-    return;
-  }
+  GDN_CHECK(covered(a.x, a.weight, a.dy, a.dx, Tensor()),
+            "causal_conv1d (cuda.v2): a call outside its shape class");
   const Shape k = shape_of(a.x, a.weight, a.cu_seqlens);
   if (k.C == 0) return;
   const ConvBwdPtrs p = conv_bwd_ptrs(a);
@@ -830,13 +826,13 @@ const CausalConv1dTable kTableSw{forward_staged<16, 5, true>, backward_impl<true
 }  // namespace
 
 GDN_REGISTER(causal_conv1d_cuda_v2) {
-  Registry::global().add_impl({"causal_conv1d", "cuda.v2", Backend::Cuda, 20, nullptr, &kTable});
+  Registry::global().add_impl({"causal_conv1d", "cuda.v2", Backend::Cuda, 20, supports, &kTable});
   Registry::global().add_impl(
-      {"causal_conv1d", "cuda.v2cs", Backend::Cuda, 25, nullptr, &kTableCs});
+      {"causal_conv1d", "cuda.v2cs", Backend::Cuda, 25, supports, &kTableCs});
   Registry::global().add_impl(
-      {"causal_conv1d", "cuda.v2st5", Backend::Cuda, 26, nullptr, &kTableSt5});
+      {"causal_conv1d", "cuda.v2st5", Backend::Cuda, 26, supports, &kTableSt5});
   Registry::global().add_impl(
-      {"causal_conv1d", "cuda.v2sw", Backend::Cuda, 27, nullptr, &kTableSw});
+      {"causal_conv1d", "cuda.v2sw", Backend::Cuda, 27, supports, &kTableSw});
 }
 
 }  // namespace gdn::ops

@@ -1,6 +1,7 @@
 // Gated attention: validation, dispatch and the op's registration (probe, tolerance, file runner).
 #include "ops/gated_attention/op.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -111,9 +112,18 @@ void validate_bwd(const GatedAttentionBwd& a) {
   expect_out(a.dk_norm_w, "dk_norm_w", st, dev, {s.hd});
 }
 
-OpQuery query_for(const Tensor& qg, const Tensor& k) {
-  return OpQuery{
-      infer_backend(qg), "", {{"hd", k.size(2)}, {"Hq", qg.size(1)}, {"Hkv", k.size(1)}}};
+// The shape class: the head dim (the CUDA kernels are instantiated for head-dim classes 64, 128
+// and 256), the rotary dim (RoPE by lane shuffles when half of it is a multiple of 8) and the GQA
+// group (query heads per kv head).
+ShapeClass class_of(const Tensor& qg, const Tensor& k, int64_t rot) {
+  return ShapeClass(infer_backend(qg))
+      .dim("hd", k.size(2))
+      .dim("rot", rot)
+      .dim("group", k.size(1) > 0 ? qg.size(1) / k.size(1) : 0);
+}
+OpDispatch& dispatch() {
+  static OpDispatch d(kOp);
+  return d;
 }
 
 // The forward's saved tensors and outputs for one backend's dtype.
@@ -131,17 +141,25 @@ struct Saved {
   }
 };
 
-// Probe: documents of 1, 70 (more than one 64-row block, not a multiple of it), 5 and 1 tokens;
-// grouped heads (Hq/Hkv = 2); partial RoPE; gates spread over the sigmoid's range. A second case
-// has full-width RoPE and Hq = Hkv.
-ProbeError probe(const ImplDesc& impl, const OpQuery&) {
+// Probe. At a class (hd, rot, group): documents of 1, 0, 129 (two 128-query tiles, the second
+// partial), 5 and 1 tokens, 2 kv heads of the class's group. Without one (the default class):
+// documents of 1, 70 (more than one 64-row block, not a multiple of it), 5 and 1 tokens, grouped
+// heads (Hq/Hkv = 2), partial RoPE; and full-width RoPE with Hq = Hkv. Gates spread over the
+// sigmoid's range.
+ProbeError probe(const ImplDesc& impl, const OpQuery& query) {
   const auto& cand = *static_cast<const GatedAttentionTable*>(impl.table);
   const auto& ref = *static_cast<const GatedAttentionTable*>(Registry::global().ref(kOp).table);
   struct Case {
     std::vector<int64_t> cu;
     int64_t Hq, Hkv, hd, rot;
   };
-  const Case cases[] = {{{0, 1, 71, 76, 77}, 4, 2, 16, 4}, {{0, 9, 12}, 2, 2, 8, 8}};
+  std::vector<Case> cases;
+  if (query.dims.contains("hd")) {
+    const int64_t hd = query.dim("hd", 16), group = std::max<int64_t>(query.dim("group", 1), 1);
+    cases = {{{0, 1, 1, 130, 135, 136}, 2 * group, 2, hd, query.dim("rot", 0)}};
+  } else {
+    cases = {{{0, 1, 71, 76, 77}, 4, 2, 16, 4}, {{0, 9, 12}, 2, 2, 8, 8}};
+  }
   ProbeError err;
   uint64_t seed = 100;
   for (const Case& c : cases) {
@@ -259,12 +277,12 @@ int64_t gated_attention_rotary_dim(int64_t hd, double partial_rotary_factor) {
 
 void gated_attention_forward(const GatedAttentionFwd& a) {
   validate_fwd(a);
-  Registry::global().table<GatedAttentionTable>(kOp, query_for(a.qg, a.k)).forward(a);
+  dispatch().table<GatedAttentionTable>(class_of(a.qg, a.k, a.rotary_dim)).forward(a);
 }
 
 void gated_attention_backward(const GatedAttentionBwd& a) {
   validate_bwd(a);
-  Registry::global().table<GatedAttentionTable>(kOp, query_for(a.qg, a.k)).backward(a);
+  dispatch().table<GatedAttentionTable>(class_of(a.qg, a.k, a.rotary_dim)).backward(a);
 }
 
 GDN_REGISTER(gated_attention_op) {

@@ -46,8 +46,6 @@
 
 #include "gdn/backend/cuda_check.h"
 #include "gdn/backend/registry.h"
-#include "gdn/core/env.h"
-#include "gdn/core/log.h"
 #include "ops/gated_delta_rule/cuda.h"
 #include "ops/gated_delta_rule/cuda_fast.h"
 #include "ops/gated_delta_rule/cuda_kernels.h"
@@ -416,26 +414,42 @@ gdr::Dims fwd_dims(const GatedDeltaRuleFwd& a) {
   return d;
 }
 
-void forward(const GatedDeltaRuleFwd& a) {
-  const gdr::Dims d = fwd_dims(a);
-  if (gdr::fast_path(d) && !env::get_bool("GDN_GDR_GENERIC"))
-    forward_fast(a, d);
-  else
-    forward_generic(a, d);
-}
-
-void backward(const GatedDeltaRuleBwd& a) {
+gdr::Dims bwd_dims(const GatedDeltaRuleBwd& a) {
   gdr::Dims d = make_dims(a.q, a.v, a.cu_seqlens, a.scale, a.use_qk_l2norm);
   d.vec = d.dk % 8 == 0 && d.dv % 8 == 0 && aligned16(a.q) && aligned16(a.k) && aligned16(a.v) &&
           aligned16(a.h0) && aligned16(a.dout) && aligned16(a.dhT) && aligned16(a.dq) &&
           aligned16(a.dk) && aligned16(a.dv);
-  if (gdr::fast_path(d) && !env::get_bool("GDN_GDR_GENERIC"))
-    backward_fast(a, d);
-  else
-    backward_generic(a, d);
+  return d;
 }
 
+// The fast route (cuda.chunk64): only for the shape classes its `supports` accepts, so a call
+// outside them is a resolver bug, not a fallback.
+void forward(const GatedDeltaRuleFwd& a) {
+  const gdr::Dims d = fwd_dims(a);
+  GDN_CHECK(gdr::fast_path(d), "gated_delta_rule (cuda.chunk64): a call outside its shape class");
+  forward_fast(a, d);
+}
+void backward(const GatedDeltaRuleBwd& a) {
+  const gdr::Dims d = bwd_dims(a);
+  GDN_CHECK(gdr::fast_path(d), "gated_delta_rule (cuda.chunk64): a call outside its shape class");
+  backward_fast(a, d);
+}
+// The generic route (cuda.chunk64_generic): any shape.
+void forward_any(const GatedDeltaRuleFwd& a) { forward_generic(a, fwd_dims(a)); }
+void backward_any(const GatedDeltaRuleBwd& a) { backward_generic(a, bwd_dims(a)); }
+
 const GatedDeltaRuleTable kTable{forward, backward};
+const GatedDeltaRuleTable kGenericTable{forward_any, backward_any};
+
+// The classes the fast route takes (op.cpp's class_of: dk, dv, vec).
+std::string supports_fast(const OpQuery& q) {
+  const int64_t dk = q.dim("dk", -1), dv = q.dim("dv", -1);
+  if (dk < 0 || dv < 0) return "needs the call's head dims (shape class)";
+  if (q.dim("vec", 0) == 0) return "head dims not multiples of 8 or tensors not 16-byte aligned";
+  if (gdr::pad16(static_cast<int>(dk)) > 128 || gdr::pad16(static_cast<int>(dv)) > 128)
+    return fmt::format("dk = {}, dv = {}: the fast route takes up to 128", dk, dv);
+  return "";
+}
 
 // --- the fused forward route (GDN_FUSED_FWD=1)
 // ------------------------------------------------------------------------
@@ -460,36 +474,18 @@ std::string fused_unsupported_on_device(int KP) {
   return "";
 }
 
-// The resolver's capability check (the shapes the query names, dk = 128 when it names none).
+// The resolver's capability check: the fast route's classes, on a device that runs the kernel.
 std::string supports_fused(const OpQuery& q) {
-  auto it = q.dims.find("dk");
-  const int dk = it != q.dims.end() ? static_cast<int>(it->second) : 128;
-  return fused_unsupported_on_device(gdr::pad16(std::min(dk, 128)));
+  if (std::string why = supports_fast(q); !why.empty()) return why;
+  return fused_unsupported_on_device(gdr::pad16(static_cast<int>(q.dim("dk", 128))));
 }
 
-// One call of the fused route: the fused kernel, or the decomposed forward (with one log line, an
-// error under GDN_STRICT_KERNELS) for a call it does not take: head dims above 128 or not multiples
-// of 8, tensors not 16-byte aligned, or a shared-memory need this GPU cannot meet.
+// One call of the fused route, for the classes supports_fused accepts.
 void forward_fused(const GatedDeltaRuleFwd& a) {
   const gdr::Dims d = fwd_dims(a);
-  std::string why;
-  if (!gdr::fused_path(d))
-    why = fmt::format(
-        "the fused forward takes dk, dv <= 128 that are multiples of 8 with 16-byte aligned "
-        "tensors (got dk = {}, dv = {})",
-        d.dk, d.dv);
-  else
-    why = fused_unsupported_on_device(d.KP);
-  if (!why.empty()) {
-    GDN_CHECK_HINT(
-        !env::get_bool("GDN_STRICT_KERNELS"), "unset GDN_STRICT_KERNELS to allow fallbacks",
-        "GDN_STRICT_KERNELS: gated_delta_rule (GDN_FUSED_FWD=1) cannot take this call: {}", why);
-    log::warn_once(fmt::format("gdr_fused_fwd_fallback/{}/{}", d.dk, d.dv),
-                   "gated_delta_rule: GDN_FUSED_FWD=1, but {}; the decomposed forward runs it",
-                   why);
-    forward(a);
-    return;
-  }
+  GDN_CHECK(gdr::fused_path(d),
+            "gated_delta_rule (cuda.fused_fwd): a call outside its shape class (dk = {}, dv = {})",
+            d.dk, d.dv);
   cuda::Context& ctx = cuda::Context::get();
   const Saved sv = saved_view(a.saved, d);
   ScratchPlan sp;
@@ -509,16 +505,16 @@ const GatedDeltaRuleTable kFusedTable{forward_fused, backward};
 
 }  // namespace
 
-// gated_delta_rule resolves among the decomposed route alone; with GDN_FUSED_FWD=1 the op resolves
-// kGdrFusedFwdOp instead (op.cpp), whose candidates are the fused route (probed on its own against
-// ref) and, when this GPU cannot run it or it fails its probe, the decomposed one (one log line).
+// Three candidates per shape class (op.h): the fast route, the generic one (any class, and the
+// fallback when the fast one fails its probe), and the fused forward, below both (GDN_OP_ picks
+// it).
 GDN_REGISTER(gated_delta_rule_cuda) {
   Registry::global().add_impl(
-      {"gated_delta_rule", "cuda.chunk64", Backend::Cuda, 10, nullptr, &kTable});
+      {"gated_delta_rule", "cuda.chunk64", Backend::Cuda, 20, supports_fast, &kTable});
   Registry::global().add_impl(
-      {kGdrFusedFwdOp, "cuda.fused_fwd", Backend::Cuda, 20, supports_fused, &kFusedTable});
+      {"gated_delta_rule", "cuda.chunk64_generic", Backend::Cuda, 10, nullptr, &kGenericTable});
   Registry::global().add_impl(
-      {kGdrFusedFwdOp, "cuda.chunk64", Backend::Cuda, 10, nullptr, &kTable});
+      {"gated_delta_rule", "cuda.fused_fwd", Backend::Cuda, 5, supports_fused, &kFusedTable});
 }
 
 }  // namespace gdn::ops

@@ -2,12 +2,13 @@
 #include "ops/gated_delta_rule/op.h"
 
 #include <cmath>
+#include <optional>
 #include <vector>
 
+#include "backend/shape_class.h"
 #include "backend/tolerances.h"
 #include "gdn/backend/probe.h"
 #include "gdn/backend/registry.h"
-#include "gdn/core/env.h"
 
 namespace gdn::ops {
 
@@ -143,62 +144,105 @@ void validate_bwd(const GatedDeltaRuleBwd& a) {
       GDN_CHECK_FINITE(std::isfinite(x), "{}: tensor 'dhT' has a non-finite value {}", kOp, x);
 }
 
-OpQuery query_for(const Tensor& q, const Tensor& v) {
-  return OpQuery{infer_backend(q), "", {{"dk", q.size(2)}, {"dv", v.size(2)}}};
+// The shape class: the head dims (the CUDA fast route takes padded dk, dv <= 128 and has constant-
+// shape kernels at dk = dv = 128, Qwen3.5's), whether every row is whole 16-byte vectors, the q/k
+// l2norm, whether any state tensor (h0, hT / dhT, dh0) is given and whether `saved` is. The
+// document structure (how many, how long) changes the schedule inside one class; the probe covers
+// it with one long document and many short ones.
+ShapeClass class_of(const Tensor& q, const Tensor& v, bool vec, bool l2, bool states, bool saved) {
+  return ShapeClass(infer_backend(q))
+      .dim("dk", q.size(2))
+      .dim("dv", v.size(2))
+      .flag("vec", vec && q.size(2) % 8 == 0 && v.size(2) % 8 == 0)
+      .flag("l2", l2)
+      .flag("states", states)
+      .flag("saved", saved);
+}
+ShapeClass class_of(const GatedDeltaRuleFwd& a) {
+  return class_of(a.q, a.v, all_aligned16(a.q, a.k, a.v, a.h0, a.o, a.hT), a.use_qk_l2norm,
+                  a.h0.defined() || a.hT.defined(), a.saved.defined());
+}
+ShapeClass class_of(const GatedDeltaRuleBwd& a) {
+  return class_of(
+      a.q, a.v, all_aligned16(a.q, a.k, a.v, a.h0, a.dout, a.dhT, a.dq, a.dk, a.dv, a.dh0),
+      a.use_qk_l2norm, a.h0.defined() || a.dhT.defined() || a.dh0.defined(), a.saved.defined());
+}
+OpDispatch& dispatch() {
+  static OpDispatch d(kOp);
+  return d;
 }
 
-// The registry key the op resolves on cuda: kGdrFusedFwdOp under GDN_FUSED_FWD=1 (op.h), so that
-// the fused forward route is its own implementation with its own probe and capability check, and
-// the decomposed route its fallback. ref and cpu have one forward.
-const char* resolve_key(const OpQuery& query) {
-  return query.backend == Backend::Cuda && env::get_bool("GDN_FUSED_FWD") ? kGdrFusedFwdOp : kOp;
-}
-const GatedDeltaRuleTable& table_for(const Tensor& q, const Tensor& v) {
-  const OpQuery query = query_for(q, v);
-  return Registry::global().table<GatedDeltaRuleTable>(resolve_key(query), query);
-}
-
-// Probe: documents of 1, 70 (a full chunk plus a partial one) and 13 tokens, r = 2 grouped heads,
-// dk != dv, an initial state and an upstream final-state gradient, l2norm on, decays from none to
-// strong, forward and every gradient.
-ProbeError probe(const ImplDesc& impl, const OpQuery&) {
-  const auto& cand = *static_cast<const GatedDeltaRuleTable*>(impl.table);
-  const auto& ref = *static_cast<const GatedDeltaRuleTable*>(Registry::global().ref(kOp).table);
-  const int64_t T = 84, N = 3, Hk = 2, Hv = 4, dk = 32, dv = 24;
-  const std::vector<int64_t> cu_v{0, 1, 71, 84};
-  const DType st = gdr_state_dtype(backend_dtype(impl.backend));
-  ProbeTensors p(impl.backend);
-  auto q = p.normal({T, Hk, dk}, 21, 1.0);
-  auto k = p.normal({T, Hk, dk}, 22, 1.0);
-  auto v = p.normal({T, Hv, dv}, 23, 1.0);
-  auto g = p.uniform({T, Hv}, 24, -3.0, 0.0, st);
-  auto beta = p.uniform({T, Hv}, 25, 0.0, 1.0, st);
+// One probe case: documents `cu`, Hk key heads and Hv value heads at the class's head dims and
+// options, forward and every gradient against ref.
+void probe_case(const GatedDeltaRuleTable& cand, const GatedDeltaRuleTable& ref, Backend backend,
+                const std::vector<int64_t>& cu_v, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv,
+                bool l2, bool states, bool with_saved, uint64_t seed, ProbeError& err) {
+  const int64_t N = static_cast<int64_t>(cu_v.size()) - 1, T = cu_v.back();
+  const DType st = gdr_state_dtype(backend_dtype(backend));
+  ProbeTensors p(backend);
+  // Without the in-kernel l2norm, q and k come in at unit norm (as the model's l2norm op gives
+  // them), so that the delta rule stays stable (beta |k|^2 <= 1).
+  const double qk_std = l2 ? 1.0 : 1.0 / std::sqrt(static_cast<double>(dk));
+  auto q = p.normal({T, Hk, dk}, seed + 1, qk_std);
+  auto k = p.normal({T, Hk, dk}, seed + 2, qk_std);
+  auto v = p.normal({T, Hv, dv}, seed + 3, 1.0);
+  auto g = p.uniform({T, Hv}, seed + 4, -3.0, 0.0, st);
+  auto beta = p.uniform({T, Hv}, seed + 5, 0.0, 1.0, st);
   auto cu = p.ints(cu_v, {N + 1}, DType::I32);
-  auto h0 = p.normal({N, Hv, dk, dv}, 26, 0.5, st);
-  auto dout = p.normal({T, Hv, dv}, 27, 1.0);
-  auto dhT = p.normal({N, Hv, dk, dv}, 28, 0.5, st);
+  auto dout = p.normal({T, Hv, dv}, seed + 7, 1.0);
   auto o = p.zeros({T, Hv, dv});
-  auto hT = p.zeros({N, Hv, dk, dv}, st);
   auto dq = p.zeros({T, Hk, dk});
   auto dk_ = p.zeros({T, Hk, dk});
   auto dv_ = p.zeros({T, Hv, dv});
   auto dg = p.zeros({T, Hv}, st);
   auto db = p.zeros({T, Hv}, st);
-  auto dh0 = p.zeros({N, Hv, dk, dv}, st);
+  std::optional<ProbeTensors::Pair> h0, hT, dhT, dh0;
+  if (states) {
+    h0 = p.normal({N, Hv, dk, dv}, seed + 6, 0.5, st);
+    dhT = p.normal({N, Hv, dk, dv}, seed + 8, 0.5, st);
+    hT = p.zeros({N, Hv, dk, dv}, st);
+    dh0 = p.zeros({N, Hv, dk, dv}, st);
+  }
+  // `saved` only on the candidate (ref and cpu ignore it): its forward writes it, its backward
+  // reads it instead of recomputing (op.h).
+  OwnedTensor saved;
+  if (with_saved)
+    saved = OwnedTensor::zeros(backend_dtype(backend), {gdr_saved_numel(T, N, Hv, dk, dv)},
+                               backend_device(backend));
   auto run_one = [&](const GatedDeltaRuleTable& t, bool is_ref) {
     auto pick = [is_ref](const ProbeTensors::Pair& x) { return is_ref ? x.ref : x.cand; };
-    t.forward({pick(q), pick(k), pick(v), pick(g), pick(beta), pick(cu), pick(h0), pick(o),
-               pick(hT), 0.0, true});
-    t.backward({pick(q), pick(k), pick(v), pick(g), pick(beta), pick(cu), pick(h0), pick(dout),
-                pick(dhT), pick(dq), pick(dk_), pick(dv_), pick(dg), pick(db), pick(dh0), 0.0,
-                true});
+    auto opt = [&](const std::optional<ProbeTensors::Pair>& x) { return x ? pick(*x) : Tensor(); };
+    const Tensor sv = is_ref ? Tensor() : saved.view();
+    t.forward({pick(q), pick(k), pick(v), pick(g), pick(beta), pick(cu), opt(h0), pick(o), opt(hT),
+               0.0, l2, sv});
+    t.backward({pick(q), pick(k), pick(v), pick(g), pick(beta), pick(cu), opt(h0), pick(dout),
+                opt(dhT), pick(dq), pick(dk_), pick(dv_), pick(dg), pick(db), opt(dh0), 0.0, l2,
+                sv});
   };
   run_one(ref, true);
   run_one(cand, false);
-  ProbeError err;
-  err.fwd = std::max(rel_l2_error(o.cand, o.ref), rel_l2_error(hT.cand, hT.ref));
-  for (const auto* x : {&dq, &dk_, &dv_, &dg, &db, &dh0})
+  err.fwd = std::max(err.fwd, rel_l2_error(o.cand, o.ref));
+  if (states) err.fwd = std::max(err.fwd, rel_l2_error(hT->cand, hT->ref));
+  for (const auto* x : {&dq, &dk_, &dv_, &dg, &db})
     err.bwd = std::max(err.bwd, rel_l2_error(x->cand, x->ref));
+  if (states) err.bwd = std::max(err.bwd, rel_l2_error(dh0->cand, dh0->ref));
+}
+
+// Probe, at the class's head dims and options (dk 32, dv 24, l2norm, states, no saved when the
+// query has none), grouped heads r = 2, two cases that take the CUDA fast route's two schedules:
+// one document of 150 tokens (2 full chunks and a partial one; few blocks, so the dk-split state
+// pass with the trailing output), and 12 documents of 1, 0, 70 (a full chunk and a partial one),
+// 13, ... tokens (more blocks than SMs at dv = 128: the plain state pass, then the output).
+ProbeError probe(const ImplDesc& impl, const OpQuery& query) {
+  const auto& cand = *static_cast<const GatedDeltaRuleTable*>(impl.table);
+  const auto& ref = *static_cast<const GatedDeltaRuleTable*>(Registry::global().ref(kOp).table);
+  const int64_t dk = query.dim("dk", 32), dv = query.dim("dv", 24);
+  const bool l2 = query.dim("l2", 1) != 0, states = query.dim("states", 1) != 0;
+  const bool saved = query.dim("saved", 0) != 0;
+  ProbeError err;
+  probe_case(cand, ref, impl.backend, {0, 150}, 2, 4, dk, dv, l2, states, saved, 20, err);
+  probe_case(cand, ref, impl.backend, {0, 1, 1, 71, 84, 86, 150, 151, 160, 224, 230, 231, 260}, 2,
+             4, dk, dv, l2, states, saved, 40, err);
   return err;
 }
 
@@ -293,12 +337,12 @@ int64_t gdr_saved_numel(int64_t T, int64_t N, int64_t Hv, int64_t dk, int64_t dv
 
 void gated_delta_rule_forward(const GatedDeltaRuleFwd& a) {
   validate_fwd(a);
-  table_for(a.q, a.v).forward(a);
+  dispatch().table<GatedDeltaRuleTable>(class_of(a)).forward(a);
 }
 
 void gated_delta_rule_backward(const GatedDeltaRuleBwd& a) {
   validate_bwd(a);
-  table_for(a.q, a.v).backward(a);
+  dispatch().table<GatedDeltaRuleTable>(class_of(a)).backward(a);
 }
 
 GDN_REGISTER(gated_delta_rule_op) {
@@ -316,14 +360,7 @@ GDN_REGISTER(gated_delta_rule_op) {
   d.probe = probe;
   d.tolerance = tolerance;
   d.run = run;
-  // GDN_FUSED_FWD=1's registry key (op.h): the same contract, probe, tolerance and runner.
-  OpDesc fused = d;
-  fused.name = kGdrFusedFwdOp;
-  fused.summary =
-      "gated_delta_rule under GDN_FUSED_FWD=1 on cuda: the fused forward route (cuda.fused_fwd), "
-      "probed on its own, with the decomposed route (cuda.chunk64) as its fallback; one backward";
   Registry::global().add_op(std::move(d));
-  Registry::global().add_op(std::move(fused));
 }
 
 }  // namespace gdn::ops

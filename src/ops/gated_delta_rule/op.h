@@ -106,34 +106,31 @@
 //     routes write in the layout above), then a reverse state pass and per-chunk gradient
 //     kernels; on the fast route the state passes split dk over 2, 4 or 8 groups of one or two
 //     warps (16 or 32 value columns a block) when their grid has no more blocks than SMs, one long
-//     document, and stage up to 3 chunks ahead, cuda_fast.h). Two routes with the same
-//     contract (cuda.cu): the fast one (dk, dv <= 128, multiples of 8, 16-byte aligned tensors;
-//     mma.sync with operands kept in registers, gates from fp32 chunk-local cumsums of g, every
-//     product bf16 x bf16 -> fp32) and the generic one (any dims; WMMA, gates summed term by term
-//     as on the cpu, the inverse's backward in tf32). On both, T = (I + M)^{-1} is inverted in
+//     document, and stage up to 3 chunks ahead, cuda_fast.h). Two implementations with the same
+//     contract (cuda.cu), ordinary registry candidates resolved per shape class: cuda.chunk64, the
+//     fast route (classes with dk, dv <= 128, multiples of 8, 16-byte aligned tensors; mma.sync
+//     with operands kept in registers, gates from fp32 chunk-local cumsums of g, every product
+//     bf16 x bf16 -> fp32), and cuda.chunk64_generic (any dims; WMMA, gates summed term by term
+//     as on the cpu, the inverse's backward in tf32), which the resolver takes for the other
+//     classes or when the fast route fails its probe. On both, T = (I + M)^{-1} is inverted in
 //     fp32, the running state and dS are fp32, and the operands are rounded to bf16: normalised
 //     q/k, T, W, U, V', the chunk-boundary state snapshots and the score matrices (gdn_spec.md
 //     §3.7). dg is assembled as on the cpu. Device cu_seqlens are never read on the host: the
 //     kernels clamp them into [0, T] and make them non-decreasing (cuda.h, which also exposes the
 //     chunk index so that a micro-batch builds it once for all its layers).
-//   cuda.fused_fwd (GDN_FUSED_FWD=1, cuda_fused_fwd.cu): a second forward route, one kernel per
-//     (document, value head, 32 value columns) that walks the document's chunks in order with the
-//     running state in fp32 registers and computes per chunk gamma, K K^T, T, W and U, V', the
-//     output and the state update on mma.sync (dk, dv <= 128, multiples of 8, 16-byte aligned
-//     tensors, compute capability 8.0 and about 172 KiB of shared memory per block at dk = 128).
-//     It writes exactly what the decomposed forward writes (o, hT, and `saved` in the layout above)
-//     and its backward IS cuda.chunk64's, so the backward does not depend on the route. With the
-//     knob at 1 the op resolves the registry key kGdrFusedFwdOp, whose candidates are this route
-//     (its own capability check and probe against ref) and cuda.chunk64, which the resolver falls
-//     back to with one log line when this GPU cannot run the fused route or it fails its probe
-//     (GDN_STRICT_KERNELS=1: an error). A call the fused route does not take (head dims, alignment)
-//     runs the decomposed forward, with one log line (an error under GDN_STRICT_KERNELS). With the
-//     knob at 0 (the default) the op resolves gated_delta_rule, whose only cuda route is
-//     cuda.chunk64. Its `saved` may differ from the decomposed route's in the last bits (V' = U - W
-//     S is summed over dk in another order than the decomposed state pass's split), so the bitwise
-//     promise above for a backward given `saved` is the decomposed forward's; the fused one's
-//     agrees within the tolerance (at dk = dv = 128 the tests saw the two routes' o, hT and
-//     `saved` come out bitwise equal: a last-bit fp32 difference rarely survives the bf16
+//   cuda.fused_fwd (cuda_fused_fwd.cu): a third candidate, below the other two (slower on an H200:
+//     docs/PERF.md run 16), chosen with GDN_OP_GATED_DELTA_RULE=cuda.fused_fwd. Its forward is one
+//     kernel per (document, value head, 32 value columns) that walks the document's chunks in order
+//     with the running state in fp32 registers and computes per chunk gamma, K K^T, T, W and U, V',
+//     the output and the state update on mma.sync (classes with dk, dv <= 128, multiples of 8,
+//     16-byte aligned tensors, compute capability 8.0 and about 172 KiB of shared memory per block
+//     at dk = 128: its capability check). It writes exactly what the decomposed forward writes (o,
+//     hT, and `saved` in the layout above) and its backward IS cuda.chunk64's, so the backward does
+//     not depend on the route. Its `saved` may differ from the decomposed route's in the last bits
+//     (V' = U - W S is summed over dk in another order than the decomposed state pass's split), so
+//     the bitwise promise above for a backward given `saved` is the decomposed forward's; the
+//     fused one's agrees within the tolerance (at dk = dv = 128 the tests saw the two routes' o, hT
+//     and `saved` come out bitwise equal: a last-bit fp32 difference rarely survives the bf16
 //     rounding of V' and of the snapshots).
 // Determinism: cpu is bitwise deterministic and independent of the thread count (each (document,
 // head) pair is computed by one thread in a fixed order; the sums over the r value heads of a key
@@ -149,8 +146,6 @@ namespace gdn::ops {
 constexpr int64_t kGdrChunk = 64;        // C: chunk length of the chunked algorithm
 constexpr int64_t kGdrMaxHeadDim = 256;  // dk, dv limit (FLA asserts K <= 256 in its state kernels)
 constexpr double kGdrL2NormEps = 1e-6;   // inside the sqrt of the SUM of squares, as FLA and HF
-// The registry key the op resolves on cuda under GDN_FUSED_FWD=1 (cuda.fused_fwd, above).
-constexpr const char* kGdrFusedFwdOp = "gated_delta_rule_fused_fwd";
 
 struct GatedDeltaRuleFwd {
   Tensor q;           // [T, Hk, dk]

@@ -234,7 +234,6 @@ const GatedDeltaRuleTable kTable{forward, backward};
 
 GDN_REGISTER(gated_delta_rule_ref) {
   Registry::global().add_impl({"gated_delta_rule", "ref", Backend::Ref, 0, nullptr, &kTable});
-  Registry::global().add_impl({kGdrFusedFwdOp, "ref", Backend::Ref, 0, nullptr, &kTable});
 }
 
 }  // namespace gdn::ops
