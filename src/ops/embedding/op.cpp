@@ -85,13 +85,15 @@ OpDispatch& dispatch() {
 // nonzero values; the forward and then the backward of the same ids, with the plan between them
 // when the class has one. Given a class: its D, id dtype and plan over V = 300 rows and T = 300
 // tokens (19 windows of 16 sorted positions), tensors one element past a 16-byte boundary when
-// the class is not vec. The default class: D = 19, V = 37, T = 41, both id dtypes, with and
-// without a plan.
+// the class is not vec. The default class: D = 19 and 64, V = 37, T = 41, both id dtypes, with
+// and without a plan.
 ProbeError probe(const ImplDesc& impl, const OpQuery& query) {
   const auto& cand = *static_cast<const EmbeddingTable*>(impl.table);
   const auto& ref = *static_cast<const EmbeddingTable*>(Registry::global().ref(kOp).table);
   const bool classed = query.dims.contains("D");
-  const int64_t V = classed ? 300 : 37, D = query.dim("D", 19), T = classed ? 300 : 41;
+  const int64_t V = classed ? 300 : 37, T = classed ? 300 : 41;
+  std::vector<int64_t> widths = {19, 64};  // the default class: odd rows and whole 16-byte ones
+  if (classed) widths = {query.dim("D", 0)};
   const bool shift = classed && query.dim("vec", 1) == 0;
   const DType gdt = embedding_grad_dtype(backend_dtype(impl.backend));
   std::vector<DType> idts = {DType::I32, DType::I64};
@@ -101,29 +103,30 @@ ProbeError probe(const ImplDesc& impl, const OpQuery& query) {
     plans = {query.dim("plan", 0) != 0};
   }
   ProbeError err;
-  for (const DType idt : idts)
-    for (const bool with_plan : plans) {
-      ProbeTensors p(impl.backend);
-      std::vector<int64_t> idv(static_cast<size_t>(T));
-      for (int64_t t = 0; t < T; ++t) idv[static_cast<size_t>(t)] = (t * t * 7) % 13 * 3 % V;
-      if (classed)  // half the tokens spread over the vocabulary, half on 13 hot rows
-        for (int64_t t = 1; t < T; t += 2) idv[static_cast<size_t>(t)] = (t * 97 + 5) % V;
-      idv[0] = V - 1;
-      idv[static_cast<size_t>(T - 1)] = 0;
-      auto ids = p.ints(idv, {T}, idt);
-      auto w = misaligned(p, p.normal({V, D}, 41, 1.0), shift);
-      auto dy = misaligned(p, p.normal({T, D}, 42, 1.0), shift);
-      auto y = misaligned(p, p.zeros({T, D}), shift);
-      auto dw = misaligned(p, p.normal({V, D}, 43, 1.0, gdt), shift);
-      auto plan = p.zeros({embedding_plan_numel(T, D)}, DType::I32);
-      const Tensor cplan = with_plan ? plan.cand : Tensor();
-      ref.forward({ids.ref, w.ref, y.ref});
-      cand.forward({ids.cand, w.cand, y.cand, cplan});
-      ref.backward({ids.ref, dy.ref, dw.ref});
-      cand.backward({ids.cand, dy.cand, dw.cand, cplan});
-      err.fwd = std::max(err.fwd, rel_l2_error(y.cand, y.ref));
-      err.bwd = std::max(err.bwd, rel_l2_error(dw.cand, dw.ref));
-    }
+  for (const int64_t D : widths)
+    for (const DType idt : idts)
+      for (const bool with_plan : plans) {
+        ProbeTensors p(impl.backend);
+        std::vector<int64_t> idv(static_cast<size_t>(T));
+        for (int64_t t = 0; t < T; ++t) idv[static_cast<size_t>(t)] = (t * t * 7) % 13 * 3 % V;
+        if (classed)  // half the tokens spread over the vocabulary, half on 13 hot rows
+          for (int64_t t = 1; t < T; t += 2) idv[static_cast<size_t>(t)] = (t * 97 + 5) % V;
+        idv[0] = V - 1;
+        idv[static_cast<size_t>(T - 1)] = 0;
+        auto ids = p.ints(idv, {T}, idt);
+        auto w = misaligned(p, p.normal({V, D}, 41, 1.0), shift);
+        auto dy = misaligned(p, p.normal({T, D}, 42, 1.0), shift);
+        auto y = misaligned(p, p.zeros({T, D}), shift);
+        auto dw = misaligned(p, p.normal({V, D}, 43, 1.0, gdt), shift);
+        auto plan = p.zeros({embedding_plan_numel(T, D)}, DType::I32);
+        const Tensor cplan = with_plan ? plan.cand : Tensor();
+        ref.forward({ids.ref, w.ref, y.ref});
+        cand.forward({ids.cand, w.cand, y.cand, cplan});
+        ref.backward({ids.ref, dy.ref, dw.ref});
+        cand.backward({ids.cand, dy.cand, dw.cand, cplan});
+        err.fwd = std::max(err.fwd, rel_l2_error(y.cand, y.ref));
+        err.bwd = std::max(err.bwd, rel_l2_error(dw.cand, dw.ref));
+      }
   return err;
 }
 
