@@ -178,12 +178,13 @@ void probe_case(const LinearCrossEntropyTable& cand, const LinearCrossEntropyTab
 }
 
 // Probe, given a class: its D, target dtype, workspace and denominator, ignored rows, targets 0
-// and V - 1, z-loss on, V = 509; the model's route: reduction mean over N = 100 rows in full-V
-// row blocks of 32 rows (a budget for 32 rows: 4 blocks on the CPU, 2 of the CUDA layout's), and
-// reduction none with a per-token upstream gradient over 40 rows (2 blocks); forward_backward and
-// forward alone. The default class (no D): odd small sizes (D = 24, V = 301, N = 37), I64 targets,
-// one pass in slab mode (a 4 KiB budget: several row blocks and vocabulary slabs) with reduction
-// mean and label smoothing, one in full-V mode with reduction none.
+// and V - 1, z-loss on, V = 257 (padded on cuda); the model's route: reduction mean over N = 72
+// rows in full-V row blocks (a budget for 32 rows: 3 blocks on the CPU, 2 of 60 rows in the CUDA
+// layout), and reduction none with a per-token upstream gradient over 36 rows; forward_backward
+// and forward alone. The ref's cost grows with D (~1 s at D = 2560 on one core). The default
+// class (no D): odd small sizes (D = 24, V = 301, N = 37), I64 targets, one pass in slab mode (a
+// 4 KiB budget: several row blocks and vocabulary slabs) with reduction mean and label smoothing,
+// one in full-V mode with reduction none.
 ProbeError probe(const ImplDesc& impl, const OpQuery& query) {
   const auto& cand = *static_cast<const LinearCrossEntropyTable*>(impl.table);
   const auto& ref = *static_cast<const LinearCrossEntropyTable*>(Registry::global().ref(kOp).table);
@@ -196,14 +197,14 @@ ProbeError probe(const ImplDesc& impl, const OpQuery& query) {
                {37, 24, 301, LceReduction::None, 0.0, 0, DType::I64, false, -1}, err);
     return err;
   }
-  const int64_t D = query.dim("D", 24), V = 509;
+  const int64_t D = query.dim("D", 24), V = 257;
   const DType tdt = query.dim("t32", 0) != 0 ? DType::I32 : DType::I64;
   const bool ws = query.dim("ws", 0) != 0;
   const double den = query.dim("den", 0) != 0 ? 131.0 : -1.0;
   const int64_t budget = kLceMinRows * (4 * V + kLceRowStatBytes);
-  probe_case(cand, ref, impl.backend, {100, D, V, LceReduction::Mean, 0.0, budget, tdt, ws, den},
+  probe_case(cand, ref, impl.backend, {72, D, V, LceReduction::Mean, 0.0, budget, tdt, ws, den},
              err);
-  probe_case(cand, ref, impl.backend, {40, D, V, LceReduction::None, 0.0, budget, tdt, ws, -1},
+  probe_case(cand, ref, impl.backend, {36, D, V, LceReduction::None, 0.0, budget, tdt, ws, -1},
              err);
   return err;
 }
