@@ -2,10 +2,13 @@
 // runner).
 #include "ops/adamw/op.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
 
+#include "backend/probe_layout.h"
+#include "backend/shape_class.h"
 #include "backend/tolerances.h"
 #include "gdn/backend/probe.h"
 #include "gdn/backend/registry.h"
@@ -134,8 +137,25 @@ void validate_copies(std::span<const Bf16Copy> copies) {
   }
 }
 
+// The shape class of a step: whether any master is split (I16 low half + bf16 high half: the
+// kernels' split instantiations) and whether the clip decision is read from the device (clip.sumsq:
+// the CUDA clip kernel and the step kernel's early return). Per-tensor branches (16-byte groups,
+// several work units, more tensors than one launch holds) are covered by every class's probe.
+ShapeClass class_of(const AdamWStep& s) {
+  bool split = false;
+  for (const AdamWParam& e : s.params) split = split || e.p.dtype() == DType::I16;
+  return ShapeClass(infer_backend(s.params[0].p))
+      .flag("split", split)
+      .flag("clip", s.clip.sumsq.defined());
+}
+OpDispatch& dispatch() {
+  static OpDispatch d(kOp);
+  return d;
+}
+// grad_global_norm, grad_sumsq_into and refresh_bf16: the default class (its probe runs them all,
+// and every class's probe runs them too).
 const AdamWTable& table_for(const Tensor& t) {
-  return Registry::global().table<AdamWTable>(kOp, OpQuery{infer_backend(t), "", {}});
+  return dispatch().table<AdamWTable>(ShapeClass(infer_backend(t)));
 }
 
 std::vector<double> deltas(const Tensor& after, const std::vector<double>& before) {
@@ -144,36 +164,51 @@ std::vector<double> deltas(const Tensor& after, const std::vector<double>& befor
   return d;
 }
 
-// Probe: four tensors (odd sizes, one of a single element, one with all-zero gradients, decay on
-// and off), three steps with the clip scale active and inactive, the fused bf16 copy on two of
-// them, and the global norm. Compared with ref: the change of p over the steps (p itself hides
-// the update under its own rounding), m, v and the norm; the candidate's bf16 copies must equal
-// its own masters rounded to nearest even, bit for bit. Split masters (cpu, cuda) must give the
-// fp32 path's bits, and the split refresh must round exact ties away from zero.
-ProbeError probe(const ImplDesc& impl, const OpQuery&) {
+// Probe, in every class: 135 tensors (more than one CUDA launch's 128): odd sizes, one of a single
+// element, one with all-zero gradients whose tensors start one element past a 16-byte boundary
+// (the per-element path), one of 40000 elements (several step units of 4096 and grad_sumsq units
+// of 32768), 130 of 3 elements; decay on and off, bf16 copies on most. The steps: with the class
+// without clip, three with the host's scale (clipping inactive, active, inactive); with clip, the
+// device's decision from grad_sumsq_into's sum and the step's losses: off, active, a non-finite
+// loss (the step is skipped: nothing may change), inactive; the default class runs both series.
+// Compared with ref: the change of p over the steps (p itself hides the update under its own
+// rounding), m, v and the norms; the candidate's bf16 copies must equal its own masters rounded
+// to nearest even, bit for bit. With split masters (the class with split, and the default class;
+// cpu, cuda) three twins run in the same calls as (bf16, I16) halves and must give the fp32 path's
+// bits. Every class also checks refresh_bf16: plain copies of every tensor, and split copies at
+// exact ties (away from zero) and near them.
+ProbeError probe(const ImplDesc& impl, const OpQuery& query) {
   const auto& cand = *static_cast<const AdamWTable*>(impl.table);
   const auto& ref = *static_cast<const AdamWTable*>(Registry::global().ref(kOp).table);
   const DType sd = adamw_state_dtype(backend_dtype(impl.backend));
+  const bool all = query.dims.empty();
+  const bool with_split = sd == DType::F32 && (all || query.dim("split", 0) != 0);
+  const bool host_steps = all || query.dim("clip", 0) == 0;
+  const bool clip_steps = all || query.dim("clip", 0) != 0;
   ProbeTensors pt(impl.backend);
   struct Slot {
     ProbeTensors::Pair p, g, m, v, bf;
     bool decay, has_bf16;
   };
-  auto filled = [&](const std::vector<int64_t>& shape, uint64_t seed, double std, DType dt) {
+  auto filled = [&](const std::vector<int64_t>& shape, uint64_t seed, double std, DType dt,
+                    bool shift = false) {
     int64_t n = 1;
     for (int64_t s : shape) n *= s;
     std::vector<double> x(static_cast<size_t>(n));
     for (size_t j = 0; j < x.size(); ++j) x[j] = std * rng::normal(seed, 3, j);
-    return pt.input(x, shape, dt);
+    return misaligned(pt, pt.input(x, shape, dt), shift);
   };
-  const std::vector<int64_t> shapes[] = {{7, 13}, {5}, {33}, {1}};
-  const bool decays[] = {true, false, true, false};
+  std::vector<std::vector<int64_t>> shapes = {{7, 13}, {5}, {33}, {1}, {40000}};
+  for (int i = 0; i < 130; ++i) shapes.push_back({3});
   std::vector<Slot> slots;
-  for (uint64_t i = 0; i < 4; ++i) {
+  for (size_t i = 0; i < shapes.size(); ++i) {
     const auto& sh = shapes[i];
-    slots.push_back({filled(sh, 70 + i, 1.0, sd), filled(sh, 80 + i, i == 2 ? 0.0 : 0.5, sd),
-                     filled(sh, 0, 0.0, sd), filled(sh, 0, 0.0, sd),
-                     filled(sh, 0, 0.0, DType::BF16), decays[i], i < 2});
+    const uint64_t k = i;
+    const bool shift = i == 2;
+    slots.push_back({filled(sh, 70 + k, 1.0, sd, shift),
+                     filled(sh, 1000 + k, i == 2 ? 0.0 : 0.5, sd, shift),
+                     filled(sh, 0, 0.0, sd, shift), filled(sh, 0, 0.0, sd, shift),
+                     filled(sh, 0, 0.0, DType::BF16), i % 2 == 0 || i == 4, i != 2 && i != 3});
   }
   std::vector<std::vector<double>> p0;
   for (const Slot& s : slots) p0.push_back(to_f64_vector(s.p.ref));
@@ -186,15 +221,16 @@ ProbeError probe(const ImplDesc& impl, const OpQuery&) {
     rg.push_back(s.g.ref);
     cg.push_back(s.g.cand);
   }
-  // Split masters (op.h): a twin of slots 0 and 1 with the master as (bf16, I16) halves and its
-  // own m, v, in the same calls. After the steps the joined halves must be the fp32 master's
-  // bits and the high half its split_hi, exactly.
+  // Split masters (op.h): twins of slots 0, 1 and 4 with the master as (bf16, I16) halves and
+  // their own m, v, in the same calls. After the steps the joined halves must be the fp32
+  // master's bits and the high half its split_hi, exactly.
   struct Twin {
+    size_t of;
     ProbeTensors::Pair lo, hi, m, v;
   };
   std::vector<Twin> twins;
-  if (sd == DType::F32) {
-    for (size_t i = 0; i < 2; ++i) {
+  if (with_split) {
+    for (const size_t i : {size_t{0}, size_t{1}, size_t{4}}) {
       const Slot& s = slots[i];
       std::vector<double> hi;
       std::vector<int64_t> lo;
@@ -205,25 +241,41 @@ ProbeError probe(const ImplDesc& impl, const OpQuery&) {
         lo.push_back(split_lo(b, h));
       }
       const std::vector<int64_t> sh = s.p.cand.shape_vec();
-      twins.push_back({pt.ints(lo, sh, DType::I16), pt.input(hi, sh, DType::BF16),
+      twins.push_back({i, pt.ints(lo, sh, DType::I16), pt.input(hi, sh, DType::BF16),
                        filled(sh, 0, 0.0, sd), filled(sh, 0, 0.0, sd)});
     }
-    for (size_t i = 0; i < twins.size(); ++i)
-      cp.push_back({twins[i].lo.cand,
-                    slots[i].g.cand,
-                    twins[i].m.cand,
-                    twins[i].v.cand,
-                    twins[i].hi.cand,
-                    slots[i].decay,
-                    {}});
+    for (const Twin& w : twins)
+      cp.push_back(
+          {w.lo.cand, slots[w.of].g.cand, w.m.cand, w.v.cand, w.hi.cand, slots[w.of].decay, {}});
   }
   ProbeError err;
-  const double nr = std::sqrt(ref.grad_sumsq(rg)), nc = std::sqrt(cand.grad_sumsq(cg));
-  err.fwd = std::abs(nc - nr) / nr;
-  for (int64_t t = 1; t <= 3; ++t) {
-    AdamWHyper h{0.05, 0.9, 0.95, 1e-8, 0.1, t, t == 2 ? clip_scale(nr, 0.5 * nr) : 1.0};
-    ref.step({rp, h, {}});
-    cand.step({cp, h, {}});
+  // The norms: grad_sumsq on the host and grad_sumsq_into (the clip path's sum, on the device).
+  const double sr = ref.grad_sumsq(rg), nr = std::sqrt(sr);
+  err.fwd = std::abs(std::sqrt(cand.grad_sumsq(cg)) - nr) / nr;
+  auto sumsq = pt.zeros({1}, DType::F64);
+  ref.grad_sumsq_into(rg, sumsq.ref);
+  cand.grad_sumsq_into(cg, sumsq.cand);
+  err.fwd = std::max(err.fwd, std::abs(std::sqrt(to_f64_vector(sumsq.cand)[0]) - nr) / nr);
+  int64_t t = 0;
+  if (host_steps)
+    for (int k = 0; k < 3; ++k) {
+      ++t;
+      AdamWHyper h{0.05, 0.9, 0.95, 1e-8, 0.1, t, k == 1 ? clip_scale(nr, 0.5 * nr) : 1.0};
+      ref.step({rp, h, {}});
+      cand.step({cp, h, {}});
+    }
+  if (clip_steps) {
+    const std::vector<double> fine = {2.5, 3.0}, bad = {2.5, std::nan("")};
+    auto losses = pt.input(fine, {2}, DType::F32), nan_losses = pt.input(bad, {2}, DType::F32);
+    // max_norm 0 (off), half the norm (active), a NaN loss (skipped), 10x the norm (inactive).
+    const double max_norms[] = {0.0, 0.5 * nr, 0.5 * nr, 10 * nr};
+    for (int k = 0; k < 4; ++k) {
+      if (k != 2) ++t;
+      const AdamWHyper h{0.05, 0.9, 0.95, 1e-8, 0.1, std::max<int64_t>(t, 1), 1.0};
+      const auto& l = k == 2 ? nan_losses : losses;
+      ref.step({rp, h, {sumsq.ref, l.ref, max_norms[k]}});
+      cand.step({cp, h, {sumsq.cand, l.cand, max_norms[k]}});
+    }
   }
   std::vector<double> dr, dc, mr, mc, vr, vc;
   for (size_t i = 0; i < slots.size(); ++i) {
@@ -238,18 +290,30 @@ ProbeError probe(const ImplDesc& impl, const OpQuery&) {
       err.fwd = std::max(err.fwd, rel_l2_error(slots[i].bf.cand, want) > 0 ? INFINITY : 0.0);
     }
   }
-  for (size_t i = 0; i < twins.size(); ++i) {
-    const std::vector<double> want = to_f64_vector(slots[i].p.cand),
-                              hi = to_f64_vector(twins[i].hi.cand);
-    const OwnedTensor lo = convert(twins[i].lo.cand, DType::I16);  // host copy of the bits
+  for (const Twin& w : twins) {
+    const std::vector<double> want = to_f64_vector(slots[w.of].p.cand),
+                              hi = to_f64_vector(w.hi.cand);
+    const OwnedTensor lo = convert(w.lo.cand, DType::I16);  // host copy of the bits
     for (size_t j = 0; j < want.size(); ++j) {
-      const uint32_t w = f32_bits(static_cast<float>(want[j]));
+      const uint32_t b = f32_bits(static_cast<float>(want[j]));
       const uint16_t h = float_to_bf16_bits(static_cast<float>(hi[j]));  // exact: hi is a bf16
       const int16_t l = lo.view().ptr<int16_t>()[j];
-      if (split_join(h, l) != w || h != split_hi(w)) err.fwd = INFINITY;
+      if (split_join(h, l) != b || h != split_hi(b)) err.fwd = INFINITY;
     }
   }
-  if (sd == DType::F32) {  // the split refresh at exact ties (away from zero) and near them
+  if (sd == DType::F32) {
+    // refresh_bf16, plain: a fresh bf16 copy of every master (multi-launch, several units).
+    std::vector<Bf16Copy> copies;
+    std::vector<ProbeTensors::Pair> outs;
+    for (const Slot& s : slots) outs.push_back(pt.zeros({s.p.cand.numel()}, DType::BF16));
+    for (size_t i = 0; i < slots.size(); ++i)
+      copies.push_back({slots[i].p.cand, outs[i].cand.reshape(slots[i].p.cand.shape())});
+    cand.refresh_bf16(copies);
+    for (size_t i = 0; i < slots.size(); ++i) {
+      OwnedTensor want = convert(slots[i].p.cand, DType::BF16);
+      err.fwd = std::max(err.fwd, rel_l2_error(copies[i].copy, want) > 0 ? INFINITY : 0.0);
+    }
+    // refresh_bf16, split: at exact ties (away from zero) and near them.
     const std::vector<double> xs = {1.0 + 0x1p-8, -(1.0 + 0x1p-8), 1.0 + 3 * 0x1p-8, 0.1, -7.0};
     ProbeTensors::Pair x = pt.input(xs, {5}, DType::F32), h = pt.zeros({5}, DType::BF16);
     const std::vector<int64_t> zeros(5, 0);
@@ -313,7 +377,8 @@ void adamw_step(std::span<const AdamWParam> params, const AdamWHyper& hyper,
                 const AdamWClip& clip) {
   validate_step(params, hyper, clip);
   if (params.empty()) return;
-  table_for(params[0].p).step({params, hyper, clip});
+  const AdamWStep s{params, hyper, clip};
+  dispatch().table<AdamWTable>(class_of(s)).step(s);
 }
 
 double grad_global_norm(std::span<const Tensor> grads) {

@@ -1,6 +1,11 @@
 // axpy: validation, dispatch and registration.
 #include "ops/axpy/op.h"
 
+#include <algorithm>
+#include <vector>
+
+#include "backend/probe_layout.h"
+#include "backend/shape_class.h"
 #include "backend/tolerances.h"
 #include "gdn/backend/probe.h"
 #include "gdn/backend/registry.h"
@@ -21,15 +26,50 @@ void validate(const AxpyArgs& a) {
   expect_device(a.x, kOp, "x", a.y.device());
 }
 
-ProbeError probe(const ImplDesc& impl, const OpQuery&) {
+// The shape class: the dtype of x and y (CUDA: F32 with 4-wide vectors, BF16 with 8-wide; the
+// model's accumulations are BF16 activations) and whether both pointers allow 16-byte vectors.
+ShapeClass class_of(const AxpyArgs& a) {
+  return ShapeClass(infer_backend(a.y))
+      .flag("f32", a.y.dtype() == DType::F32)
+      .flag("vec", all_aligned16(a.x, a.y));
+}
+OpDispatch& dispatch() {
+  static OpDispatch d(kOp);
+  return d;
+}
+
+// Probe: an odd length past the CPU loop's OpenMP threshold (65536) and over several CUDA blocks
+// with a tail, in the class's dtype (the backend's activation dtype and F32 where they differ for
+// the default class), on tensors one element past a 16-byte boundary for the class without vec
+// (both layouts for the default class).
+ProbeError probe(const ImplDesc& impl, const OpQuery& query) {
   const auto& cand = *static_cast<const AxpyTable*>(impl.table);
   const auto& ref = *static_cast<const AxpyTable*>(Registry::global().ref(kOp).table);
-  ProbeTensors p(impl.backend);
-  auto x = p.normal({1031}, 3, 1.0);
-  auto y = p.normal({1031}, 4, 1.0);
-  cand.run({x.cand, y.cand, -0.75});
-  ref.run({x.ref, y.ref, -0.75});
-  return {rel_l2_error(y.cand, y.ref), 0.0};  // no backward: the op is linear in x and y
+  const int64_t n = 70001;
+  std::vector<DType> dtypes;
+  if (query.dims.contains("f32"))
+    dtypes = {query.dim("f32", 0) != 0 ? DType::F32 : backend_dtype(impl.backend)};
+  else if (backend_dtype(impl.backend) == DType::F32)
+    dtypes = {DType::F32};
+  else
+    dtypes = {backend_dtype(impl.backend), DType::F32};
+  std::vector<bool> shifts;
+  if (query.dims.contains("vec"))
+    shifts = {query.dim("vec", 1) == 0};
+  else
+    shifts = {false, true};
+  ProbeError err;
+  for (const DType dt : dtypes)
+    for (const bool shift : shifts) {
+      ProbeTensors p(impl.backend);
+      auto x = misaligned(p, p.normal({n}, 3, 1.0, dt), shift);
+      auto y = misaligned(p, p.normal({n}, 4, 1.0, dt), shift);
+      cand.run({x.cand, y.cand, -0.75});
+      ref.run({x.ref, y.ref, -0.75});
+      // No backward: the op is linear in x and y.
+      err.fwd = std::max(err.fwd, rel_l2_error(y.cand, y.ref));
+    }
+  return err;
 }
 
 ProbeError tolerance(DType dt) {
@@ -56,7 +96,7 @@ void run(const ImplDesc& impl, OpIO& io, bool) {
 
 void axpy(const AxpyArgs& a) {
   validate(a);
-  Registry::global().table<AxpyTable>(kOp, OpQuery{infer_backend(a.y), "", {}}).run(a);
+  dispatch().table<AxpyTable>(class_of(a)).run(a);
 }
 
 GDN_REGISTER(axpy_op) {

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "backend/shape_class.h"
 #include "backend/tolerances.h"
 #include "gdn/backend/probe.h"
 #include "gdn/backend/registry.h"
@@ -44,36 +45,58 @@ void validate(const CrossEntropyArgs& a) {
   }
 }
 
-// Probe: 9 rows of an odd vocabulary with logits of std 3 (one row strongly peaked at its
-// target), one ignored row, z-loss and a gradient scale; the gradient out of place, then in place
-// over the logits.
-ProbeError probe(const ImplDesc& impl, const OpQuery&) {
+// The shape class: whether dlogits is given (the kernels' gradient pass, CUDA pass 3; without it
+// the forward only). The row width is not one: every row strides over V whatever it is.
+ShapeClass class_of(const CrossEntropyArgs& a) {
+  return ShapeClass(infer_backend(a.logits)).flag("grad", a.dlogits.defined());
+}
+OpDispatch& dispatch() {
+  static OpDispatch d(kOp);
+  return d;
+}
+
+// Probe: rows of V = 131 and 2053 (below and past one CUDA block's 256 columns), an ignored row,
+// targets 0 and V - 1, one confident row (p_y ~ 1: the expm1 path), z-loss and a gradient scale.
+// The class with grad runs the gradient out of place and in place over the logits, the class
+// without it the forward alone (dlogits not given); the default class runs both.
+ProbeError probe(const ImplDesc& impl, const OpQuery& query) {
   const auto& cand = *static_cast<const CrossEntropyTable*>(impl.table);
   const auto& ref = *static_cast<const CrossEntropyTable*>(Registry::global().ref(kOp).table);
-  const int64_t R = 9, V = 131;
-  ProbeTensors p(impl.backend);
+  const int64_t R = 9;
   const DType st = cross_entropy_stat_dtype(backend_dtype(impl.backend));
-  auto z = p.normal({R, V}, 61, 3.0);
-  std::vector<int64_t> yv = {5, 0, 130, -100, 77, 64, 1, 129, 33};
-  std::vector<double> zv(static_cast<size_t>(R * V));
-  {
-    OwnedTensor r = convert(z.ref, DType::F64);
-    std::copy(r.ptr<double>(), r.ptr<double>() + R * V, zv.begin());
-  }
-  zv[static_cast<size_t>(4 * V + 77)] = 30.0;  // p_y ~ 1: the expm1 path
-  auto logits = p.input(zv, {R, V});
-  auto y = p.ints(yv, {R}, DType::I32);
-  auto loss = p.zeros({R}, st), lse = p.zeros({R}, st), zl = p.zeros({R}, st);
-  auto dz = p.zeros({R, V});
-  const double lam = 1e-2, c = 0.37;
-  ref.run({logits.ref, y.ref, loss.ref, lse.ref, zl.ref, dz.ref, lam, c});
-  cand.run({logits.cand, y.cand, loss.cand, lse.cand, zl.cand, dz.cand, lam, c});
+  std::vector<bool> grads;
+  if (query.dims.contains("grad"))
+    grads = {query.dim("grad", 1) != 0};
+  else
+    grads = {false, true};
   ProbeError err;
-  err.fwd = std::max({rel_l2_error(loss.cand, loss.ref), rel_l2_error(lse.cand, lse.ref),
-                      rel_l2_error(zl.cand, zl.ref)});
-  err.bwd = rel_l2_error(dz.cand, dz.ref);
-  cand.run({logits.cand, y.cand, loss.cand, lse.cand, zl.cand, logits.cand, lam, c});  // in place
-  err.bwd = std::max(err.bwd, rel_l2_error(logits.cand, dz.ref));
+  for (const int64_t V : {int64_t{131}, int64_t{2053}})
+    for (const bool grad : grads) {
+      ProbeTensors p(impl.backend);
+      auto z = p.normal({R, V}, 61, 3.0);
+      std::vector<int64_t> yv = {5, 0, V - 1, -100, 77, 64, 1, V - 2, 33};
+      std::vector<double> zv(static_cast<size_t>(R * V));
+      {
+        OwnedTensor r = convert(z.ref, DType::F64);
+        std::copy(r.ptr<double>(), r.ptr<double>() + R * V, zv.begin());
+      }
+      zv[static_cast<size_t>(4 * V + 77)] = 30.0;  // p_y ~ 1: the expm1 path
+      auto logits = p.input(zv, {R, V});
+      auto y = p.ints(yv, {R}, DType::I32);
+      auto loss = p.zeros({R}, st), lse = p.zeros({R}, st), zl = p.zeros({R}, st);
+      auto dz = p.zeros({R, V});
+      const double lam = 1e-2, c = 0.37;
+      const Tensor rdz = grad ? dz.ref : Tensor(), cdz = grad ? dz.cand : Tensor();
+      ref.run({logits.ref, y.ref, loss.ref, lse.ref, zl.ref, rdz, lam, c});
+      cand.run({logits.cand, y.cand, loss.cand, lse.cand, zl.cand, cdz, lam, c});
+      err.fwd = std::max({err.fwd, rel_l2_error(loss.cand, loss.ref),
+                          rel_l2_error(lse.cand, lse.ref), rel_l2_error(zl.cand, zl.ref)});
+      if (!grad) continue;
+      err.bwd = std::max(err.bwd, rel_l2_error(dz.cand, dz.ref));
+      cand.run(
+          {logits.cand, y.cand, loss.cand, lse.cand, zl.cand, logits.cand, lam, c});  // in place
+      err.bwd = std::max(err.bwd, rel_l2_error(logits.cand, dz.ref));
+    }
   return err;
 }
 
@@ -108,7 +131,7 @@ void run(const ImplDesc& impl, OpIO& io, bool backward) {
 
 void cross_entropy(const CrossEntropyArgs& a) {
   validate(a);
-  Registry::global().table<CrossEntropyTable>(kOp, OpQuery{infer_backend(a.logits), "", {}}).run(a);
+  dispatch().table<CrossEntropyTable>(class_of(a)).run(a);
 }
 
 GDN_REGISTER(cross_entropy_op) {

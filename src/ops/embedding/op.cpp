@@ -2,6 +2,8 @@
 // tolerance, file runner).
 #include "ops/embedding/op.h"
 
+#include "backend/probe_layout.h"
+#include "backend/shape_class.h"
 #include "backend/tolerances.h"
 #include "gdn/backend/probe.h"
 #include "gdn/backend/registry.h"
@@ -62,33 +64,69 @@ void validate_bwd(const EmbeddingBwd& a) {
   if (a.ids.device() == Device::CPU) embedding_check_ids(a.ids, a.dw.size(0));
 }
 
-OpQuery query_for(const Tensor& t) { return OpQuery{infer_backend(t), "", {}}; }
+// The shape class (`rows`: w or dy, [*, D]): the width D (the CUDA gather's 8-wide packs need D % 8
+// == 0, cuda.v2's dW 4-wide groups D % 4 == 0, and D sets the column chunks), whether the rows
+// allow 16-byte vectors (w and y; dy and dW), whether the caller passes a plan (cuda.v2*: the
+// forward ranks the ids on a side stream and the backward reads that ranking instead of ranking
+// again; the model passes one on cuda) and whether the ids are I64 (else I32).
+ShapeClass class_of(const Tensor& rows, const Tensor& ids, bool vec, const Tensor& plan) {
+  return ShapeClass(infer_backend(rows))
+      .dim("D", rows.size(1))
+      .flag("vec", vec)
+      .flag("plan", plan.defined())
+      .flag("i64", ids.dtype() == DType::I64);
+}
+OpDispatch& dispatch() {
+  static OpDispatch d(kOp);
+  return d;
+}
 
-// Probe: an odd width, ids repeated many times (including 0 and V-1) and rows never used, both id
-// dtypes, dW accumulated onto nonzero values.
-ProbeError probe(const ImplDesc& impl, const OpQuery&) {
+// Probe: ids repeated many times (0 and V - 1 among them) and rows never used, dW accumulated onto
+// nonzero values; the forward and then the backward of the same ids, with the plan between them
+// when the class has one. Given a class: its D, id dtype and plan over V = 300 rows and T = 300
+// tokens (19 windows of 16 sorted positions), tensors one element past a 16-byte boundary when
+// the class is not vec. The default class: D = 19 and 64, V = 37, T = 41, both id dtypes, with
+// and without a plan.
+ProbeError probe(const ImplDesc& impl, const OpQuery& query) {
   const auto& cand = *static_cast<const EmbeddingTable*>(impl.table);
   const auto& ref = *static_cast<const EmbeddingTable*>(Registry::global().ref(kOp).table);
-  const int64_t V = 37, D = 19, T = 41;
+  const bool classed = query.dims.contains("D");
+  const int64_t V = classed ? 300 : 37, T = classed ? 300 : 41;
+  std::vector<int64_t> widths = {19, 64};  // the default class: odd rows and whole 16-byte ones
+  if (classed) widths = {query.dim("D", 0)};
+  const bool shift = classed && query.dim("vec", 1) == 0;
   const DType gdt = embedding_grad_dtype(backend_dtype(impl.backend));
-  ProbeError err;
-  for (DType idt : {DType::I32, DType::I64}) {
-    ProbeTensors p(impl.backend);
-    std::vector<int64_t> idv(static_cast<size_t>(T));
-    for (int64_t t = 0; t < T; ++t) idv[static_cast<size_t>(t)] = (t * t * 7) % 13 * 3 % V;
-    idv[0] = V - 1;
-    auto ids = p.ints(idv, {T}, idt);
-    auto w = p.normal({V, D}, 41, 1.0);
-    auto dy = p.normal({T, D}, 42, 1.0);
-    auto y = p.zeros({T, D});
-    auto dw = p.normal({V, D}, 43, 1.0, gdt);
-    ref.forward({ids.ref, w.ref, y.ref});
-    cand.forward({ids.cand, w.cand, y.cand});
-    ref.backward({ids.ref, dy.ref, dw.ref});
-    cand.backward({ids.cand, dy.cand, dw.cand});
-    err.fwd = std::max(err.fwd, rel_l2_error(y.cand, y.ref));
-    err.bwd = std::max(err.bwd, rel_l2_error(dw.cand, dw.ref));
+  std::vector<DType> idts = {DType::I32, DType::I64};
+  std::vector<bool> plans = {false, true};
+  if (classed) {
+    idts = {query.dim("i64", 0) != 0 ? DType::I64 : DType::I32};
+    plans = {query.dim("plan", 0) != 0};
   }
+  ProbeError err;
+  for (const int64_t D : widths)
+    for (const DType idt : idts)
+      for (const bool with_plan : plans) {
+        ProbeTensors p(impl.backend);
+        std::vector<int64_t> idv(static_cast<size_t>(T));
+        for (int64_t t = 0; t < T; ++t) idv[static_cast<size_t>(t)] = (t * t * 7) % 13 * 3 % V;
+        if (classed)  // half the tokens spread over the vocabulary, half on 13 hot rows
+          for (int64_t t = 1; t < T; t += 2) idv[static_cast<size_t>(t)] = (t * 97 + 5) % V;
+        idv[0] = V - 1;
+        idv[static_cast<size_t>(T - 1)] = 0;
+        auto ids = p.ints(idv, {T}, idt);
+        auto w = misaligned(p, p.normal({V, D}, 41, 1.0), shift);
+        auto dy = misaligned(p, p.normal({T, D}, 42, 1.0), shift);
+        auto y = misaligned(p, p.zeros({T, D}), shift);
+        auto dw = misaligned(p, p.normal({V, D}, 43, 1.0, gdt), shift);
+        auto plan = p.zeros({embedding_plan_numel(T, D)}, DType::I32);
+        const Tensor cplan = with_plan ? plan.cand : Tensor();
+        ref.forward({ids.ref, w.ref, y.ref});
+        cand.forward({ids.cand, w.cand, y.cand, cplan});
+        ref.backward({ids.ref, dy.ref, dw.ref});
+        cand.backward({ids.cand, dy.cand, dw.cand, cplan});
+        err.fwd = std::max(err.fwd, rel_l2_error(y.cand, y.ref));
+        err.bwd = std::max(err.bwd, rel_l2_error(dw.cand, dw.ref));
+      }
   return err;
 }
 
@@ -140,12 +178,16 @@ void embedding_check_ids(const Tensor& ids, int64_t vocab) {
 
 void embedding_forward(const EmbeddingFwd& a) {
   validate_fwd(a);
-  Registry::global().table<EmbeddingTable>(kOp, query_for(a.w)).forward(a);
+  dispatch()
+      .table<EmbeddingTable>(class_of(a.w, a.ids, all_aligned16(a.w, a.y), a.plan))
+      .forward(a);
 }
 
 void embedding_backward(const EmbeddingBwd& a) {
   validate_bwd(a);
-  Registry::global().table<EmbeddingTable>(kOp, query_for(a.dy)).backward(a);
+  dispatch()
+      .table<EmbeddingTable>(class_of(a.dy, a.ids, all_aligned16(a.dy, a.dw), a.plan))
+      .backward(a);
 }
 
 GDN_REGISTER(embedding_op) {

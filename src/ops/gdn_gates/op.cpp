@@ -4,6 +4,8 @@
 #include <iterator>
 #include <vector>
 
+#include "backend/probe_layout.h"
+#include "backend/shape_class.h"
 #include "backend/tolerances.h"
 #include "gdn/backend/probe.h"
 #include "gdn/backend/registry.h"
@@ -68,46 +70,75 @@ void validate_bwd(const GdnGatesBwd& p) {
   expect_same_device({&p.dg, &p.dbeta, &p.da, &p.db, &p.dA_log, &p.ddt_bias}, p.a);
 }
 
-OpQuery query_for(const Tensor& a) { return OpQuery{infer_backend(a), "", {{"Hv", a.size(1)}}}; }
+// The shape class: the value heads Hv (16 or 32 in the Qwen3.5 models; the CUDA backward's blocks
+// are 32 heads wide) and whether a and b allow 8-byte and g and beta 16-byte accesses (the CUDA
+// forward's 4-wide path, fwd<4>; else fwd<1>). The backward kernel has no such branch; it is
+// classed by the same tensors' alignment (a, b, dg, dbeta) so that a step's forward and
+// backward share one class.
+bool aligned8(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data()) % 8 == 0; }
+ShapeClass class_of(const Tensor& a, const Tensor& b, const Tensor& g, const Tensor& beta) {
+  return ShapeClass(infer_backend(a))
+      .dim("Hv", a.size(1))
+      .flag("vec", aligned8(a) && aligned8(b) && all_aligned16(g, beta));
+}
+OpDispatch& dispatch() {
+  static OpDispatch d(kOp);
+  return d;
+}
 
-// Probe: 41 tokens x 5 heads; a + dt_bias spans the softplus branches (far negative, around the
-// threshold 20, far above it) and b includes saturating values.
-ProbeError probe(const ImplDesc& impl, const OpQuery&) {
+// Probe: the class's heads (5 without one) over T = 137 tokens (3 backward tiles of 64, the last
+// partial; several forward blocks when Hv is large), a spread around 0 with the softplus
+// threshold's neighbourhood (19.5 .. 20.5), a large a, very negative a and saturated b. The class
+// without vec (and only it) runs on tensors one element past their alignment; the default class
+// runs both.
+ProbeError probe(const ImplDesc& impl, const OpQuery& query) {
   const auto& cand = *static_cast<const GdnGatesTable*>(impl.table);
   const auto& ref = *static_cast<const GdnGatesTable*>(Registry::global().ref(kOp).table);
-  const int64_t T = 41, H = 5;
+  const int64_t T = 137, H = query.dim("Hv", 5);
   const DType gt = gdn_gates_dtype(backend_dtype(impl.backend));
-  ProbeTensors p(impl.backend);
-  std::vector<double> av(static_cast<size_t>(T * H)), bv(av.size());
-  for (size_t i = 0; i < av.size(); ++i) {
-    av[i] = 4.0 * rng::normal(31, 1, i);
-    bv[i] = 3.0 * rng::normal(31, 2, i);
-  }
-  const double special_a[] = {19.5, 19.99, 20.01, 20.5, 35.0, -40.0, -120.0};
-  const double special_b[] = {-30.0, 30.0, -100.0, 100.0};
-  for (size_t k = 0; k < std::size(special_a); ++k) av[(5 + 3 * k) * H + 3] = special_a[k];
-  for (size_t k = 0; k < std::size(special_b); ++k) bv[(2 + 5 * k) * H + 1] = special_b[k];
-  auto a = p.input(av, {T, H});
-  auto b = p.input(bv, {T, H});
-  auto A_log = p.uniform({H}, 32, 0.0, 2.7, gt);  // exp(A_log) in [1, 15]
-  // dt_bias = 0 on head 3 so that the special values of a hit the softplus threshold exactly.
-  std::vector<double> dtv = {0.5, -1.0, 1.0, 0.0, 0.3};
-  auto dt_bias = p.input(dtv, {H}, gt);
-  auto dg = p.normal({T, H}, 33, 1.0, gt);
-  auto dbeta = p.normal({T, H}, 34, 1.0, gt);
-  auto g = p.zeros({T, H}, gt), beta = p.zeros({T, H}, gt);
-  auto da = p.zeros({T, H}), db = p.zeros({T, H});
-  auto dA = p.zeros({H}, gt), ddt = p.zeros({H}, gt);
-  cand.forward({a.cand, b.cand, A_log.cand, dt_bias.cand, g.cand, beta.cand});
-  cand.backward({a.cand, b.cand, A_log.cand, dt_bias.cand, dg.cand, dbeta.cand, da.cand, db.cand,
-                 dA.cand, ddt.cand});
-  ref.forward({a.ref, b.ref, A_log.ref, dt_bias.ref, g.ref, beta.ref});
-  ref.backward(
-      {a.ref, b.ref, A_log.ref, dt_bias.ref, dg.ref, dbeta.ref, da.ref, db.ref, dA.ref, ddt.ref});
+  std::vector<bool> shifts;
+  if (query.dims.contains("vec"))
+    shifts = {query.dim("vec", 1) == 0};
+  else
+    shifts = {false, true};
   ProbeError err;
-  err.fwd = std::max(rel_l2_error(g.cand, g.ref), rel_l2_error(beta.cand, beta.ref));
-  err.bwd = std::max({rel_l2_error(da.cand, da.ref), rel_l2_error(db.cand, db.ref),
-                      rel_l2_error(dA.cand, dA.ref), rel_l2_error(ddt.cand, ddt.ref)});
+  for (const bool shift : shifts) {
+    ProbeTensors p(impl.backend);
+    std::vector<double> av(static_cast<size_t>(T * H)), bv(av.size());
+    for (size_t i = 0; i < av.size(); ++i) {
+      av[i] = 4.0 * rng::normal(31, 1, i);
+      bv[i] = 3.0 * rng::normal(31, 2, i);
+    }
+    const double special_a[] = {19.5, 19.99, 20.01, 20.5, 35.0, -40.0, -120.0};
+    const double special_b[] = {-30.0, 30.0, -100.0, 100.0};
+    for (size_t k = 0; k < std::size(special_a); ++k)
+      av[static_cast<size_t>((5 + 3 * k) * H + 3 % H)] = special_a[k];
+    for (size_t k = 0; k < std::size(special_b); ++k)
+      bv[static_cast<size_t>((2 + 5 * k) * H + 1 % H)] = special_b[k];
+    auto a = misaligned(p, p.input(av, {T, H}), shift);
+    auto b = misaligned(p, p.input(bv, {T, H}), shift);
+    auto A_log = p.uniform({H}, 32, 0.0, 2.7, gt);  // exp(A_log) in [1, 15]
+    // dt_bias: 0.5, -1, 1, 0, 0.3 repeated over the heads.
+    const double dts[] = {0.5, -1.0, 1.0, 0.0, 0.3};
+    std::vector<double> dtv(static_cast<size_t>(H));
+    for (size_t h = 0; h < dtv.size(); ++h) dtv[h] = dts[h % std::size(dts)];
+    auto dt_bias = p.input(dtv, {H}, gt);
+    auto dg = misaligned(p, p.normal({T, H}, 33, 1.0, gt), shift);
+    auto dbeta = misaligned(p, p.normal({T, H}, 34, 1.0, gt), shift);
+    auto g = misaligned(p, p.zeros({T, H}, gt), shift);
+    auto beta = misaligned(p, p.zeros({T, H}, gt), shift);
+    auto da = misaligned(p, p.zeros({T, H}), shift), db = misaligned(p, p.zeros({T, H}), shift);
+    auto dA = p.zeros({H}, gt), ddt = p.zeros({H}, gt);
+    cand.forward({a.cand, b.cand, A_log.cand, dt_bias.cand, g.cand, beta.cand});
+    cand.backward({a.cand, b.cand, A_log.cand, dt_bias.cand, dg.cand, dbeta.cand, da.cand, db.cand,
+                   dA.cand, ddt.cand});
+    ref.forward({a.ref, b.ref, A_log.ref, dt_bias.ref, g.ref, beta.ref});
+    ref.backward(
+        {a.ref, b.ref, A_log.ref, dt_bias.ref, dg.ref, dbeta.ref, da.ref, db.ref, dA.ref, ddt.ref});
+    err.fwd = std::max({err.fwd, rel_l2_error(g.cand, g.ref), rel_l2_error(beta.cand, beta.ref)});
+    err.bwd = std::max({err.bwd, rel_l2_error(da.cand, da.ref), rel_l2_error(db.cand, db.ref),
+                        rel_l2_error(dA.cand, dA.ref), rel_l2_error(ddt.cand, ddt.ref)});
+  }
   return err;
 }
 
@@ -149,12 +180,12 @@ void run(const ImplDesc& impl, OpIO& io, bool backward) {
 
 void gdn_gates_forward(const GdnGatesFwd& args) {
   validate_fwd(args);
-  Registry::global().table<GdnGatesTable>(kOp, query_for(args.a)).forward(args);
+  dispatch().table<GdnGatesTable>(class_of(args.a, args.b, args.g, args.beta)).forward(args);
 }
 
 void gdn_gates_backward(const GdnGatesBwd& args) {
   validate_bwd(args);
-  Registry::global().table<GdnGatesTable>(kOp, query_for(args.a)).backward(args);
+  dispatch().table<GdnGatesTable>(class_of(args.a, args.b, args.dg, args.dbeta)).backward(args);
 }
 
 GDN_REGISTER(gdn_gates_op) {

@@ -5,6 +5,7 @@
 #include <climits>
 #include <cmath>
 
+#include "backend/shape_class.h"
 #include "backend/tolerances.h"
 #include "gdn/backend/probe.h"
 #include "gdn/backend/registry.h"
@@ -78,7 +79,19 @@ void validate_bwd(const GemmBwd& g) {
   GDN_CHECK(std::isfinite(g.alpha), "{}: alpha must be finite, got {}", kOp, g.alpha);
 }
 
-OpQuery query_for(const Tensor& a) { return OpQuery{infer_backend(a), "", {}}; }
+// The shape class: whether C is fp32 under bf16 operands (every weight gradient in production;
+// cuBLASLt's fp32-C plans, the only ones that may split K, reduced in place) and whether beta is
+// nonzero (C read and accumulated into; beta == 0 leaves C unread). The trans flags and sizes pick
+// cuBLASLt plans inside one class: the probe covers every trans pair of its class.
+ShapeClass class_of(const Tensor& a, const Tensor& c, double beta) {
+  return ShapeClass(infer_backend(a))
+      .flag("c_f32", c.dtype() == DType::F32 && a.dtype() != DType::F32)
+      .flag("beta", beta != 0);
+}
+OpDispatch& dispatch() {
+  static OpDispatch d(kOp);
+  return d;
+}
 
 // The backward as gemm calls through `fn` (the resolved implementation, or a probe candidate).
 void backward_with(void (*fn)(const GemmArgs&), const GemmBwd& g) {
@@ -98,38 +111,55 @@ void backward_with(void (*fn)(const GemmArgs&), const GemmBwd& g) {
   }
 }
 
-// Probe: odd sizes, every transpose combination; forward with beta = 0 over a NaN-filled C
-// (C must not be read) and with beta = 1 accumulation; backward with da written and db
-// accumulated.
-ProbeError probe(const ImplDesc& impl, const OpQuery&) {
+// Probe: M = 67, N = 45, K = 300 (moderate: several K steps of a plan), every trans pair, in the
+// class's C dtype (BF16 or FP32 under BF16 operands) and beta: beta = 0 into a NaN-filled C (C
+// must stay unread), or alpha = 0.5, beta = 1 onto a random C; then the backward's gemms (dA, dB
+// accumulated when the class's beta is). The default class runs every C dtype and both betas.
+ProbeError probe(const ImplDesc& impl, const OpQuery& query) {
   const auto& cand = *static_cast<const GemmTable*>(impl.table);
   const auto& ref = *static_cast<const GemmTable*>(Registry::global().ref(kOp).table);
-  const int64_t M = 13, N = 11, K = 37;
+  const int64_t M = 67, N = 45, K = 300;
+  const DType act = backend_dtype(impl.backend);
+  std::vector<DType> cdts;
+  if (query.dims.contains("c_f32"))
+    cdts = {query.dim("c_f32", 0) != 0 ? DType::F32 : act};
+  else if (act == DType::F32)
+    cdts = {act};
+  else
+    cdts = {act, DType::F32};
+  std::vector<bool> betas;
+  if (query.dims.contains("beta"))
+    betas = {query.dim("beta", 0) != 0};
+  else
+    betas = {false, true};
   ProbeError err;
   uint64_t seed = 100;
-  for (bool ta : {false, true}) {
-    for (bool tb : {false, true}) {
-      ProbeTensors p(impl.backend);
-      auto a = ta ? p.normal({K, M}, ++seed, 1.0) : p.normal({M, K}, ++seed, 1.0);
-      auto b = tb ? p.normal({N, K}, ++seed, 1.0) : p.normal({K, N}, ++seed, 1.0);
-      std::vector<double> nans(static_cast<size_t>(M * N), std::nan(""));
-      auto c0 = p.input(nans, {M, N});
-      auto c1 = p.normal({M, N}, ++seed, 1.0);
-      ref.gemm({a.ref, b.ref, c0.ref, ta, tb, 1.0, 0.0});
-      cand.gemm({a.cand, b.cand, c0.cand, ta, tb, 1.0, 0.0});
-      ref.gemm({a.ref, b.ref, c1.ref, ta, tb, 0.5, 1.0});
-      cand.gemm({a.cand, b.cand, c1.cand, ta, tb, 0.5, 1.0});
-      err.fwd = std::max({err.fwd, rel_l2_error(c0.cand, c0.ref), rel_l2_error(c1.cand, c1.ref)});
+  for (const DType cdt : cdts)
+    for (const bool acc : betas)
+      for (bool ta : {false, true}) {
+        for (bool tb : {false, true}) {
+          ProbeTensors p(impl.backend);
+          auto a = ta ? p.normal({K, M}, ++seed, 1.0) : p.normal({M, K}, ++seed, 1.0);
+          auto b = tb ? p.normal({N, K}, ++seed, 1.0) : p.normal({K, N}, ++seed, 1.0);
+          std::vector<double> nans(static_cast<size_t>(M * N), std::nan(""));
+          auto c = acc ? p.normal({M, N}, ++seed, 1.0, cdt) : p.input(nans, {M, N}, cdt);
+          const double alpha = acc ? 0.5 : 1.0, beta = acc ? 1.0 : 0.0;
+          ref.gemm({a.ref, b.ref, c.ref, ta, tb, alpha, beta});
+          cand.gemm({a.cand, b.cand, c.cand, ta, tb, alpha, beta});
+          err.fwd = std::max(err.fwd, rel_l2_error(c.cand, c.ref));
 
-      auto dc = p.normal({M, N}, ++seed, 1.0);
-      auto da = p.zeros({a.ref.size(0), a.ref.size(1)});
-      auto db = p.normal({b.ref.size(0), b.ref.size(1)}, ++seed, 1.0);
-      backward_with(ref.gemm, {a.ref, b.ref, dc.ref, da.ref, db.ref, ta, tb, 0.75, false, true});
-      backward_with(cand.gemm,
-                    {a.cand, b.cand, dc.cand, da.cand, db.cand, ta, tb, 0.75, false, true});
-      err.bwd = std::max({err.bwd, rel_l2_error(da.cand, da.ref), rel_l2_error(db.cand, db.ref)});
-    }
-  }
+          auto dc = p.normal({M, N}, ++seed, 1.0);
+          auto da = acc ? p.normal({a.ref.size(0), a.ref.size(1)}, ++seed, 1.0, cdt)
+                        : p.zeros({a.ref.size(0), a.ref.size(1)}, cdt);
+          auto db = acc ? p.normal({b.ref.size(0), b.ref.size(1)}, ++seed, 1.0, cdt)
+                        : p.zeros({b.ref.size(0), b.ref.size(1)}, cdt);
+          backward_with(ref.gemm, {a.ref, b.ref, dc.ref, da.ref, db.ref, ta, tb, 0.75, acc, acc});
+          backward_with(cand.gemm,
+                        {a.cand, b.cand, dc.cand, da.cand, db.cand, ta, tb, 0.75, acc, acc});
+          err.bwd =
+              std::max({err.bwd, rel_l2_error(da.cand, da.ref), rel_l2_error(db.cand, db.ref)});
+        }
+      }
   return err;
 }
 
@@ -165,14 +195,21 @@ void run(const ImplDesc& impl, OpIO& io, bool backward) {
 }
 }  // namespace
 
+namespace {
+// One gemm through the implementation resolved for its class.
+void dispatched(const GemmArgs& a) {
+  dispatch().table<GemmTable>(class_of(a.a, a.c, a.beta)).gemm(a);
+}
+}  // namespace
+
 void gemm(const GemmArgs& a) {
   validate(a);
-  Registry::global().table<GemmTable>(kOp, query_for(a.a)).gemm(a);
+  dispatched(a);
 }
 
 void gemm_backward(const GemmBwd& a) {
   validate_bwd(a);
-  backward_with(Registry::global().table<GemmTable>(kOp, query_for(a.a)).gemm, a);
+  backward_with(dispatched, a);  // dA and dB each in its own class (C dtype, accumulate)
 }
 
 // The linear layer names its own tensors in errors (x, w, y, dy, dx, dw), then runs gemm.

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "backend/shape_class.h"
 #include "backend/tolerances.h"
 #include "gdn/backend/probe.h"
 #include "gdn/backend/registry.h"
@@ -98,52 +99,113 @@ int64_t validate(const LinearCrossEntropyArgs& a, bool backward) {
   return valid;
 }
 
-OpQuery query_for(const LinearCrossEntropyArgs& a) {
-  return OpQuery{infer_backend(a.x), "", {{"D", a.x.size(1)}, {"V", a.w.size(0)}}};
+// The shape class: the hidden size D (the CUDA kernels' tiles and the slab layout's dx
+// accumulator), whether the targets are I32 (the model's labels) or I64, whether the caller gives
+// the workspace and whether it gives the mean's denominator (the model: both). V and N only change
+// the plan's row blocks, which every probe covers.
+ShapeClass class_of(const LinearCrossEntropyArgs& a) {
+  return ShapeClass(infer_backend(a.x))
+      .dim("D", a.x.size(1))
+      .flag("t32", a.targets.dtype() == DType::I32)
+      .flag("ws", a.workspace.defined())
+      .flag("den", a.reduction == LceReduction::Mean && a.denominator >= 0);
+}
+OpDispatch& dispatch() {
+  static OpDispatch d(kOp);
+  return d;
 }
 
-// Probe: odd sizes, ignored rows, one confident row (p_y ~ 1), smoothing and z-loss on; once in
-// slab mode (a 4 KiB budget: several row blocks and vocabulary slabs) with reduction mean, once in
-// full-V mode with reduction none and a per-token upstream gradient.
-ProbeError probe(const ImplDesc& impl, const OpQuery&) {
-  const auto& cand = *static_cast<const LinearCrossEntropyTable*>(impl.table);
-  const auto& ref = *static_cast<const LinearCrossEntropyTable*>(Registry::global().ref(kOp).table);
-  ProbeError err;
-  const int64_t N = 37, D = 24, V = 301;
-  const DType st = lce_stat_dtype(backend_dtype(impl.backend));
-  for (int pass = 0; pass < 2; ++pass) {
-    const bool none = pass == 1;
-    ProbeTensors p(impl.backend);
-    auto x = p.normal({N, D}, 21, 1.0);
-    auto w = p.normal({V, D}, 22, 0.5);
-    std::vector<int64_t> ty(N);
-    for (int64_t i = 0; i < N; ++i) ty[i] = (i * 97 + 13) % V;
-    ty[3] = ty[20] = kLceIgnoreIndex;
-    auto t = p.ints(ty, {N}, DType::I64);
-    const int64_t ln = none ? N : 1;
+// One probe case: forward_backward, then forward alone into fresh outputs; both against ref.
+struct LceCase {
+  int64_t N, D, V;
+  LceReduction reduction;
+  double smoothing;
+  int64_t chunk_bytes;
+  DType tdt;
+  bool workspace;
+  double denominator;
+};
+void probe_case(const LinearCrossEntropyTable& cand, const LinearCrossEntropyTable& ref,
+                Backend backend, const LceCase& k, ProbeError& err) {
+  const int64_t N = k.N, D = k.D, V = k.V;
+  const bool none = k.reduction == LceReduction::None;
+  const DType st = lce_stat_dtype(backend_dtype(backend));
+  ProbeTensors p(backend);
+  auto x = p.normal({N, D}, 21, 1.0);
+  auto w = p.normal({V, D}, 22, 0.5 / std::sqrt(static_cast<double>(D) / 24.0));
+  std::vector<int64_t> ty(static_cast<size_t>(N));
+  for (int64_t i = 0; i < N; ++i) ty[static_cast<size_t>(i)] = (i * 97 + 13) % V;
+  ty[3] = ty[20] = kLceIgnoreIndex;
+  ty[5] = 0;
+  ty[static_cast<size_t>(N - 1)] = V - 1;
+  auto t = p.ints(ty, {N}, k.tdt);
+  const int64_t ln = none ? N : 1;
+  auto dloss = p.normal({N}, 23, 1.0, st);
+  const int64_t ws_bytes = linear_cross_entropy_workspace_bytes(N, V, k.chunk_bytes);
+  auto ws = p.zeros({(ws_bytes + 3) / 4}, DType::F32);
+  for (const bool backward : {true, false}) {
     auto loss = p.zeros({ln}, st), z = p.zeros({ln}, st), lse = p.zeros({N}, st);
-    auto dloss = p.normal({N}, 23, 1.0, st);
     auto dx = p.zeros({N, D}), dw = p.zeros({V, D}, st);
     LinearCrossEntropyArgs a;
-    a.reduction = none ? LceReduction::None : LceReduction::Mean;
+    a.reduction = k.reduction;
     a.z_loss_scale = 1e-3;
-    a.label_smoothing = none ? 0.0 : 0.1;
-    a.chunk_bytes = none ? 0 : kLceMinChunkBytes;
+    a.label_smoothing = k.smoothing;
+    a.chunk_bytes = k.chunk_bytes;
+    a.denominator = k.denominator;
     auto fill = [&](LinearCrossEntropyArgs& b, bool is_ref) {
       auto pick = [is_ref](const ProbeTensors::Pair& q) { return is_ref ? q.ref : q.cand; };
       b.x = pick(x), b.w = pick(w), b.targets = pick(t), b.loss = pick(loss), b.lse = pick(lse);
-      b.z_loss = pick(z), b.dx = pick(dx), b.dw = pick(dw);
+      b.z_loss = pick(z);
+      if (k.workspace && !is_ref) b.workspace = ws.cand;
+      if (!backward) return;
+      b.dx = pick(dx), b.dw = pick(dw);
       b.dloss = none ? pick(dloss) : Tensor();
     };
     LinearCrossEntropyArgs ra = a, ca = a;
     fill(ra, true);
     fill(ca, false);
-    ref.forward_backward(ra);
-    cand.forward_backward(ca);
+    if (backward) {
+      ref.forward_backward(ra);
+      cand.forward_backward(ca);
+      err.bwd = std::max({err.bwd, rel_l2_error(ca.dx, ra.dx), rel_l2_error(ca.dw, ra.dw)});
+    } else {
+      ref.forward(ra);
+      cand.forward(ca);
+    }
     err.fwd = std::max({err.fwd, rel_l2_error(ca.loss, ra.loss), rel_l2_error(ca.lse, ra.lse),
                         rel_l2_error(ca.z_loss, ra.z_loss)});
-    err.bwd = std::max({err.bwd, rel_l2_error(ca.dx, ra.dx), rel_l2_error(ca.dw, ra.dw)});
   }
+}
+
+// Probe, given a class: its D, target dtype, workspace and denominator, ignored rows, targets 0
+// and V - 1, z-loss on, V = 257 (padded on cuda); the model's route: reduction mean over N = 72
+// rows in full-V row blocks (a budget for 32 rows: 3 blocks on the CPU, 2 of 60 rows in the CUDA
+// layout), and reduction none with a per-token upstream gradient over 36 rows; forward_backward
+// and forward alone. The ref's cost grows with D (~1 s at D = 2560 on one core). The default
+// class (no D): odd small sizes (D = 24, V = 301, N = 37), I64 targets, one pass in slab mode (a
+// 4 KiB budget: several row blocks and vocabulary slabs) with reduction mean and label smoothing,
+// one in full-V mode with reduction none.
+ProbeError probe(const ImplDesc& impl, const OpQuery& query) {
+  const auto& cand = *static_cast<const LinearCrossEntropyTable*>(impl.table);
+  const auto& ref = *static_cast<const LinearCrossEntropyTable*>(Registry::global().ref(kOp).table);
+  ProbeError err;
+  if (!query.dims.contains("D")) {
+    probe_case(cand, ref, impl.backend,
+               {37, 24, 301, LceReduction::Mean, 0.1, kLceMinChunkBytes, DType::I64, false, -1},
+               err);
+    probe_case(cand, ref, impl.backend,
+               {37, 24, 301, LceReduction::None, 0.0, 0, DType::I64, false, -1}, err);
+    return err;
+  }
+  const int64_t D = query.dim("D", 24), V = 257;
+  const DType tdt = query.dim("t32", 0) != 0 ? DType::I32 : DType::I64;
+  const bool ws = query.dim("ws", 0) != 0;
+  const double den = query.dim("den", 0) != 0 ? 131.0 : -1.0;
+  const int64_t budget = kLceMinRows * (4 * V + kLceRowStatBytes);
+  probe_case(cand, ref, impl.backend, {72, D, V, LceReduction::Mean, 0.0, budget, tdt, ws, den},
+             err);
+  probe_case(cand, ref, impl.backend, {36, D, V, LceReduction::None, 0.0, budget, tdt, ws, -1},
+             err);
   return err;
 }
 
@@ -272,12 +334,12 @@ double lce_mean_scale(const LinearCrossEntropyArgs& a, int64_t valid) {
 
 void linear_cross_entropy_forward(const LinearCrossEntropyArgs& a) {
   validate(a, false);
-  Registry::global().table<LinearCrossEntropyTable>(kOp, query_for(a)).forward(a);
+  dispatch().table<LinearCrossEntropyTable>(class_of(a)).forward(a);
 }
 
 void linear_cross_entropy_forward_backward(const LinearCrossEntropyArgs& a) {
   validate(a, true);
-  Registry::global().table<LinearCrossEntropyTable>(kOp, query_for(a)).forward_backward(a);
+  dispatch().table<LinearCrossEntropyTable>(class_of(a)).forward_backward(a);
 }
 
 GDN_REGISTER(linear_cross_entropy_op) {

@@ -2,7 +2,10 @@
 #include "ops/silu/op.h"
 
 #include <algorithm>
+#include <vector>
 
+#include "backend/probe_layout.h"
+#include "backend/shape_class.h"
 #include "backend/tolerances.h"
 #include "gdn/backend/probe.h"
 #include "gdn/backend/registry.h"
@@ -34,28 +37,48 @@ void validate_bwd(const SiluBwd& a) {
   same(a.x, a.dx, "dx");
 }
 
-OpQuery query_for(const Tensor& t) { return OpQuery{infer_backend(t), "", {}}; }
+// The shape class: whether every pointer allows 16-byte vectors (cuda::launch_map2's 8-wide packs;
+// else one element a thread). The CPU loop has no branch; production calls are all vec.
+ShapeClass class_of(const Tensor& x, bool vec) {
+  return ShapeClass(infer_backend(x)).flag("vec", vec);
+}
+OpDispatch& dispatch() {
+  static OpDispatch d(kOp);
+  return d;
+}
 
 // Probe: an odd length, x from -30 to 30 (both saturated tails and the region around 0); the
-// backward out of place, then in place over dy.
-ProbeError probe(const ImplDesc& impl, const OpQuery&) {
+// backward out of place, then in place over dy. On CUDA the length is past one pass of
+// launch_map2's capped grid (1056 blocks of 256 threads: 2 grid-stride passes of 8-element packs,
+// 9 of single elements); the CPU a few thousand. The class without vec (and only it) runs on
+// tensors one element past a 16-byte boundary; the default class runs both.
+ProbeError probe(const ImplDesc& impl, const OpQuery& query) {
   const auto& cand = *static_cast<const SiluTable*>(impl.table);
   const auto& ref = *static_cast<const SiluTable*>(Registry::global().ref(kOp).table);
-  const int64_t n = 1031;
-  ProbeTensors p(impl.backend);
-  std::vector<double> xv(static_cast<size_t>(n));
-  for (size_t j = 0; j < xv.size(); ++j)
-    xv[j] = -30.0 + 60.0 * static_cast<double>((j * 37) % xv.size()) / static_cast<double>(n);
-  auto x = p.input(xv, {n});
-  auto dy = p.normal({n}, 41, 1.0);
-  auto y = p.zeros({n}), dx = p.zeros({n});
-  ref.forward({x.ref, y.ref});
-  cand.forward({x.cand, y.cand});
-  ref.backward({x.ref, dy.ref, dx.ref});
-  cand.backward({x.cand, dy.cand, dx.cand});
-  ProbeError err{rel_l2_error(y.cand, y.ref), rel_l2_error(dx.cand, dx.ref)};
-  cand.backward({x.cand, dy.cand, dy.cand});  // in place over dy
-  err.bwd = std::max(err.bwd, rel_l2_error(dy.cand, dx.ref));
+  const int64_t n = impl.backend == Backend::Cuda ? 1056 * 256 * 8 + 8 * 1000 + 3 : 26063;
+  std::vector<bool> shifts;
+  if (query.dims.contains("vec"))
+    shifts = {query.dim("vec", 1) == 0};
+  else
+    shifts = {false, true};
+  ProbeError err;
+  for (const bool shift : shifts) {
+    ProbeTensors p(impl.backend);
+    std::vector<double> xv(static_cast<size_t>(n));
+    for (size_t j = 0; j < xv.size(); ++j)
+      xv[j] = -30.0 + 60.0 * static_cast<double>((j * 37) % xv.size()) / static_cast<double>(n);
+    auto x = misaligned(p, p.input(xv, {n}), shift);
+    auto dy = misaligned(p, p.normal({n}, 41, 1.0), shift);
+    auto y = misaligned(p, p.zeros({n}), shift), dx = misaligned(p, p.zeros({n}), shift);
+    ref.forward({x.ref, y.ref});
+    cand.forward({x.cand, y.cand});
+    ref.backward({x.ref, dy.ref, dx.ref});
+    cand.backward({x.cand, dy.cand, dx.cand});
+    err.fwd = std::max(err.fwd, rel_l2_error(y.cand, y.ref));
+    err.bwd = std::max(err.bwd, rel_l2_error(dx.cand, dx.ref));
+    cand.backward({x.cand, dy.cand, dy.cand});  // in place over dy
+    err.bwd = std::max(err.bwd, rel_l2_error(dy.cand, dx.ref));
+  }
   return err;
 }
 
@@ -84,12 +107,12 @@ void run(const ImplDesc& impl, OpIO& io, bool backward) {
 
 void silu_forward(const SiluFwd& a) {
   validate_fwd(a);
-  Registry::global().table<SiluTable>(kOp, query_for(a.x)).forward(a);
+  dispatch().table<SiluTable>(class_of(a.x, all_aligned16(a.x, a.y))).forward(a);
 }
 
 void silu_backward(const SiluBwd& a) {
   validate_bwd(a);
-  Registry::global().table<SiluTable>(kOp, query_for(a.x)).backward(a);
+  dispatch().table<SiluTable>(class_of(a.x, all_aligned16(a.x, a.dy, a.dx))).backward(a);
 }
 
 GDN_REGISTER(silu_op) {

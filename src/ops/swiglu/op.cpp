@@ -1,6 +1,11 @@
 // SwiGLU: validation, dispatch and the op's registration (probe, tolerance, file runner).
 #include "ops/swiglu/op.h"
 
+#include <algorithm>
+#include <vector>
+
+#include "backend/probe_layout.h"
+#include "backend/shape_class.h"
 #include "backend/tolerances.h"
 #include "gdn/backend/probe.h"
 #include "gdn/backend/registry.h"
@@ -49,32 +54,54 @@ void validate_bwd(const SwigluBwd& a) {
                          : "dy");
 }
 
-OpQuery query_for(const Tensor& t) { return OpQuery{infer_backend(t), "", {}}; }
+// The shape class: whether every pointer allows 16-byte vectors (the CUDA kernels' 8-wide packs;
+// else one element a thread). The CPU loop has no branch; production calls are all vec.
+ShapeClass class_of(const Tensor& gate, bool vec) {
+  return ShapeClass(infer_backend(gate)).flag("vec", vec);
+}
+OpDispatch& dispatch() {
+  static OpDispatch d(kOp);
+  return d;
+}
 
-// Probe: an odd width, gates from -30 to 30 (both saturated tails of the sigmoid and the region
-// around 0), run out of place and then in place (dgate over gate, dup over up).
-ProbeError probe(const ImplDesc& impl, const OpQuery&) {
+// Probe: 67 x 389 elements (several CUDA blocks of 8192 packed / 1024 single elements, and a tail
+// of n % 8), gates from -30 to 30 (both saturated tails of the sigmoid and the region around 0),
+// run out of place and then in place (dgate over gate, dup over up). The class without vec (and
+// only it) runs on tensors one element past a 16-byte boundary; the default class runs both.
+ProbeError probe(const ImplDesc& impl, const OpQuery& query) {
   const auto& cand = *static_cast<const SwigluTable*>(impl.table);
   const auto& ref = *static_cast<const SwigluTable*>(Registry::global().ref(kOp).table);
-  const int64_t R = 5, I = 97;
-  ProbeTensors p(impl.backend);
-  std::vector<double> g(static_cast<size_t>(R * I));
-  for (size_t j = 0; j < g.size(); ++j)
-    g[j] = -30.0 + 60.0 * static_cast<double>((j * 37) % g.size()) / static_cast<double>(g.size());
-  auto gate = p.input(g, {R, I});
-  auto up = p.normal({R, I}, 31, 1.5);
-  auto dy = p.normal({R, I}, 32, 1.0);
-  auto y = p.zeros({R, I}), dgate = p.zeros({R, I}), dup = p.zeros({R, I});
-  ref.forward({gate.ref, up.ref, y.ref});
-  cand.forward({gate.cand, up.cand, y.cand});
-  ref.backward({gate.ref, up.ref, dy.ref, dgate.ref, dup.ref});
-  cand.backward({gate.cand, up.cand, dy.cand, dgate.cand, dup.cand});
+  const int64_t R = 67, I = 389;
+  std::vector<bool> shifts;
+  if (query.dims.contains("vec"))
+    shifts = {query.dim("vec", 1) == 0};
+  else
+    shifts = {false, true};
   ProbeError err;
-  err.fwd = rel_l2_error(y.cand, y.ref);
-  err.bwd = std::max(rel_l2_error(dgate.cand, dgate.ref), rel_l2_error(dup.cand, dup.ref));
-  // In place: the candidate overwrites its own gate and up with the gradients.
-  cand.backward({gate.cand, up.cand, dy.cand, gate.cand, up.cand});
-  err.bwd = std::max({err.bwd, rel_l2_error(gate.cand, dgate.ref), rel_l2_error(up.cand, dup.ref)});
+  for (const bool shift : shifts) {
+    ProbeTensors p(impl.backend);
+    std::vector<double> g(static_cast<size_t>(R * I));
+    for (size_t j = 0; j < g.size(); ++j)
+      g[j] =
+          -30.0 + 60.0 * static_cast<double>((j * 37) % g.size()) / static_cast<double>(g.size());
+    auto gate = misaligned(p, p.input(g, {R, I}), shift);
+    auto up = misaligned(p, p.normal({R, I}, 31, 1.5), shift);
+    auto dy = misaligned(p, p.normal({R, I}, 32, 1.0), shift);
+    auto y = misaligned(p, p.zeros({R, I}), shift);
+    auto dgate = misaligned(p, p.zeros({R, I}), shift);
+    auto dup = misaligned(p, p.zeros({R, I}), shift);
+    ref.forward({gate.ref, up.ref, y.ref});
+    cand.forward({gate.cand, up.cand, y.cand});
+    ref.backward({gate.ref, up.ref, dy.ref, dgate.ref, dup.ref});
+    cand.backward({gate.cand, up.cand, dy.cand, dgate.cand, dup.cand});
+    err.fwd = std::max(err.fwd, rel_l2_error(y.cand, y.ref));
+    err.bwd =
+        std::max({err.bwd, rel_l2_error(dgate.cand, dgate.ref), rel_l2_error(dup.cand, dup.ref)});
+    // In place: the candidate overwrites its own gate and up with the gradients.
+    cand.backward({gate.cand, up.cand, dy.cand, gate.cand, up.cand});
+    err.bwd =
+        std::max({err.bwd, rel_l2_error(gate.cand, dgate.ref), rel_l2_error(up.cand, dup.ref)});
+  }
   return err;
 }
 
@@ -115,12 +142,14 @@ void run(const ImplDesc& impl, OpIO& io, bool backward) {
 
 void swiglu_forward(const SwigluFwd& a) {
   validate_fwd(a);
-  Registry::global().table<SwigluTable>(kOp, query_for(a.gate)).forward(a);
+  dispatch().table<SwigluTable>(class_of(a.gate, all_aligned16(a.gate, a.up, a.y))).forward(a);
 }
 
 void swiglu_backward(const SwigluBwd& a) {
   validate_bwd(a);
-  Registry::global().table<SwigluTable>(kOp, query_for(a.gate)).backward(a);
+  dispatch()
+      .table<SwigluTable>(class_of(a.gate, all_aligned16(a.gate, a.up, a.dy, a.dgate, a.dup)))
+      .backward(a);
 }
 
 GDN_REGISTER(swiglu_op) {
