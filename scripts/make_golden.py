@@ -22,7 +22,7 @@ in float64 end to end (gdntrain's fp64 `ref` path then agrees to ~1e-10, its fp3
 ~1e-6).
 
 Usage (needs torch and transformers >= 5.17; runs on CPU in under a minute):
-  python3 scripts/make_golden.py tests/data/golden
+  python3 scripts/make_golden.py tests/data/golden [NAME ...]
 """
 import json
 import os
@@ -120,6 +120,13 @@ CONFIGS = {
     # much for bf16); the cuda (bf16) golden test uses this one.
     "r2_std_init": dict(kind="text", text=dict(TEXT_BASE, tie_word_embeddings=False,
                                                initializer_range=0.02)),
+    # Qwen3.5's production head dims on a tiny hidden size (issue 21): attention hd 256 (rotary
+    # dim 64), GDN dk = dv = 128 with r = 2, so that the cuda golden test runs the kernels that
+    # production shapes run (the fast GDR route's constant-shape kernels, the hd-256 attention).
+    "prod_dims": dict(kind="text", text=dict(
+        TEXT_BASE, tie_word_embeddings=False, initializer_range=0.02, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_num_key_heads=1, linear_num_value_heads=2)),
 }
 
 # Documents per configuration: a 1-token document, a document longer than a 64-token chunk, and
@@ -173,9 +180,11 @@ def run_docs(model, text_cfg, docs):
     return out
 
 
-def main(out_root):
+def main(out_root, only=None):
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
     for name, spec in CONFIGS.items():
+        if only and name not in only:
+            continue
         d = os.path.join(out_root, name)
         os.makedirs(d, exist_ok=True)
         model, text_cfg = build(name, spec)
@@ -206,4 +215,5 @@ def main(out_root):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "tests/data/golden")
+    # make_golden.py [OUT_ROOT [NAME ...]]: every configuration, or only the named ones.
+    main(sys.argv[1] if len(sys.argv) > 1 else "tests/data/golden", set(sys.argv[2:]))

@@ -17,11 +17,14 @@ bool all_aligned16(const Ts&... ts) {
 }
 
 // The width a probe uses for a class of rows of width D whose kernels take `multiple`-wide vectors
-// when vec is set: D itself, or when the class is the scalar one but D is a multiple (the call's
-// pointers were not 16-byte aligned), D + 1, which the same scalar code runs (probe tensors are
-// always aligned).
+// when vec is set: D itself; or, in the scalar class, D + 1 when D is a multiple (the call's
+// pointers were not 16-byte aligned; probe tensors always are), which the same scalar code runs;
+// and 17 for scalar rows narrower than 16 (the same scalar code over a partial pack per thread: at
+// a width of 1 a norm's input gradient is identically 0, so no relative error can be measured).
 inline int64_t probe_width(int64_t D, bool vec, int64_t multiple) {
-  return !vec && D % multiple == 0 ? D + 1 : D;
+  if (vec) return D;
+  if (D < 16) return 17;
+  return D % multiple == 0 ? D + 1 : D;
 }
 
 }  // namespace gdn
