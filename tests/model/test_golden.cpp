@@ -46,7 +46,8 @@ TEST_P(Golden, RefMatchesHuggingFace) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, Golden,
-                         ::testing::Values("r2_untied", "r1_tied", "nested_vl", "r2_std_init"));
+                         ::testing::Values("r2_untied", "r1_tied", "nested_vl", "r2_std_init",
+                                           "prod_dims"));
 
 TEST(Dump, PackedBatchEqualsDocumentsOneByOne) {
   // The same checkpoint on each document alone gives the same logits as the packed batch: no

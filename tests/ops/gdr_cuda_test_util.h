@@ -97,12 +97,18 @@ inline Dev to_device(const Inputs& in) {
           opt(in.dhT, DType::F32)};
 }
 
-// Selects the gated delta rule's route for the life of the object: the fast route cuda.chunk64
-// or cuda.chunk64_generic, forced with GDN_OP_GATED_DELTA_RULE (decisions are per process and
+// Selects the gated delta rule's route for the life of the object: the resolver's choice (the fast
+// route cuda.chunk64 where its class allows) or cuda.chunk64_generic, forced with
+// GDN_OP_GATED_DELTA_RULE (decisions are per process and
 // shape class: forgotten on both ends).
 struct Route {
   explicit Route(bool generic) {
-    setenv("GDN_OP_GATED_DELTA_RULE", generic ? "cuda.chunk64_generic" : "cuda.chunk64", 1);
+    // The fast route is the resolver's own choice wherever its class allows it (a class it does
+    // not take resolves to the generic route, as the old in-kernel fallback did).
+    if (generic)
+      setenv("GDN_OP_GATED_DELTA_RULE", "cuda.chunk64_generic", 1);
+    else
+      unsetenv("GDN_OP_GATED_DELTA_RULE");
     env::reset_cache_for_testing();
     Registry::global().clear_resolutions();
   }

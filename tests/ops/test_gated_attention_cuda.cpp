@@ -549,7 +549,7 @@ TEST_F(GatedAttentionCuda, BadInputIsAClearError) {
         [&] {
           gated_attention_forward({qg, k, v, wq, wk, cu, o, qh, kh, at, lse, qr, kr, 4, 1e4, 1e-6});
         },
-        "gated_attention (cuda): head dim 12 is not a multiple of 8 in [8, 256]");
+        "head dim 12 is not a multiple of 8 in [8, 256]");
   }
   {  // k starting 2 bytes past a 16-byte boundary
     const int64_t hd = 64;

@@ -279,14 +279,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // --- host side ---------------------------------------------------------------------------------
 
-// cuda.rowwise (cuda.cu): the forward (this implementation replaces only the backward).
+// cuda.rowwise (cuda.cu): the forward, and the backward of the calls this kernel does not cover.
 const RmsNormTable& rowwise() {
   static const RmsNormTable* t = [] {
     for (const ImplDesc* i : Registry::global().impls("rmsnorm", Backend::Cuda))
       if (i->name == "cuda.rowwise") return static_cast<const RmsNormTable*>(i->table);
     return static_cast<const RmsNormTable*>(nullptr);
   }();
-  GDN_CHECK(t != nullptr, "rmsnorm (cuda.bulk): cuda.rowwise, its forward, is not registered");
+  GDN_CHECK(t != nullptr, "rmsnorm (cuda.bulk): the fallback cuda.rowwise is not registered");
   return *t;
 }
 
@@ -342,8 +342,10 @@ template <bool kPdl, int kFlags>
 void backward(const RmsNormBwd& a) {
   const int64_t R = a.x.size(0), D = a.x.size(1);
   if (R == 0 || D == 0) return;  // dw += 0
-  // The resolver chose this implementation for the call's shape class (supports, below).
-  GDN_CHECK(covered(a), "rmsnorm (cuda.bulk): a call outside its shape class (D = {})", D);
+  if (!covered(a)) {
+    rowwise().backward(a);
+    return;
+  }
   const bf16_t* x = reinterpret_cast<const bf16_t*>(a.x.ptr<bf16>());    // [R, D]
   const bf16_t* w = reinterpret_cast<const bf16_t*>(a.w.ptr<bf16>());    // [D]
   const float* rstd = a.rstd.ptr<float>();                               // [R]
@@ -380,11 +382,12 @@ void backward(const RmsNormBwd& a) {
   }
 }
 
-// The shape classes whose backward this kernel covers (op.cpp's class_of: D and "vec"); the
-// others resolve to cuda.rowwise.
+// The shape classes whose backward this kernel covers (op.cpp's class_of: D and "vec"): the
+// resolver picks cuda.rowwise for the others. The default class (no dims: `ops run`) keeps the
+// bulk kernel, whose backward still hands a call it does not cover to cuda.rowwise (above).
 std::string supports(const OpQuery& q) {
   const int64_t D = q.dim("D", -1);
-  if (D < 0) return "needs the call's row width (shape class)";
+  if (D < 0) return "";
   if (q.dim("vec", 0) == 0 || D % 8 != 0) return "rows are not whole 16-byte vectors";
   if (D < kMinD || D > kMaxD) return fmt::format("D = {} outside {}..{}", D, kMinD, kMaxD);
   if (stages_for(D, tpr_for(D)) < 2) return fmt::format("D = {}: fewer than 2 ring stages fit", D);
