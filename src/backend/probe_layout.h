@@ -3,6 +3,8 @@
 // moves its candidate tensors to copies that start one element past the boundary.
 #pragma once
 
+#include <vector>
+
 #include "gdn/backend/probe.h"
 
 namespace gdn {
@@ -16,6 +18,20 @@ inline ProbeTensors::Pair misaligned(ProbeTensors& p, const ProbeTensors::Pair& 
   const Tensor view = buf.cand.slice0(1, n + 1).reshape(x.cand.shape());
   copy_into(view, x.cand);
   return {x.ref, view};
+}
+
+// The layouts a probe runs for a query with a "vec" dim: misaligned copies (true) for the class
+// without vec, aligned tensors (false) for the class with it, both for the default class.
+inline std::vector<bool> probe_misalignments(const OpQuery& q) {
+  if (q.dims.contains("vec")) return {q.dim("vec", 1) == 0};
+  return {false, true};
+}
+
+// An element count past one pass of cuda::launch_map2's capped grid (1056 blocks of 256 threads:
+// 2 grid-stride passes of 8-element packs, 9 of single elements) on CUDA; a few thousand (past the
+// CPU loops' OpenMP threshold) on the CPU.
+inline int64_t map2_probe_length(Backend b) {
+  return b == Backend::Cuda ? 1056 * 256 * 8 + 8 * 1000 + 3 : 26063;
 }
 
 }  // namespace gdn

@@ -11,6 +11,7 @@
 #include <string>
 #include <string_view>
 
+#include "backend/planted_util.h"
 #include "backend/shape_class.h"
 #include "gdn/backend/registry.h"
 #include "ops/adamw/op.h"
@@ -23,147 +24,109 @@
 namespace gdn::ops {
 namespace {
 
-std::atomic<bool> g_armed{false};
-
-std::string armed(const OpQuery&) { return g_armed ? "" : "planted for a test; not armed"; }
-
-// The real CPU implementation's table (the highest-priority one that is not planted).
-template <class Table>
-const Table& real_cpu(std::string_view op) {
-  for (const ImplDesc* i : Registry::global().impls(op, Backend::Cpu))
-    if (!i->name.starts_with("cpu.planted")) return *static_cast<const Table*>(i->table);
-  throw std::runtime_error("no cpu implementation of " + std::string(op));
-}
-
-// Adds 1 + |x| / 2 to every element of an F32 host tensor.
-void corrupt(const Tensor& t) {
-  float* p = t.ptr<float>();
-  for (int64_t i = 0; i < t.numel(); ++i) p[i] += 1.0f + 0.5f * std::abs(p[i]);
-}
-
 // --- planted implementations -------------------------------------------------------------------
 
 // swiglu: wrong only when every pointer is 16-byte aligned (the vec class).
 void swiglu_fwd(const SwigluFwd& a) {
-  real_cpu<SwigluTable>("swiglu").forward(a);
-  if (all_aligned16(a.gate, a.up, a.y)) corrupt(a.y);
+  testing::real_cpu<SwigluTable>("swiglu").forward(a);
+  if (all_aligned16(a.gate, a.up, a.y)) testing::corrupt(a.y);
 }
 void swiglu_bwd(const SwigluBwd& a) {
-  real_cpu<SwigluTable>("swiglu").backward(a);
-  if (all_aligned16(a.gate, a.up, a.dy, a.dgate, a.dup)) corrupt(a.dup);
+  testing::real_cpu<SwigluTable>("swiglu").backward(a);
+  if (all_aligned16(a.gate, a.up, a.dy, a.dgate, a.dup)) testing::corrupt(a.dup);
 }
 const SwigluTable kSwiglu{swiglu_fwd, swiglu_bwd};
 
 // gdn_gates: wrong only at the model's head counts (Hv % 16 == 0), in the backward's dA_log.
-void gates_fwd(const GdnGatesFwd& a) { real_cpu<GdnGatesTable>("gdn_gates").forward(a); }
+void gates_fwd(const GdnGatesFwd& a) { testing::real_cpu<GdnGatesTable>("gdn_gates").forward(a); }
 void gates_bwd(const GdnGatesBwd& a) {
-  real_cpu<GdnGatesTable>("gdn_gates").backward(a);
-  if (a.a.size(1) % 16 == 0) corrupt(a.dA_log);
+  testing::real_cpu<GdnGatesTable>("gdn_gates").backward(a);
+  if (a.a.size(1) % 16 == 0) testing::corrupt(a.dA_log);
 }
 const GdnGatesTable kGates{gates_fwd, gates_bwd};
 
 // gemm: wrong only when accumulating into C (beta != 0: every dW of a step).
 void gemm_wrong(const GemmArgs& a) {
-  real_cpu<GemmTable>("gemm").gemm(a);
-  if (a.beta != 0) corrupt(a.c);
+  testing::real_cpu<GemmTable>("gemm").gemm(a);
+  if (a.beta != 0) testing::corrupt(a.c);
 }
 const GemmTable kGemm{gemm_wrong};
 
 // adamw: wrong only on the device clip path (clip.sumsq given): every first moment bumped.
 void adamw_step_wrong(const AdamWStep& s) {
-  real_cpu<AdamWTable>("adamw").step(s);
+  testing::real_cpu<AdamWTable>("adamw").step(s);
   if (s.clip.sumsq.defined())
-    for (const AdamWParam& e : s.params) corrupt(e.m);
+    for (const AdamWParam& e : s.params) testing::corrupt(e.m);
 }
 double adamw_sumsq(std::span<const Tensor> g) {
-  return real_cpu<AdamWTable>("adamw").grad_sumsq(g);
+  return testing::real_cpu<AdamWTable>("adamw").grad_sumsq(g);
 }
 void adamw_sumsq_into(std::span<const Tensor> g, const Tensor& out) {
-  real_cpu<AdamWTable>("adamw").grad_sumsq_into(g, out);
+  testing::real_cpu<AdamWTable>("adamw").grad_sumsq_into(g, out);
 }
-void adamw_refresh(std::span<const Bf16Copy> c) { real_cpu<AdamWTable>("adamw").refresh_bf16(c); }
+void adamw_refresh(std::span<const Bf16Copy> c) {
+  testing::real_cpu<AdamWTable>("adamw").refresh_bf16(c);
+}
 const AdamWTable kAdamw{adamw_step_wrong, adamw_sumsq, adamw_sumsq_into, adamw_refresh};
 
 // linear_cross_entropy: wrong only with I32 targets (the model's labels), in lse.
 void lce_fwd(const LinearCrossEntropyArgs& a) {
-  real_cpu<LinearCrossEntropyTable>("linear_cross_entropy").forward(a);
-  if (a.targets.dtype() == DType::I32) corrupt(a.lse);
+  testing::real_cpu<LinearCrossEntropyTable>("linear_cross_entropy").forward(a);
+  if (a.targets.dtype() == DType::I32) testing::corrupt(a.lse);
 }
 void lce_fwd_bwd(const LinearCrossEntropyArgs& a) {
-  real_cpu<LinearCrossEntropyTable>("linear_cross_entropy").forward_backward(a);
-  if (a.targets.dtype() == DType::I32) corrupt(a.lse);
+  testing::real_cpu<LinearCrossEntropyTable>("linear_cross_entropy").forward_backward(a);
+  if (a.targets.dtype() == DType::I32) testing::corrupt(a.lse);
 }
 const LinearCrossEntropyTable kLce{lce_fwd, lce_fwd_bwd};
 
 // embedding: wrong only when a plan is given (the model's cuda calls), in dW.
-void emb_fwd(const EmbeddingFwd& a) { real_cpu<EmbeddingTable>("embedding").forward(a); }
+void emb_fwd(const EmbeddingFwd& a) { testing::real_cpu<EmbeddingTable>("embedding").forward(a); }
 void emb_bwd(const EmbeddingBwd& a) {
-  real_cpu<EmbeddingTable>("embedding").backward(a);
-  if (a.plan.defined()) corrupt(a.dw);
+  testing::real_cpu<EmbeddingTable>("embedding").backward(a);
+  if (a.plan.defined()) testing::corrupt(a.dw);
 }
 const EmbeddingTable kEmbedding{emb_fwd, emb_bwd};
 
 // embedding: wrong only at widths of whole 8-element packs (the CUDA gather's vector path).
 void emb8_fwd(const EmbeddingFwd& a) {
-  real_cpu<EmbeddingTable>("embedding").forward(a);
-  if (a.w.size(1) % 8 == 0) corrupt(a.y);
+  testing::real_cpu<EmbeddingTable>("embedding").forward(a);
+  if (a.w.size(1) % 8 == 0) testing::corrupt(a.y);
 }
-void emb8_bwd(const EmbeddingBwd& a) { real_cpu<EmbeddingTable>("embedding").backward(a); }
+void emb8_bwd(const EmbeddingBwd& a) { testing::real_cpu<EmbeddingTable>("embedding").backward(a); }
 const EmbeddingTable kEmbedding8{emb8_fwd, emb8_bwd};
 
 void register_planted() {
   static const bool once = [] {
     Registry& r = Registry::global();
-    r.add_impl({"swiglu", "cpu.planted_vec", Backend::Cpu, 100, armed, &kSwiglu});
-    r.add_impl({"gdn_gates", "cpu.planted_hv16", Backend::Cpu, 100, armed, &kGates});
-    r.add_impl({"gemm", "cpu.planted_accumulate", Backend::Cpu, 100, armed, &kGemm});
-    r.add_impl({"adamw", "cpu.planted_clip", Backend::Cpu, 100, armed, &kAdamw});
-    r.add_impl({"linear_cross_entropy", "cpu.planted_i32", Backend::Cpu, 100, armed, &kLce});
-    r.add_impl({"embedding", "cpu.planted_plan", Backend::Cpu, 100, armed, &kEmbedding});
-    r.add_impl({"embedding", "cpu.planted_d8", Backend::Cpu, 99, armed, &kEmbedding8});
+    r.add_impl({"swiglu", "cpu.planted_vec", Backend::Cpu, 100, testing::planted_armed, &kSwiglu});
+    r.add_impl(
+        {"gdn_gates", "cpu.planted_hv16", Backend::Cpu, 100, testing::planted_armed, &kGates});
+    r.add_impl(
+        {"gemm", "cpu.planted_accumulate", Backend::Cpu, 100, testing::planted_armed, &kGemm});
+    r.add_impl({"adamw", "cpu.planted_clip", Backend::Cpu, 100, testing::planted_armed, &kAdamw});
+    r.add_impl({"linear_cross_entropy", "cpu.planted_i32", Backend::Cpu, 100,
+                testing::planted_armed, &kLce});
+    r.add_impl(
+        {"embedding", "cpu.planted_plan", Backend::Cpu, 100, testing::planted_armed, &kEmbedding});
+    r.add_impl(
+        {"embedding", "cpu.planted_d8", Backend::Cpu, 99, testing::planted_armed, &kEmbedding8});
     return true;
   }();
   (void)once;
 }
 
-class ProbeClasses : public ::testing::Test {
+class ProbeClasses : public testing::PlantedTest<register_planted> {
  protected:
   void SetUp() override {
-    unsetenv("GDN_STRICT_KERNELS");
     for (const char* op :
          {"SWIGLU", "GDN_GATES", "GEMM", "ADAMW", "LINEAR_CROSS_ENTROPY", "EMBEDDING"})
       unsetenv((std::string("GDN_OP_") + op).c_str());
-    register_planted();
-    Registry::global().clear_resolutions();
-    g_armed = true;
-  }
-  void TearDown() override {
-    g_armed = false;
-    Registry::global().clear_resolutions();
-  }
-
-  // The implementation chosen at `c` and whether `planted` was rejected there.
-  static void expect_rejected(std::string_view op, const ShapeClass& c, std::string_view planted) {
-    const OpQuery q = c.query();
-    const Resolution& r = Registry::global().resolve(op, q);
-    SCOPED_TRACE(std::string(op) + "[" + q.shape_class + "]");
-    EXPECT_NE(r.impl->name, planted);
-    EXPECT_FALSE(r.impl->name.starts_with("cpu.planted")) << r.impl->name;
-    bool named = false;
-    for (const std::string& line : r.rejected)
-      named = named || (line.find(std::string(planted)) != std::string::npos &&
-                        line.find("rejecting") != std::string::npos);
-    EXPECT_TRUE(named) << "the probe did not reject " << planted;
-  }
-  static void expect_accepted(std::string_view op, const ShapeClass& c, std::string_view planted) {
-    const OpQuery q = c.query();
-    const Resolution& r = Registry::global().resolve(op, q);
-    SCOPED_TRACE(std::string(op) + "[" + q.shape_class + "]");
-    EXPECT_EQ(r.impl->name, planted);
+    PlantedTest::SetUp();
   }
 };
 
-ShapeClass cpu() { return ShapeClass(Backend::Cpu); }
+ShapeClass cpu() { return testing::cpu_class(); }
 
 TEST_F(ProbeClasses, SwigluVecClass) {
   expect_rejected("swiglu", cpu().flag("vec", true), "cpu.planted_vec");

@@ -16,6 +16,7 @@
 #include <string_view>
 #include <vector>
 
+#include "backend/planted_util.h"
 #include "gdn/backend/registry.h"
 #include "ops/causal_conv1d/op.h"
 #include "ops/gated_attention/op.h"
@@ -27,133 +28,95 @@
 namespace gdn::ops {
 namespace {
 
-std::atomic<bool> g_armed{false};
-
-std::string armed(const OpQuery&) { return g_armed ? "" : "planted for a test; not armed"; }
-
-template <class Table>
-const Table& real_cpu(std::string_view op) {
-  for (const ImplDesc* i : Registry::global().impls(op, Backend::Cpu))
-    if (!i->name.starts_with("cpu.planted")) return *static_cast<const Table*>(i->table);
-  throw std::runtime_error("no cpu implementation of " + std::string(op));
-}
-
-// Adds 1 + |x| / 2 to elements [begin, end) of an F32 host tensor (all by default).
-void corrupt(const Tensor& t, int64_t begin = 0, int64_t end = -1) {
-  float* p = t.ptr<float>();
-  if (end < 0) end = t.numel();
-  for (int64_t i = begin; i < end; ++i) p[i] += 1.0f + 0.5f * std::abs(p[i]);
-}
-
 // gated_delta_rule: wrong only at dk = dv = 128 (the fast route's constant-shape kernels), in dq.
 void gdr_fwd(const GatedDeltaRuleFwd& a) {
-  real_cpu<GatedDeltaRuleTable>("gated_delta_rule").forward(a);
+  testing::real_cpu<GatedDeltaRuleTable>("gated_delta_rule").forward(a);
 }
 void gdr_bwd(const GatedDeltaRuleBwd& a) {
-  real_cpu<GatedDeltaRuleTable>("gated_delta_rule").backward(a);
-  if (a.q.size(2) == 128 && a.v.size(2) == 128) corrupt(a.dq);
+  testing::real_cpu<GatedDeltaRuleTable>("gated_delta_rule").backward(a);
+  if (a.q.size(2) == 128 && a.v.size(2) == 128) testing::corrupt(a.dq);
 }
 const GatedDeltaRuleTable kGdr{gdr_fwd, gdr_bwd};
 
 // gated_attention: wrong only at hd = 256 (Qwen3.5's head dim), in o.
 void attn_fwd(const GatedAttentionFwd& a) {
-  real_cpu<GatedAttentionTable>("gated_attention").forward(a);
-  if (a.k.size(2) == 256) corrupt(a.o);
+  testing::real_cpu<GatedAttentionTable>("gated_attention").forward(a);
+  if (a.k.size(2) == 256) testing::corrupt(a.o);
 }
 void attn_bwd(const GatedAttentionBwd& a) {
-  real_cpu<GatedAttentionTable>("gated_attention").backward(a);
+  testing::real_cpu<GatedAttentionTable>("gated_attention").backward(a);
 }
 const GatedAttentionTable kAttn{attn_fwd, attn_bwd};
 
 // gated_attention: wrong only on the output rows of one-token documents.
 void attn1_fwd(const GatedAttentionFwd& a) {
-  real_cpu<GatedAttentionTable>("gated_attention").forward(a);
+  testing::real_cpu<GatedAttentionTable>("gated_attention").forward(a);
   const int32_t* cu = a.cu_seqlens.ptr<int32_t>();
   const int64_t row = a.o.size(1) * a.o.size(2);
   for (int64_t n = 0; n + 1 < a.cu_seqlens.numel(); ++n)
-    if (cu[n + 1] - cu[n] == 1) corrupt(a.o, cu[n] * row, (cu[n] + 1) * row);
+    if (cu[n + 1] - cu[n] == 1) testing::corrupt(a.o, cu[n] * row, (cu[n] + 1) * row);
 }
 const GatedAttentionTable kAttn1{attn1_fwd, attn_bwd};
 
 // rmsnorm / gated_rmsnorm / l2norm: wrong only on rows of whole 8-element packs (the CUDA
 // kernels' vector path).
 void rms_fwd(const RmsNormFwd& a) {
-  real_cpu<RmsNormTable>("rmsnorm").forward(a);
-  if (a.x.size(1) % 8 == 0) corrupt(a.y);
+  testing::real_cpu<RmsNormTable>("rmsnorm").forward(a);
+  if (a.x.size(1) % 8 == 0) testing::corrupt(a.y);
 }
-void rms_bwd(const RmsNormBwd& a) { real_cpu<RmsNormTable>("rmsnorm").backward(a); }
+void rms_bwd(const RmsNormBwd& a) { testing::real_cpu<RmsNormTable>("rmsnorm").backward(a); }
 const RmsNormTable kRms{rms_fwd, rms_bwd};
 
-void grms_fwd(const GatedRmsNormFwd& a) { real_cpu<GatedRmsNormTable>("gated_rmsnorm").forward(a); }
+void grms_fwd(const GatedRmsNormFwd& a) {
+  testing::real_cpu<GatedRmsNormTable>("gated_rmsnorm").forward(a);
+}
 void grms_bwd(const GatedRmsNormBwd& a) {
-  real_cpu<GatedRmsNormTable>("gated_rmsnorm").backward(a);
-  if (a.x.size(1) % 8 == 0) corrupt(a.dz);
+  testing::real_cpu<GatedRmsNormTable>("gated_rmsnorm").backward(a);
+  if (a.x.size(1) % 8 == 0) testing::corrupt(a.dz);
 }
 const GatedRmsNormTable kGrms{grms_fwd, grms_bwd};
 
 void l2_fwd(const L2NormFwd& a) {
-  real_cpu<L2NormTable>("l2norm").forward(a);
-  if (a.x.size(1) == 128) corrupt(a.y);
+  testing::real_cpu<L2NormTable>("l2norm").forward(a);
+  if (a.x.size(1) == 128) testing::corrupt(a.y);
 }
-void l2_bwd(const L2NormBwd& a) { real_cpu<L2NormTable>("l2norm").backward(a); }
+void l2_bwd(const L2NormBwd& a) { testing::real_cpu<L2NormTable>("l2norm").backward(a); }
 const L2NormTable kL2{l2_fwd, l2_bwd};
 
 // causal_conv1d: wrong only without bias and states at W = 4 (the model's calls), in dx.
-void conv_fwd(const CausalConv1dFwd& a) { real_cpu<CausalConv1dTable>("causal_conv1d").forward(a); }
+void conv_fwd(const CausalConv1dFwd& a) {
+  testing::real_cpu<CausalConv1dTable>("causal_conv1d").forward(a);
+}
 void conv_bwd(const CausalConv1dBwd& a) {
-  real_cpu<CausalConv1dTable>("causal_conv1d").backward(a);
-  if (a.weight.size(1) == 4 && !a.bias.defined() && !a.initial_state.defined()) corrupt(a.dx);
+  testing::real_cpu<CausalConv1dTable>("causal_conv1d").backward(a);
+  if (a.weight.size(1) == 4 && !a.bias.defined() && !a.initial_state.defined())
+    testing::corrupt(a.dx);
 }
 const CausalConv1dTable kConv{conv_fwd, conv_bwd};
 
 void register_planted() {
   static const bool once = [] {
     Registry& r = Registry::global();
-    r.add_impl({"gated_delta_rule", "cpu.planted_d128", Backend::Cpu, 100, armed, &kGdr});
-    r.add_impl({"gated_attention", "cpu.planted_hd256", Backend::Cpu, 100, armed, &kAttn});
-    r.add_impl({"gated_attention", "cpu.planted_one_token", Backend::Cpu, 101, armed, &kAttn1});
-    r.add_impl({"rmsnorm", "cpu.planted_vec", Backend::Cpu, 100, armed, &kRms});
-    r.add_impl({"gated_rmsnorm", "cpu.planted_vec", Backend::Cpu, 100, armed, &kGrms});
-    r.add_impl({"l2norm", "cpu.planted_d128", Backend::Cpu, 100, armed, &kL2});
-    r.add_impl({"causal_conv1d", "cpu.planted_plain", Backend::Cpu, 100, armed, &kConv});
+    r.add_impl(
+        {"gated_delta_rule", "cpu.planted_d128", Backend::Cpu, 100, testing::planted_armed, &kGdr});
+    r.add_impl({"gated_attention", "cpu.planted_hd256", Backend::Cpu, 100, testing::planted_armed,
+                &kAttn});
+    r.add_impl({"gated_attention", "cpu.planted_one_token", Backend::Cpu, 101,
+                testing::planted_armed, &kAttn1});
+    r.add_impl({"rmsnorm", "cpu.planted_vec", Backend::Cpu, 100, testing::planted_armed, &kRms});
+    r.add_impl(
+        {"gated_rmsnorm", "cpu.planted_vec", Backend::Cpu, 100, testing::planted_armed, &kGrms});
+    r.add_impl({"l2norm", "cpu.planted_d128", Backend::Cpu, 100, testing::planted_armed, &kL2});
+    r.add_impl(
+        {"causal_conv1d", "cpu.planted_plain", Backend::Cpu, 100, testing::planted_armed, &kConv});
     return true;
   }();
   (void)once;
 }
 
-class ProbeClassesSeq : public ::testing::Test {
- protected:
-  void SetUp() override {
-    unsetenv("GDN_STRICT_KERNELS");
-    register_planted();
-    Registry::global().clear_resolutions();
-    g_armed = true;
-  }
-  void TearDown() override {
-    g_armed = false;
-    Registry::global().clear_resolutions();
-  }
-  static const Resolution& resolve(std::string_view op, const ShapeClass& c) {
-    return Registry::global().resolve(op, c.query());
-  }
-  static void expect_rejected(std::string_view op, const ShapeClass& c, std::string_view planted) {
-    const Resolution& r = resolve(op, c);
-    SCOPED_TRACE(std::string(op) + "[" + c.query().shape_class + "]");
-    EXPECT_FALSE(r.impl->name.starts_with("cpu.planted")) << r.impl->name;
-    bool named = false;
-    for (const std::string& line : r.rejected)
-      named = named || (line.find(std::string(planted)) != std::string::npos &&
-                        line.find("rejecting") != std::string::npos);
-    EXPECT_TRUE(named) << "the probe did not reject " << planted;
-  }
-  static void expect_accepted(std::string_view op, const ShapeClass& c, std::string_view planted) {
-    const Resolution& r = resolve(op, c);
-    SCOPED_TRACE(std::string(op) + "[" + c.query().shape_class + "]");
-    EXPECT_EQ(r.impl->name, planted);
-  }
-};
+class ProbeClassesSeq : public testing::PlantedTest<register_planted> {};
 
-ShapeClass cpu() { return ShapeClass(Backend::Cpu); }
+ShapeClass cpu() { return testing::cpu_class(); }
 ShapeClass gdr(int64_t dk, int64_t dv) {
   return cpu()
       .dim("dk", dk)
@@ -183,7 +146,7 @@ TEST_F(ProbeClassesSeq, GatedAttentionOneTokenDocuments) {
   for (const ShapeClass& c : {cpu(), cpu().dim("hd", 128).dim("rot", 32).dim("group", 4),
                               cpu().dim("hd", 256).dim("rot", 64).dim("group", 2)}) {
     Registry::global().clear_resolutions();
-    const Resolution& r = resolve("gated_attention", c);
+    const Resolution& r = Registry::global().resolve("gated_attention", c.query());
     EXPECT_NE(r.impl->name, "cpu.planted_one_token") << c.query().shape_class;
     bool named = false;
     for (const std::string& line : r.rejected)

@@ -53,11 +53,7 @@ ProbeError probe(const ImplDesc& impl, const OpQuery& query) {
     dtypes = {DType::F32};
   else
     dtypes = {backend_dtype(impl.backend), DType::F32};
-  std::vector<bool> shifts;
-  if (query.dims.contains("vec"))
-    shifts = {query.dim("vec", 1) == 0};
-  else
-    shifts = {false, true};
+  const std::vector<bool> shifts = probe_misalignments(query);
   ProbeError err;
   for (const DType dt : dtypes)
     for (const bool shift : shifts) {

@@ -96,11 +96,7 @@ ProbeError probe(const ImplDesc& impl, const OpQuery& query) {
   const auto& ref = *static_cast<const GdnGatesTable*>(Registry::global().ref(kOp).table);
   const int64_t T = 137, H = query.dim("Hv", 5);
   const DType gt = gdn_gates_dtype(backend_dtype(impl.backend));
-  std::vector<bool> shifts;
-  if (query.dims.contains("vec"))
-    shifts = {query.dim("vec", 1) == 0};
-  else
-    shifts = {false, true};
+  const std::vector<bool> shifts = probe_misalignments(query);
   ProbeError err;
   for (const bool shift : shifts) {
     ProbeTensors p(impl.backend);

@@ -48,19 +48,14 @@ OpDispatch& dispatch() {
 }
 
 // Probe: an odd length, x from -30 to 30 (both saturated tails and the region around 0); the
-// backward out of place, then in place over dy. On CUDA the length is past one pass of
-// launch_map2's capped grid (1056 blocks of 256 threads: 2 grid-stride passes of 8-element packs,
-// 9 of single elements); the CPU a few thousand. The class without vec (and only it) runs on
-// tensors one element past a 16-byte boundary; the default class runs both.
+// backward out of place, then in place over dy. The length is map2_probe_length's (past
+// one pass of launch_map2's capped grid on CUDA: probe_layout.h). The class without vec (and only
+// it) runs on tensors one element past a 16-byte boundary; the default class runs both.
 ProbeError probe(const ImplDesc& impl, const OpQuery& query) {
   const auto& cand = *static_cast<const SiluTable*>(impl.table);
   const auto& ref = *static_cast<const SiluTable*>(Registry::global().ref(kOp).table);
-  const int64_t n = impl.backend == Backend::Cuda ? 1056 * 256 * 8 + 8 * 1000 + 3 : 26063;
-  std::vector<bool> shifts;
-  if (query.dims.contains("vec"))
-    shifts = {query.dim("vec", 1) == 0};
-  else
-    shifts = {false, true};
+  const int64_t n = map2_probe_length(impl.backend);
+  const std::vector<bool> shifts = probe_misalignments(query);
   ProbeError err;
   for (const bool shift : shifts) {
     ProbeTensors p(impl.backend);

@@ -72,11 +72,7 @@ ProbeError probe(const ImplDesc& impl, const OpQuery& query) {
   const auto& cand = *static_cast<const SwigluTable*>(impl.table);
   const auto& ref = *static_cast<const SwigluTable*>(Registry::global().ref(kOp).table);
   const int64_t R = 67, I = 389;
-  std::vector<bool> shifts;
-  if (query.dims.contains("vec"))
-    shifts = {query.dim("vec", 1) == 0};
-  else
-    shifts = {false, true};
+  const std::vector<bool> shifts = probe_misalignments(query);
   ProbeError err;
   for (const bool shift : shifts) {
     ProbeTensors p(impl.backend);
