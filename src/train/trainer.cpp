@@ -393,15 +393,20 @@ void write_profile(const std::string& run_dir, int64_t step, const std::vector<P
 }
 
 void write_checkpoint_files(const std::string& dir, const model::Qwen35Config& cfg,
-                            const model::ParamStore& master, const Optimizer& opt,
+                            const model::ParamStore& master,
+                            const std::vector<model::RawTensor>& untouched, const Optimizer& opt,
                             const nlohmann::json& state, const nlohmann::json& train_config);
 
+// `untouched`: the tensors of the checkpoint the run started from that it does not train (a
+// Qwen3.5 release's model.visual.* and mtp.*), written back byte for byte so that every checkpoint
+// of the run is a whole model.
 void save_checkpoint(CheckpointDir& cd, int64_t step, const model::Qwen35Config& cfg,
-                     const model::ParamStore& master, const Optimizer& opt,
+                     const model::ParamStore& master,
+                     const std::vector<model::RawTensor>& untouched, const Optimizer& opt,
                      const nlohmann::json& state, const nlohmann::json& train_config) {
   std::string dir = cd.begin(step);
   try {
-    write_checkpoint_files(dir, cfg, master, opt, state, train_config);
+    write_checkpoint_files(dir, cfg, master, untouched, opt, state, train_config);
   } catch (const Error& e) {
     // A full disk (or any failed write, fsync or rename) stops the run with an error; the
     // partial temporary directory is removed so that it does not hold the space, and the
@@ -418,13 +423,14 @@ void save_checkpoint(CheckpointDir& cd, int64_t step, const model::Qwen35Config&
 }
 
 void write_checkpoint_files(const std::string& dir, const model::Qwen35Config& cfg,
-                            const model::ParamStore& master, const Optimizer& opt,
+                            const model::ParamStore& master,
+                            const std::vector<model::RawTensor>& untouched, const Optimizer& opt,
                             const nlohmann::json& state, const nlohmann::json& train_config) {
   model::SaveOptions so;
   so.dtype = DType::F32;  // fp32 master weights: exact resume, and transformers loads F32
   so.prefix = model::prefix_for(cfg);
   so.f32_suffixes.clear();
-  model::save_hf_checkpoint(dir, cfg, master, so);
+  model::save_hf_checkpoint(dir, cfg, master, so, untouched);
   std::vector<NamedTensor> moments;
   for (size_t i = 0; i < master.size(); ++i) {
     moments.push_back({"m." + master.spec(i).name, opt.m.tensor(i), {}, {}, nullptr, 0});
@@ -658,6 +664,7 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
     model::HfCheckpoint ck = model::load_hf_checkpoint(*latest);
     check_same_tensors(*latest, ck.params.specs(), master.specs());
     for (size_t i = 0; i < master.size(); ++i) copy_into(master.tensor(i), ck.params.tensor(i));
+    untouched = std::move(ck.extras.untouched);  // carried by every checkpoint of the run
     load_moments(*latest + "/optimizer.safetensors", opt);
     const TrainerState st =
         parse_trainer_state(read_text_file(*latest + "/trainer.json"), *latest + "/trainer.json");
@@ -937,7 +944,8 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
         ensure_host_stores();
         dev.download(master, opt);
       }
-      save_checkpoint(cd, step + 1, mcfg, master, opt, trainer_state(step + 1), cfg.json());
+      save_checkpoint(cd, step + 1, mcfg, master, untouched, opt, trainer_state(step + 1),
+                      cfg.json());
     }
     return stops_at(step);
   };
@@ -1081,7 +1089,6 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
   }
   if (pending && !stop) finalise(*pending);
   metrics.close();
-  (void)untouched;
   if (!topt.quiet) {
     if (res.eval_accuracy >= 0)
       log::info(
