@@ -5,12 +5,25 @@
 #include <cstdio>
 #include <cstring>
 
+#include <unistd.h>
+
+#include "backend/cpu/blas.h"
 #include "commands.h"
 #include "gdn/core/env.h"
 #include "gdn/core/error.h"
 #include "gdn/core/log.h"
 
 int main(int argc, char** argv) {
+  // OpenBLAS on its generic kernels on a CPU it did not recognise: restart once with the kernel
+  // set the CPU supports (backend/cpu/blas.h). OPENBLAS_CORETYPE set by the user is kept as is.
+  if (const auto core = gdn::cpu::better_openblas_core()) {
+    std::fprintf(stderr,
+                 "[cpu] OpenBLAS chose its Prescott kernels on a CPU it does not recognise; "
+                 "restarting with OPENBLAS_CORETYPE=%s (set OPENBLAS_CORETYPE to choose)\n",
+                 core->c_str());
+    if (setenv("OPENBLAS_CORETYPE", core->c_str(), 1) == 0) execv("/proc/self/exe", argv);
+    // execv returned: carry on with the kernels OpenBLAS chose.
+  }
   CLI::App app{"gdntrain: trains Qwen3.5-class hybrid (Gated DeltaNet + gated attention) models"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "gdntrain 0.1.0");

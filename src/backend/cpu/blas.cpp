@@ -4,7 +4,9 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <mutex>
+#include <string_view>
 
 #include "gdn/core/env.h"
 #include "gdn/core/error.h"
@@ -22,6 +24,28 @@ void init_runtime() {
                    "GDN_NUM_THREADS must be >= 0, got {}", n);
     if (n > 0) omp_set_num_threads(static_cast<int>(n));
   });
+}
+
+std::optional<std::string> better_openblas_core(const char* coretype_env, std::string_view chosen,
+                                                bool avx2_fma, bool avx512) {
+  if (coretype_env != nullptr || chosen != "Prescott") return std::nullopt;
+  if (avx512) return "SkylakeX";
+  if (avx2_fma) return "Haswell";
+  return std::nullopt;
+}
+
+std::optional<std::string> better_openblas_core() {
+#if defined(OPENBLAS_VERSION) && (defined(__x86_64__) || defined(__i386__))
+  const char* core = openblas_get_corename();
+  __builtin_cpu_init();
+  return better_openblas_core(
+      std::getenv("OPENBLAS_CORETYPE"), core != nullptr ? core : "",
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
+      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"));
+#else
+  return std::nullopt;
+#endif
 }
 
 namespace {

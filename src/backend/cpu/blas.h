@@ -18,6 +18,9 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
 
 namespace gdn::cpu {
 
@@ -31,6 +34,19 @@ void init_runtime();
 // columns of C.
 void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
           int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+
+// OpenBLAS's dynamic dispatch falls back to its oldest x86 kernels (Prescott: SSE3) on a CPU it
+// does not recognise by family and model, which virtual machines often report ("Intel(R) Xeon(R)
+// Processor", "AMD EPYC"): GEMMs then run 2-3x slower. When that happened and the CPU has the
+// instructions of a newer kernel set (AVX2 + FMA: Haswell; AVX-512 F/BW/DQ/VL: SkylakeX), returns
+// that set's name; otherwise (a recognised CPU, OPENBLAS_CORETYPE set by the user, no better set)
+// nothing. OpenBLAS reads OPENBLAS_CORETYPE only when it loads, so a program applies the answer
+// by setting it and restarting itself (apps/gdntrain/main.cpp).
+std::optional<std::string> better_openblas_core();
+// The decision itself, from what better_openblas_core() reads (tests): the OPENBLAS_CORETYPE
+// value (null when unset), OpenBLAS's chosen core, and the CPU's AVX2 + FMA and AVX-512 support.
+std::optional<std::string> better_openblas_core(const char* coretype_env, std::string_view chosen,
+                                                bool avx2_fma, bool avx512);
 
 // Below this many multiply-adds a GEMM stays on one thread (a slice would cost more in fork and
 // join than it saves).
