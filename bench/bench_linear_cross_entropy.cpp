@@ -64,7 +64,7 @@ void BM_LceForward(benchmark::State& state) {
                                                  benchmark::Counter::kIsIterationInvariantRate);
 }
 
-// 268435456 = the GDN_FLCE_CHUNK_BYTES default; 1048576 forces slab mode.
+// 268435456 = the default budget (kLceDefaultChunkBytes); 1048576 forces slab mode.
 BENCHMARK(BM_LceForwardBackward)
     ->Arg(268435456)
     ->Arg(1048576)

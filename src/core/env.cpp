@@ -16,43 +16,6 @@ namespace gdn::env {
 namespace {
 // The one table of knobs. Keep it sorted by name.
 constexpr Knob kKnobs[] = {
-    {"GDN_FAIL_ON_NONFINITE", KnobType::Bool, "0",
-     "Stop training at the first non-finite loss or gradient, naming the step, layer and tensor "
-     "(otherwise the step is skipped, counted and logged).",
-     false, nullptr},
-    {"GDN_FLCE_CHUNK_BYTES", KnobType::Int, "268435456",
-     "Byte budget for the logits chunk of the fused linear cross-entropy (extra memory beyond the "
-     "fp32 dW buffer stays within it whatever the vocabulary size).",
-     false, nullptr},
-    {"GDN_FUSED_CONV", KnobType::Bool, "1",
-     "GDN short convolution: 1 runs causal_conv1d with its SiLU fused; 0 (A/B) runs the conv "
-     "without SiLU, then a separate silu pass (forward and backward; the backward recomputes the "
-     "pre-activation with a conv pass). Not scheduling-only: the pre-activation is rounded to the "
-     "activation dtype between the passes.",
-     false, nullptr},
-    {"GDN_FUSED_LM_HEAD", KnobType::Bool, "1",
-     "LM head loss: 1 runs the fused linear_cross_entropy; 0 (A/B) materialises the logits per "
-     "row chunk (gemm, chunk sized by GDN_FLCE_CHUNK_BYTES), then a separate cross_entropy + "
-     "z-loss pass, then dx and dW by gemm. Not scheduling-only: other roundings and sum orders.",
-     false, nullptr},
-    {"GDN_FUSED_QK_L2NORM", KnobType::Bool, "1",
-     "GDN q/k normalisation: 1 lets the gated delta rule normalise q and k itself (in its "
-     "prologue, the backward folded into its final reduction); 0 (A/B) runs the l2norm op into "
-     "kept activations, the gated delta rule without normalisation, then the l2norm backward. Not "
-     "scheduling-only: the gradients of the normalised q, k are rounded to the activation dtype "
-     "between the ops.",
-     false, nullptr},
-    {"GDN_FUSED_SWIGLU", KnobType::Bool, "1",
-     "MLP activation: 1 runs the fused swiglu kernel; 0 (A/B) runs silu(gate) and then a separate "
-     "multiply by up (backward: two multiplies and the silu backward). Not scheduling-only: "
-     "silu(gate) is rounded to the activation dtype between the passes.",
-     false, nullptr},
-    {"GDN_FUSED_ZC_NORM", KnobType::Bool, "1",
-     "Zero-centred RMSNorms (input, post-attention, final): 1 forms (1 + w) in fp32 inside the "
-     "rmsnorm kernel; 0 (A/B) materialises 1 + w once per step (axpy into a copy of w, rounded to "
-     "the parameter dtype: bf16 on cuda) and runs the plain RMSNorm; the weight gradient is the "
-     "same sum (d(1+w)/dw = 1). Not scheduling-only on cuda (bf16 rounding of 1 + w).",
-     false, nullptr},
     {"GDN_GDR_DQKW_WARPS", KnobType::Int, "16",
      "gated_delta_rule on CUDA, fast route's backward (A/B): warps of the dq/dk/dW kernel's block, "
      "8 or 16 (cuda_fast_bwd.cu). The gradients of q, k, v and beta are the same bitwise; g's "
@@ -63,12 +26,6 @@ constexpr Knob kKnobs[] = {
      "runs no prep): 'sequence' runs prep and then the dV'_loc kernel instead of one grid whose "
      "blocks alternate between the two (cuda_fast_fwd.cu). Scheduling-only: same results.",
      true, "interleave|sequence"},
-    {"GDN_GDR_SAVED_MIN_DOC_TOKENS", KnobType::Int, "128",
-     "Training with recompute none or selective on cuda keeps each GDN layer's gated delta rule "
-     "states for its backward (which then skips a sequential pass), planned for micro-batches of "
-     "up to max_tokens / this many documents; a batch with more documents recomputes them (same "
-     "gradients, slower). 0 keeps none (less activation memory).",
-     false, nullptr},
     {"GDN_GDR_STATE_COLS", KnobType::Int, "0",
      "gated_delta_rule on CUDA, fast route's sequential state passes (A/B): value columns per "
      "block, 16 or 32; 0 chooses (16 when twice the 32-column grid fits the SMs: cuda_fast.h "
@@ -92,13 +49,6 @@ constexpr Knob kKnobs[] = {
      "state pass instead of beside it (at few documents the output of each chunk starts once the "
      "pass has published it: cuda_fast_fwd.cu). Scheduling-only: same results.",
      true, "auto|off"},
-    {"GDN_GRADS_IN_ACTIVATIONS", KnobType::Bool, "1",
-     "Training with one micro-batch per step (train.grad_accum 1): 1 places the fp32 parameter "
-     "gradients in activation memory the backward has already consumed (layer l's over the "
-     "activations of layers above it), so they cost about one layer's and the LM head's "
-     "gradients instead of all of them; 0 (A/B) gives them an arena of their own. "
-     "Scheduling-only: the same gradients bitwise.",
-     false, nullptr},
     {"GDN_LOG_LEVEL", KnobType::Choice, "info", "Lowest log level printed.", false,
      "debug|info|warn|error"},
     {"GDN_NUM_THREADS", KnobType::Int, "0",
@@ -109,16 +59,29 @@ constexpr Knob kKnobs[] = {
      "list). The forced implementation is still probed; under GDN_STRICT_KERNELS a failed probe or "
      "capability check is an error.",
      false, nullptr},
-    {"GDN_SPLIT_MASTER", KnobType::Bool, "1",
-     "Training on cuda: 1 keeps each fp32 master weight whose compute copy is bf16 as that copy "
-     "plus an I16 low half (exactly the fp32 value; 4 bytes a parameter instead of 6), the copy "
-     "then rounded with ties away from zero instead of ties to even. 0: a separate fp32 master. "
-     "Not scheduling-only (the rounding of exact ties).",
-     false, nullptr},
     {"GDN_STRICT_KERNELS", KnobType::Bool, "0",
      "Turn every skipped implementation or fallback (failed capability check or numeric probe) "
      "into an error naming the op, the implementation and the reason.",
      false, nullptr},
+};
+
+// Knobs that became keys of the run config (saved with each run, so a resume keeps them): setting
+// one is an error naming its key, since silently ignoring it would change what the user asked for.
+struct MovedKnob {
+  const char* name;
+  const char* key;
+};
+constexpr MovedKnob kMovedKnobs[] = {
+    {"GDN_FAIL_ON_NONFINITE", "train.fail_on_nonfinite"},
+    {"GDN_FLCE_CHUNK_BYTES", "memory.lce_chunk_bytes"},
+    {"GDN_FUSED_CONV", "kernels.fused_conv"},
+    {"GDN_FUSED_LM_HEAD", "kernels.fused_lm_head"},
+    {"GDN_FUSED_QK_L2NORM", "kernels.fused_qk_l2norm"},
+    {"GDN_FUSED_SWIGLU", "kernels.fused_swiglu"},
+    {"GDN_FUSED_ZC_NORM", "kernels.fused_zc_norm"},
+    {"GDN_GDR_SAVED_MIN_DOC_TOKENS", "memory.gdr_saved_min_doc_tokens"},
+    {"GDN_GRADS_IN_ACTIVATIONS", "memory.grads_in_activations"},
+    {"GDN_SPLIT_MASTER", "optim.split_master"},
 };
 
 struct Cache {
@@ -294,6 +257,13 @@ int check_environment() {
       validate(*k, name, value);
       continue;
     }
+    for (const MovedKnob& m : kMovedKnobs)
+      if (name == m.name)
+        GDN_FAIL_HINT(fmt::format("unset it and pass --set {}=... (or set the key in the --config "
+                                  "file; gdntrain train --help)",
+                                  m.key),
+                      "environment variable {} is no longer read: it is the run config key {}",
+                      name, m.key);
     const Knob* best = nullptr;
     size_t best_d = SIZE_MAX;
     for (const Knob& c : kKnobs) {

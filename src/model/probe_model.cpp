@@ -32,7 +32,7 @@ std::vector<Registry::Decision> probe_model(const Qwen35Config& cfg, Backend bac
           out[t - b] = static_cast<int32_t>((doc * 7919 + t * 104729) % cfg.vocab_size);
       });
   const size_t before = Registry::global().decisions().size();
-  Qwen35Model m(cfg, backend, T, mb.num_segments(), recompute);
+  Qwen35Model m(cfg, backend, T, mb.num_segments(), {.recompute = recompute});
   {
     ParamStore store(m.specs());
     init_params(store, cfg, 1);

@@ -69,37 +69,29 @@ Recompute recompute_from_name(std::string_view name) {
   GDN_FAIL_HINT("use none, full or selective", "recompute policy '{}' is not known", name);
 }
 
-FusedRoutes FusedRoutes::from_env() {
-  FusedRoutes r;
-  r.conv = env::get_bool("GDN_FUSED_CONV");
-  r.swiglu = env::get_bool("GDN_FUSED_SWIGLU");
-  r.zc_norm = env::get_bool("GDN_FUSED_ZC_NORM");
-  r.lm_head = env::get_bool("GDN_FUSED_LM_HEAD");
-  r.qk_l2norm = env::get_bool("GDN_FUSED_QK_L2NORM");
-  return r;
-}
-
 std::string FusedRoutes::describe() const {
   return fmt::format(
       "conv {}, q/k l2norm {}, swiglu {}, zero-centred norm {}, LM head {}",
-      conv ? "fused (SiLU in the conv)" : "UNFUSED (conv, then silu; GDN_FUSED_CONV=0)",
+      conv ? "fused (SiLU in the conv)" : "UNFUSED (conv, then silu; kernels.fused_conv false)",
       qk_l2norm ? "fused (in the gated delta rule)"
-                : "UNFUSED (l2norm op, then the gated delta rule; GDN_FUSED_QK_L2NORM=0)",
-      swiglu ? "fused" : "UNFUSED (silu, then mul; GDN_FUSED_SWIGLU=0)",
+                : "UNFUSED (l2norm op, then the gated delta rule; kernels.fused_qk_l2norm false)",
+      swiglu ? "fused" : "UNFUSED (silu, then mul; kernels.fused_swiglu false)",
       zc_norm ? "fused ((1 + w) in the kernel)"
-              : "UNFUSED (1 + w materialised, plain rmsnorm; GDN_FUSED_ZC_NORM=0)",
+              : "UNFUSED (1 + w materialised, plain rmsnorm; kernels.fused_zc_norm false)",
       lm_head ? "fused (linear_cross_entropy)"
-              : "UNFUSED (logits chunks by gemm, then cross_entropy; GDN_FUSED_LM_HEAD=0)");
+              : "UNFUSED (logits chunks by gemm, then cross_entropy; kernels.fused_lm_head false)");
 }
 
 Qwen35Model::Qwen35Model(Qwen35Config cfg, Backend backend, int64_t max_tokens, int64_t max_docs,
-                         Recompute recompute, GradMemory grad_memory)
+                         const ModelOptions& options)
     : cfg_(std::move(cfg)),
       backend_(backend),
       max_tokens_(max_tokens),
       max_docs_(max_docs),
-      recompute_(recompute),
-      grad_memory_(grad_memory) {
+      recompute_(options.recompute),
+      grad_memory_(options.grad_memory),
+      fused_(options.fused),
+      lce_chunk_bytes_(options.lce_chunk_bytes) {
   validate(cfg_);
   GDN_CHECK(max_tokens_ >= 1 && max_docs_ >= 1 && max_docs_ <= max_tokens_,
             "model: max_tokens {} and max_docs {} must satisfy 1 <= max_docs <= max_tokens",
@@ -121,8 +113,7 @@ Qwen35Model::Qwen35Model(Qwen35Config cfg, Backend backend, int64_t max_tokens, 
     if (!shared) grads_.push_back(grad_arena_.alloc_tensor(gdt, s.shape));
   }
   zero_grads();
-  // The fused kernel routes (qwen35.h): read once here, logged once per distinct setting.
-  fused_ = FusedRoutes::from_env();
+  // The fused kernel routes (qwen35.h): logged once per distinct setting.
   {
     static std::mutex mu;
     static std::string last;
@@ -137,16 +128,18 @@ Qwen35Model::Qwen35Model(Qwen35Config cfg, Backend backend, int64_t max_tokens, 
     const std::vector<double> ones(static_cast<size_t>(cfg_.hidden_size), 1.0);
     ones_ = from_f64(ones, backend_dtype(backend_), {cfg_.hidden_size}, dev);
   }
+  GDN_CHECK(lce_chunk_bytes_ >= kLceMinChunkBytes,
+            "model: lce_chunk_bytes = {} is below the LM head's minimum {}", lce_chunk_bytes_,
+            kLceMinChunkBytes);
   if (!fused_.lm_head) {
-    const int64_t budget = env::get_int("GDN_FLCE_CHUNK_BYTES");
-    GDN_CHECK(budget >= 1, "GDN_FLCE_CHUNK_BYTES = {} must be positive", budget);
+    const int64_t budget = lce_chunk_bytes_;
     const int64_t row = cfg_.vocab_size * dtype_size(backend_dtype(backend_));
     lm_chunk_rows_ = std::clamp<int64_t>(budget / row, 1, max_tokens_);
   }
   // The gated delta rule's `saved` (run() says why it is bounded): planned for batches of up to
-  // max_tokens / GDN_GDR_SAVED_MIN_DOC_TOKENS documents; 0 plans none.
-  const int64_t min_doc = env::get_int("GDN_GDR_SAVED_MIN_DOC_TOKENS");
-  GDN_CHECK(min_doc >= 0, "GDN_GDR_SAVED_MIN_DOC_TOKENS = {} must be >= 0 (0: no saved states)",
+  // max_tokens / gdr_saved_min_doc_tokens documents; 0 plans none.
+  const int64_t min_doc = options.gdr_saved_min_doc_tokens;
+  GDN_CHECK(min_doc >= 0, "model: gdr_saved_min_doc_tokens = {} must be >= 0 (0: no saved states)",
             min_doc);
   if (recompute_ != Recompute::Full && backend_ == Backend::Cuda &&
       cfg_.num_linear_attention_layers() > 0 && min_doc > 0) {
@@ -329,7 +322,8 @@ namespace {
 struct LayerActs {
   Tensor h_in, rstd_in, xn;                         // [T, D], [T], [T, D]
   Tensor qkv, q, k, v, z, a, b, g, beta, o, nrstd;  // GDN
-  Tensor qn, kn, qn_rstd, kn_rstd;  // GDN, GDN_FUSED_QK_L2NORM=0: l2norm(q), l2norm(k), their rstd
+  Tensor qn, kn, qn_rstd,
+      kn_rstd;  // GDN, kernels.fused_qk_l2norm false: l2norm(q), l2norm(k), their rstd
   Tensor qg, ak, av, q_hat, k_hat, attn, lse, q_rstd, k_rstd;  // attention
   Tensor y;                                     // mixer output before the out projection
   Tensor h_mid, rstd_post, xn2, gate, up, act;  // MLP
@@ -463,9 +457,10 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
 #endif
 
   // The zero-centred norms' weights. Fused (default): the rmsnorm kernel forms (1 + w) in fp32.
-  // GDN_FUSED_ZC_NORM=0: 1 + w is materialised once per step (a copy of w, then axpy of the ones
-  // vector: fp32 arithmetic, rounded to the parameter dtype) and the plain rmsnorm runs on it; its
-  // dw = sum(dy * xhat) is also d loss / dw (d(1 + w)/dw = 1), so it accumulates into w's gradient.
+  // kernels.fused_zc_norm false: 1 + w is materialised once per step (a copy of w, then axpy of the
+  // ones vector: fp32 arithmetic, rounded to the parameter dtype) and the plain rmsnorm runs on it;
+  // its dw = sum(dy * xhat) is also d loss / dw (d(1 + w)/dw = 1), so it accumulates into w's
+  // gradient.
   const bool zc = fused_.zc_norm;
   std::map<int64_t, Tensor> zc_w;  // param id -> [D] 1 + w (unfused route only)
   if (!zc) {
@@ -509,7 +504,7 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
   // backward passes no `saved` and recomputes it. Its size grows with the documents of the batch
   // (one chunk slot per 64 tokens plus one per document), and the plan's worst case (max_docs, up
   // to one token per document) would be 64 times the one-document size, so the constructor plans it
-  // for batches of up to max_tokens / GDN_GDR_SAVED_MIN_DOC_TOKENS documents (128 by default:
+  // for batches of up to max_tokens / memory.gdr_saved_min_doc_tokens documents (128 by default:
   // about 1.5x the one-document size); a batch with more documents passes no `saved` and its
   // backward recomputes, with bitwise the same gradients (op.h), only slower.
   const bool keep_gdr_saved = !full && backward && gdr_saved_plan_ > 0;
@@ -545,8 +540,8 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
       place(s.z, p.act, full, again, {T, VD});
       place(s.b, p.act, full, again, {T, Hv});
       place(s.a, p.act, full, again, {T, Hv});
-      // GDN_FUSED_QK_L2NORM=0: the backward reads the normalised q, k (and their rstd) instead,
-      // so q and k themselves live in the scratch.
+      // kernels.fused_qk_l2norm false: the backward reads the normalised q, k (and their rstd)
+      // instead, so q and k themselves live in the scratch.
       const bool qk_fused = fused_.qk_l2norm;
       place(s.q, p.act, cheap || !qk_fused, again, {T, Hk, dk});
       place(s.k, p.act, cheap || !qk_fused, again, {T, Hk, dk});
@@ -580,7 +575,7 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
           const Tensor out = outs[i].reshape({T, b.width});
           causal_conv1d_forward({block_of(s.qkv, b), conv_w.slice0(b.col, b.col + b.width),
                                  Tensor(), cu, Tensor(), out, Tensor(), fused_.conv});
-          if (!fused_.conv) {  // GDN_FUSED_CONV=0: the SiLU as its own pass, in place
+          if (!fused_.conv) {  // kernels.fused_conv false: the SiLU as its own pass, in place
             pr.next("conv.silu.fwd");
             silu_forward({out, out});
             pr.next("conv.fwd");
@@ -656,7 +651,7 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
       ProfileRange pr("swiglu.fwd");
       if (fused_.swiglu) {
         swiglu_forward({s.gate, s.up, s.act});
-      } else {  // GDN_FUSED_SWIGLU=0: act = silu(gate), then act *= up, as two passes
+      } else {  // kernels.fused_swiglu false: act = silu(gate), then act *= up, as two passes
         silu_forward({s.gate, s.act});
         pr.next("swiglu.mul.fwd");
         mul({s.act, s.up, s.act});
@@ -704,9 +699,10 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
   Tensor tl_z = p.balloc(p.stat, {T});
   const size_t lm_mark = bwd.used();
   Tensor hn = p.balloc_act({T, D});
-  // The fused route's workspace, or (GDN_FUSED_LM_HEAD=0) the unfused route's logits chunk
+  // The fused route's workspace, or (kernels.fused_lm_head false) the unfused route's logits chunk
   // [lm_chunk_rows_, V].
-  const int64_t ws_bytes = lm_fused ? linear_cross_entropy_workspace_bytes(max_tokens_, V, 0) : 0;
+  const int64_t ws_bytes =
+      lm_fused ? linear_cross_entropy_workspace_bytes(max_tokens_, V, lce_chunk_bytes_) : 0;
   Tensor ws = lm_fused ? p.balloc(DType::F32, {(ws_bytes + 3) / 4}) : Tensor();
   Tensor logits_chunk = lm_fused ? Tensor() : p.balloc_act({lm_chunk_rows_, V});
   if (backward) p.zero_group(static_cast<size_t>(L));  // the head's gradients
@@ -733,6 +729,7 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
       la.lse = tl_lse;
       la.z_loss = tl_z;
       la.workspace = ws;
+      la.chunk_bytes = lce_chunk_bytes_;
       la.reduction = LceReduction::None;
       linear_cross_entropy_forward(la);
     }
@@ -744,6 +741,7 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
     la.lse = lse;
     la.z_loss = zl;
     la.workspace = ws;
+    la.chunk_bytes = lce_chunk_bytes_;
     la.reduction = LceReduction::Mean;
     la.z_loss_scale = opt.z_loss;
     la.denominator = opt.loss_denominator;
@@ -764,9 +762,9 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
     }
     stats->targets = targets;
   } else if (live) {
-    // GDN_FUSED_LM_HEAD=0: per chunk of rows, the logits by gemm, the cross_entropy pass (loss,
-    // lse, z-loss and, for the backward, c dL/dz over the logits), then dx = G W (=) and
-    // dW += G^T x by gemm. The mean over the denominator (as linear_cross_entropy's: the caller's,
+    // kernels.fused_lm_head false: per chunk of rows, the logits by gemm, the cross_entropy pass
+    // (loss, lse, z-loss and, for the backward, c dL/dz over the logits), then dx = G W (=) and dW
+    // += G^T x by gemm. The mean over the denominator (as linear_cross_entropy's: the caller's,
     // else this batch's targets; 0 gives loss 0 and zero gradients) is c = 1 / den; the rows are
     // summed on the host in double.
     const double den =
@@ -842,8 +840,8 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
           if (fused_.swiglu) {
             swiglu_backward({s.gate, s.up, dact, dgate, dup});
           } else {
-            // GDN_FUSED_SWIGLU=0: sg = silu(gate) recomputed into dgate's buffer; dup = dact * sg;
-            // d sg = dact * up over sg; dgate = d sg * silu'(gate) in place.
+            // kernels.fused_swiglu false: sg = silu(gate) recomputed into dgate's buffer; dup =
+            // dact * sg; d sg = dact * up over sg; dgate = d sg * silu'(gate) in place.
             silu_forward({s.gate, dgate});
             pr.next("swiglu.mul.bwd");
             mul({dact, dgate, dup});
@@ -872,7 +870,7 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
         Tensor da = p.balloc_act({T, Hv}), db = p.balloc_act({T, Hv});
         Tensor dqkv = p.balloc_act({T, C});  // planar (block_of)
         const bool qk_fused = fused_.qk_l2norm;
-        // GDN_FUSED_QK_L2NORM=0: the gated delta rule's gradients of the normalised q, k.
+        // kernels.fused_qk_l2norm false: the gated delta rule's gradients of the normalised q, k.
         Tensor dqn = qk_fused ? Tensor() : p.balloc_act({T, Hk, dk});
         Tensor dkn = qk_fused ? Tensor() : p.balloc_act({T, Hk, dk});
         if (live) {
@@ -907,8 +905,8 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
             const Tensor dy_b = dout[i].reshape({T, b.width});
             const Tensor w_b = conv_w.slice0(b.col, b.col + b.width);
             if (!fused_.conv) {
-              // GDN_FUSED_CONV=0: recompute the conv's pre-activation with a conv pass (the fused
-              // backward does it in registers) into dx_b, which the conv backward writes only
+              // kernels.fused_conv false: recompute the conv's pre-activation with a conv pass (the
+              // fused backward does it in registers) into dx_b, which the conv backward writes only
               // after the silu backward has read it; then dy_b = dy_b * silu'(pre) in place.
               pr_n.next("conv.silu.bwd");
               causal_conv1d_forward({x_b, w_b, Tensor(), cu, Tensor(), dx_b, Tensor(), false});

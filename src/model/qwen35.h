@@ -95,8 +95,8 @@ Recompute recompute_from_name(std::string_view name);  // throws naming the bad 
 // writing dy^T x equals one adding it to zeros, up to the sign of an exact zero).
 enum class GradMemory : uint8_t { Separate, InActivations };
 
-// Fused kernel routes and their unfused A/B counterparts (issue 8), one GDN_FUSED_* environment
-// knob each (default 1 = fused), read once at model construction (docs/TRAINING.md lists them):
+// Fused kernel routes and their unfused A/B counterparts (issue 8), default all fused; the run
+// config's kernels.fused_* keys (train/run_config.h, saved with the run) set them:
 //   conv:    causal_conv1d with SiLU fused | conv without SiLU, then the silu op (the backward
 //            recomputes the pre-activation with a conv pass, as the fused kernel does in registers)
 //   qk_l2norm: the gated delta rule normalising q, k itself (use_qk_l2norm) | the l2norm op into
@@ -107,17 +107,30 @@ enum class GradMemory : uint8_t { Separate, InActivations };
 //   lm_head: linear_cross_entropy | per row chunk: logits by gemm, the cross_entropy op (loss,
 //            lse, z-loss and the gradient in place), dx and dW by gemm; rows summed on the host
 // The unfused routes round their intermediates to the activation dtype (bf16 on cuda), so none of
-// these knobs is scheduling-only: they agree with the fused routes to that precision.
+// these switches is scheduling-only: they agree with the fused routes to that precision.
 struct FusedRoutes {
   bool conv = true, qk_l2norm = true, swiglu = true, zc_norm = true, lm_head = true;
-  static FusedRoutes from_env();  // throws naming the knob on an invalid value
-  std::string describe() const;   // "conv fused, swiglu unfused (silu + mul), ..."
+  std::string describe() const;  // "conv fused, swiglu unfused (silu + mul), ..."
+};
+
+// Everything about a model instance that is policy rather than shape: set by the trainer from the
+// run config (saved with the run, so a resume keeps it); the defaults are the production choices.
+struct ModelOptions {
+  Recompute recompute = Recompute::None;
+  GradMemory grad_memory = GradMemory::Separate;
+  FusedRoutes fused{};
+  // The LM head's logits budget in bytes (linear_cross_entropy's chunk_bytes; the unfused route's
+  // logits chunk of rows).
+  int64_t lce_chunk_bytes = int64_t{256} << 20;
+  // cuda, recompute none or selective: the gated delta rule's states are kept for the backward,
+  // planned for batches of up to max_tokens / this many documents (0: none are kept).
+  int64_t gdr_saved_min_doc_tokens = 128;
 };
 
 class Qwen35Model {
  public:
   Qwen35Model(Qwen35Config cfg, Backend backend, int64_t max_tokens, int64_t max_docs,
-              Recompute recompute = Recompute::None, GradMemory grad_memory = GradMemory::Separate);
+              const ModelOptions& options = {});
 
   const Qwen35Config& config() const { return cfg_; }
   Backend backend() const { return backend_; }
@@ -185,11 +198,12 @@ class Qwen35Model {
   // The gated delta rule's optional `saved` per GDN layer (None or Selective on cuda, run() has the
   // policy): elements planned for each layer (0: none) and the documents per batch that fit them.
   int64_t gdr_saved_plan_ = 0, gdr_saved_docs_ = 0;
-  // Rows of the logits chunk of the unfused LM head (GDN_FUSED_LM_HEAD=0): GDN_FLCE_CHUNK_BYTES
-  // over one row of logits, clamped to [1, max_tokens].
+  // Rows of the logits chunk of the unfused LM head (fused.lm_head false): lce_chunk_bytes over
+  // one row of logits, clamped to [1, max_tokens].
   int64_t lm_chunk_rows_ = 0;
   FusedRoutes fused_;
-  OwnedTensor ones_;  // [D] compute dtype: the 1 of the unfused zero-centred norms' 1 + w
+  int64_t lce_chunk_bytes_;  // ModelOptions::lce_chunk_bytes: the LM head's logits budget
+  OwnedTensor ones_;         // [D] compute dtype: the 1 of the unfused zero-centred norms' 1 + w
   // bwd_arena_ before tmp_arena_, which borrows from it.
   Arena param_arena_, grad_arena_, act_arena_, bwd_arena_, tmp_arena_;
   std::vector<Tensor> params_, grads_;

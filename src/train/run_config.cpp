@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "gdn/core/error.h"
+#include "ops/linear_cross_entropy/op.h"
 #include "train/mqar.h"
 
 namespace gdn::train {
@@ -125,6 +126,14 @@ void validate_train_config(const ConfigTree& cfg) {
   c.number("train.z_loss", 0, kInf, false, true, "a finite number >= 0");
   c.choice("train.device", {"auto", "cpu", "cuda", "ref"}, "a device");
   c.choice("train.recompute", {"none", "selective", "full"});
+  c.boolean("train.fail_on_nonfinite");
+  for (const char* k : {"kernels.fused_conv", "kernels.fused_qk_l2norm", "kernels.fused_swiglu",
+                        "kernels.fused_zc_norm", "kernels.fused_lm_head"})
+    c.boolean(k);
+  c.boolean("memory.grads_in_activations");
+  c.integer("memory.gdr_saved_min_doc_tokens", 0, kMaxI32, "a non-negative integer (0 = none)");
+  c.integer("memory.lce_chunk_bytes", ops::kLceMinChunkBytes, kMaxI64,
+            "an integer >= 4096 (the LM head's minimum)");
 
   const bool lr_ok = c.number("optim.lr", 0, kInf, true, true, "a finite number > 0");
   const bool min_ok = c.number("optim.min_lr", 0, kInf, false, true, "a finite number >= 0");
@@ -142,6 +151,7 @@ void validate_train_config(const ConfigTree& cfg) {
   c.number("optim.eps", 0, kInf, true, true, "a finite number > 0");
   c.number("optim.weight_decay", 0, kInf, false, true, "a finite number >= 0");
   c.number("optim.clip", 0, kInf, false, true, "a finite number >= 0 (0 = off)");
+  c.boolean("optim.split_master");
 
   c.integer("eval.every", 0, kMaxI64, "a non-negative integer (0 = off)");
   c.integer("eval.batches", 0, kMaxI32, "a non-negative integer");
@@ -182,9 +192,27 @@ std::vector<ConfigChange> config_changes(const nlohmann::json& saved, const nloh
 bool resume_blocks_change(const std::string& key) {
   const size_t dot = key.rfind('.');
   const std::string leaf = dot == std::string::npos ? key : key.substr(dot + 1);
-  return key.starts_with("model.") || key.starts_with("data.") ||
+  return key.starts_with("model.") || key.starts_with("data.") || key.starts_with("kernels.") ||
          leaf.find("seed") != std::string::npos || key == "train.micro_batch_tokens" ||
          key == "train.grad_accum";
+}
+
+model::ModelOptions model_options(const ConfigTree& cfg, int64_t grad_accum) {
+  model::ModelOptions o;
+  o.recompute = model::recompute_from_name(cfg.get_string("train.recompute"));
+  // One micro-batch per step: its gradients can live in activation memory the backward has
+  // consumed (qwen35.h, GradMemory); with several they must accumulate in an arena of their own.
+  o.grad_memory = grad_accum == 1 && cfg.get_bool("memory.grads_in_activations")
+                      ? model::GradMemory::InActivations
+                      : model::GradMemory::Separate;
+  o.fused = {.conv = cfg.get_bool("kernels.fused_conv"),
+             .qk_l2norm = cfg.get_bool("kernels.fused_qk_l2norm"),
+             .swiglu = cfg.get_bool("kernels.fused_swiglu"),
+             .zc_norm = cfg.get_bool("kernels.fused_zc_norm"),
+             .lm_head = cfg.get_bool("kernels.fused_lm_head")};
+  o.lce_chunk_bytes = cfg.get_int("memory.lce_chunk_bytes");
+  o.gdr_saved_min_doc_tokens = cfg.get_int("memory.gdr_saved_min_doc_tokens");
+  return o;
 }
 
 std::vector<ConfigChange> check_resume_config(const nlohmann::json& saved,

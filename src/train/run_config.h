@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "model/qwen35.h"
 #include "train/config_tree.h"
 
 namespace gdn::train {
@@ -27,9 +28,15 @@ struct ConfigChange {
 // Every leaf key whose value differs between `saved` and `now`.
 std::vector<ConfigChange> config_changes(const nlohmann::json& saved, const nlohmann::json& now);
 
+// The model's policy from the (validated) run config: train.recompute, the kernels.fused_* routes
+// and the memory.* keys; the gradients go into activation memory only with one micro-batch per
+// step (grad_accum 1).
+model::ModelOptions model_options(const ConfigTree& cfg, int64_t grad_accum);
+
 // Keys a resume refuses to change unless resume.allow_changes is true: the model (model.*), the
-// data (data.*), every seed, and the micro-batch layout (train.micro_batch_tokens,
-// train.grad_accum), which decides the examples each step sees.
+// data (data.*), every seed, the micro-batch layout (train.micro_batch_tokens, train.grad_accum),
+// which decides the examples each step sees, and the kernel routes (kernels.*), which change the
+// numerics.
 bool resume_blocks_change(const std::string& key);
 
 // The resume check: with changed blocking keys and !allow, throws an error listing them (saved

@@ -40,10 +40,14 @@ nlohmann::json default_train_config() {
     "data": {"kind": "mqar", "path": "", "seed": 7, "eval_fraction": 0.01,
              "mqar": {"vocab_size": 64, "num_pairs": 4, "seq_len": 32}},
     "train": {"steps": 600, "micro_batch_tokens": 2048, "grad_accum": 1, "z_loss": 0.0001,
-              "device": "auto", "recompute": "none"},
+              "device": "auto", "recompute": "none", "fail_on_nonfinite": false},
     "optim": {"lr": 0.003, "min_lr": 0.0003, "warmup_steps": 40, "decay": "cosine",
               "wsd_decay_fraction": 0.2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
-              "weight_decay": 0.1, "clip": 1.0},
+              "weight_decay": 0.1, "clip": 1.0, "split_master": true},
+    "kernels": {"fused_conv": true, "fused_qk_l2norm": true, "fused_swiglu": true,
+                "fused_zc_norm": true, "fused_lm_head": true},
+    "memory": {"grads_in_activations": true, "gdr_saved_min_doc_tokens": 128,
+               "lce_chunk_bytes": 268435456},
     "eval": {"every": 100, "batches": 4},
     "log": {"every": 10},
     "checkpoint": {"every": 200, "keep": 2, "at_end": true},
@@ -117,8 +121,9 @@ struct Optimizer {
 
 // fp32 master weights and Adam moments on the device, in one arena, laid out like the host stores.
 // A parameter whose compute copy is bf16 keeps its master split (ops/adamw/op.h, split masters;
-// GDN_SPLIT_MASTER, default on): the model's bf16 compute copy is the high half and `master` holds
-// the I16 low half, so master and copy cost 4 bytes a parameter instead of 6 (7.8 GiB less at 4B).
+// optim.split_master, default on): the model's bf16 compute copy is the high half and `master`
+// holds the I16 low half, so master and copy cost 4 bytes a parameter instead of 6 (7.8 GiB less at
+// 4B).
 struct DeviceOptimizer {
   Arena arena;
   std::vector<Tensor> master, m, v;  // master: F32, or I16 (split: the low half)
@@ -306,8 +311,11 @@ void check_resume_against(const std::string& ckpt, const std::string& run_dir,
     log::warn("--resume: {} has no saved training configuration to compare with", ckpt);
     return;
   }
-  const nlohmann::json saved = nlohmann::json::parse(read_text_file(saved_path), nullptr, false);
-  GDN_CHECK(!saved.is_discarded(), "{} is not valid JSON", saved_path);
+  const nlohmann::json text = nlohmann::json::parse(read_text_file(saved_path), nullptr, false);
+  GDN_CHECK(!text.is_discarded() && text.is_object(), "{} is not a JSON object", saved_path);
+  // Keys added since that run was written count with their defaults (which it ran with).
+  nlohmann::json saved = default_train_config();
+  saved.merge_patch(text);
   const bool allow = cfg.get_bool("resume.allow_changes");
   for (const ConfigChange& ch : check_resume_config(saved, cfg.json(), allow, saved_path)) {
     if (ch.key.starts_with("resume.")) continue;
@@ -444,11 +452,8 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
 
   // One micro-batch per step: its gradients can live in activation memory the backward has
   // consumed (qwen35.h, GradMemory); with several they must accumulate in an arena of their own.
-  const model::GradMemory grad_memory = accum == 1 && env::get_bool("GDN_GRADS_IN_ACTIVATIONS")
-                                            ? model::GradMemory::InActivations
-                                            : model::GradMemory::Separate;
   model::Qwen35Model m(mcfg, backend, data->max_tokens(), data->max_docs(),
-                       model::recompute_from_name(cfg.get_string("train.recompute")), grad_memory);
+                       model_options(cfg, accum));
   const double t_model = since_launch();
   Optimizer opt;  // host Adam moments (cpu: the live ones; cuda: staging for checkpoints)
   // The host stores, made on first use (a device run needs them only to write a checkpoint).
@@ -475,7 +480,7 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
   const int64_t log_every = std::max<int64_t>(1, cfg.get_int("log.every"));
   const int64_t eval_every = cfg.get_int("eval.every"), eval_batches = cfg.get_int("eval.batches");
   const int64_t ckpt_every = cfg.get_int("checkpoint.every");
-  const bool fail_on_nonfinite = env::get_bool("GDN_FAIL_ON_NONFINITE");
+  const bool fail_on_nonfinite = cfg.get_bool("train.fail_on_nonfinite");
 
   CheckpointDir cd(run_dir + "/checkpoints", static_cast<int>(cfg.get_int("checkpoint.keep")));
   cd.clean_temporaries();
@@ -513,7 +518,7 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
   // writes the bf16 compute copy in the same pass; on cpu it updates the host stores directly.
   DeviceOptimizer dev;
   if (on_device) {
-    const bool split_master = env::get_bool("GDN_SPLIT_MASTER");
+    const bool split_master = cfg.get_bool("optim.split_master");
     std::vector<Tensor> split_hi(specs.size());
     for (size_t i = 0; i < specs.size(); ++i)
       if (split_master && m.param(i).dtype() == DType::BF16) split_hi[i] = m.param(i);
@@ -688,8 +693,8 @@ TrainResult run_training(const ConfigTree& cfg, const TrainOptions& topt) {
                                    loss, gnorm)
                              : first_nonfinite(m);
       GDN_CHECK_HINT(!fail_on_nonfinite,
-                     "unset GDN_FAIL_ON_NONFINITE to skip such steps, or lower optim.lr",
-                     "GDN_FAIL_ON_NONFINITE: step {} has a non-finite loss or gradient; first "
+                     "set train.fail_on_nonfinite=false to skip such steps, or lower optim.lr",
+                     "train.fail_on_nonfinite: step {} has a non-finite loss or gradient; first "
                      "non-finite: {}",
                      step + 1, nonfinite);
       ++res.skipped_steps;

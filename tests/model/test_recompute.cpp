@@ -57,7 +57,7 @@ Result run_policy(Recompute r) {
   ParamStore master(param_specs(c));
   init_params(master, c, 99);
   MicroBatch mb = packed_batch(c.vocab_size);
-  Qwen35Model m(c, Backend::Cpu, mb.num_tokens(), mb.num_segments(), r);
+  Qwen35Model m(c, Backend::Cpu, mb.num_tokens(), mb.num_segments(), {.recompute = r});
   m.load_params(master);
   StepOptions so;
   so.z_loss = 1e-4;
@@ -80,7 +80,8 @@ OneStep one_step(const Qwen35Config& c, Recompute r, GradMemory gm, const MicroB
                  const MicroBatch& mb) {
   ParamStore master(param_specs(c));
   init_params(master, c, 7);
-  Qwen35Model m(c, Backend::Cpu, mb.num_tokens(), mb.num_segments(), r, gm);
+  Qwen35Model m(c, Backend::Cpu, mb.num_tokens(), mb.num_segments(),
+                {.recompute = r, .grad_memory = gm});
   m.load_params(master);
   StepOptions so;
   so.z_loss = 1e-4;

@@ -151,16 +151,12 @@ TEST(LinearCrossEntropy, PlansOfTheSweepAreTheIntendedOnes) {
   EXPECT_EQ(p.cols, 65536 / 24 - 8);
 }
 
-TEST(LinearCrossEntropy, BudgetComesFromTheKnobWhenNotGiven) {
-  ::setenv("GDN_FLCE_CHUNK_BYTES", "50000", 1);
-  env::reset_cache_for_testing();
+TEST(LinearCrossEntropy, BudgetDefaultsWhenNotGiven) {
   auto p = linear_cross_entropy_plan(37, 1000, 0);
-  ::unsetenv("GDN_FLCE_CHUNK_BYTES");
-  env::reset_cache_for_testing();
-  EXPECT_EQ(p.budget, 50000);
-  EXPECT_EQ(p.rows, 32);
-  EXPECT_EQ(p.cols, 382);
-  EXPECT_EQ(linear_cross_entropy_plan(37, 1000, 0).budget, 268435456);  // the declared default
+  EXPECT_EQ(p.budget, kLceDefaultChunkBytes);
+  EXPECT_EQ(p.budget, int64_t{256} << 20);
+  EXPECT_EQ(p.rows, 37);  // full-V mode: every row fits
+  EXPECT_EQ(p.cols, 1000);
 }
 
 TEST(LinearCrossEntropy, VocabularyOf50k) {

@@ -1,9 +1,9 @@
-// The A/B knobs of the fused kernel routes (issue 8; model/qwen35.h, docs/TRAINING.md): each
-// GDN_FUSED_* knob at 0 really runs its unfused composition (its ops show up in the profiled
+// The A/B switches of the fused kernel routes (issue 8; model/qwen35.h, docs/TRAINING.md): each
+// kernels.fused_* key at false really runs its unfused composition (its ops show up in the profiled
 // step, the fused op does not), and the step-1 and step-2 losses of the tiny model agree with the
 // fused routes' to the precision the unfused route's intermediates are rounded to (fp32 here; the
 // cuda twin in test_train_cuda.cpp holds them to bf16 precision). Invalid values are errors that
-// name the knob.
+// name the key; the environment knobs these keys replaced are errors naming the key.
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -46,28 +46,19 @@ struct RouteRun {
   std::map<std::string, int64_t> calls;  // profiled step 2: range name -> calls
 };
 
-// Runs two_steps with the given GDN_FUSED_* settings (every other one at its default).
-RouteRun run_with(const std::map<std::string, std::string>& knobs, const std::string& tag,
+// Runs two_steps with the given run config keys set (every other one at its default).
+RouteRun run_with(const std::map<std::string, std::string>& keys, const std::string& tag,
                   const char* recompute = "none") {
-  for (const auto& [k, v] : knobs) setenv(k.c_str(), v.c_str(), 1);
-  env::reset_cache_for_testing();
   TrainOptions o;
   o.quiet = true;
   o.profile_step = 2;
   RouteRun r;
-  try {
-    ConfigTree cfg = two_steps(tag);
-    cfg.set(fmt::format("train.recompute=\"{}\"", recompute));
-    TrainResult t = run_training(cfg, o);
-    r.losses = t.losses;
-    for (const auto& row : t.profile) r.calls[row.name] = row.calls;
-  } catch (...) {
-    for (const auto& [k, v] : knobs) unsetenv(k.c_str());
-    env::reset_cache_for_testing();
-    throw;
-  }
-  for (const auto& [k, v] : knobs) unsetenv(k.c_str());
-  env::reset_cache_for_testing();
+  ConfigTree cfg = two_steps(tag);
+  cfg.set(fmt::format("train.recompute=\"{}\"", recompute));
+  for (const auto& [k, v] : keys) cfg.set(k + "=" + v);
+  TrainResult t = run_training(cfg, o);
+  r.losses = t.losses;
+  for (const auto& row : t.profile) r.calls[row.name] = row.calls;
   return r;
 }
 
@@ -79,11 +70,17 @@ struct Case {
 };
 
 const Case kCases[] = {
-    {"GDN_FUSED_CONV", {"conv.silu.fwd", "conv.silu.bwd"}, nullptr, true},
-    {"GDN_FUSED_QK_L2NORM", {"gdn.l2norm.fwd", "gdn.l2norm.bwd"}, nullptr, true},
-    {"GDN_FUSED_SWIGLU", {"swiglu.mul.fwd", "swiglu.mul.bwd", "swiglu.silu.bwd"}, nullptr, true},
-    {"GDN_FUSED_ZC_NORM", {"zc_norm.materialise"}, nullptr, true},
-    {"GDN_FUSED_LM_HEAD", {"lm_head.logits", "lm_head.ce", "lm_head.grad"}, "lm_head_loss", false},
+    {"kernels.fused_conv", {"conv.silu.fwd", "conv.silu.bwd"}, nullptr, true},
+    {"kernels.fused_qk_l2norm", {"gdn.l2norm.fwd", "gdn.l2norm.bwd"}, nullptr, true},
+    {"kernels.fused_swiglu",
+     {"swiglu.mul.fwd", "swiglu.mul.bwd", "swiglu.silu.bwd"},
+     nullptr,
+     true},
+    {"kernels.fused_zc_norm", {"zc_norm.materialise"}, nullptr, true},
+    {"kernels.fused_lm_head",
+     {"lm_head.logits", "lm_head.ce", "lm_head.grad"},
+     "lm_head_loss",
+     false},
 };
 
 // fp32 activations on the cpu: the unfused routes store their intermediate (the conv's
@@ -107,21 +104,22 @@ TEST(FusedRoutes, EachUnfusedRouteRunsAndAgreesWithTheFusedOne) {
   }
   // The tiny model: 3 GDN layers (conv), 4 MLPs, 9 zero-centred norms; 2 micro-batches.
   for (const Case& c : kCases) {
-    const RouteRun u = run_with({{c.knob, "0"}}, std::string("u_") + c.knob);
+    const RouteRun u = run_with({{c.knob, "false"}}, std::string("u_") + c.knob);
     ASSERT_EQ(u.losses.size(), 2u) << c.knob;
     for (const char* r : c.unfused_ranges)
-      EXPECT_TRUE(u.calls.count(r)) << c.knob << "=0: range " << r << " missing (route not run)";
+      EXPECT_TRUE(u.calls.count(r))
+          << c.knob << "=false: range " << r << " missing (route not run)";
     if (c.fused_range != nullptr) {
-      EXPECT_FALSE(u.calls.count(c.fused_range)) << c.knob << "=0 still ran " << c.fused_range;
+      EXPECT_FALSE(u.calls.count(c.fused_range)) << c.knob << "=false still ran " << c.fused_range;
     }
     for (size_t i = 0; i < 2; ++i) {
       std::printf("%s step %zu: fused %.9f unfused %.9f (%+.2e relative)\n", c.knob, i + 1,
                   base.losses[i], u.losses[i], (u.losses[i] - base.losses[i]) / base.losses[i]);
       if (c.cpu_bitwise) {
-        EXPECT_EQ(u.losses[i], base.losses[i]) << c.knob << "=0, step " << i + 1;
+        EXPECT_EQ(u.losses[i], base.losses[i]) << c.knob << "=false, step " << i + 1;
       } else {
         EXPECT_NEAR(u.losses[i], base.losses[i], kCpuRelTol * base.losses[i])
-            << c.knob << "=0, step " << i + 1;
+            << c.knob << "=false, step " << i + 1;
       }
     }
   }
@@ -130,16 +128,16 @@ TEST(FusedRoutes, EachUnfusedRouteRunsAndAgreesWithTheFusedOne) {
   }
 }
 
-// Every knob at 0 together (spelled in the other accepted ways), and the unfused routes under the
+// Every route unfused together, and the unfused routes under the
 // recompute policies, which re-run the layer forward (now the unfused one) before each backward:
 // bitwise the losses of recompute none, as with the fused routes.
 TEST(FusedRoutes, AllUnfusedAtOnceAgreesWithTheFusedRoutes) {
   const RouteRun base = run_with({}, "base_all");
-  const std::map<std::string, std::string> all = {{"GDN_FUSED_CONV", "0"},
-                                                  {"GDN_FUSED_QK_L2NORM", "0"},
-                                                  {"GDN_FUSED_SWIGLU", "off"},
-                                                  {"GDN_FUSED_ZC_NORM", "false"},
-                                                  {"GDN_FUSED_LM_HEAD", "no"}};
+  const std::map<std::string, std::string> all = {{"kernels.fused_conv", "false"},
+                                                  {"kernels.fused_qk_l2norm", "false"},
+                                                  {"kernels.fused_swiglu", "false"},
+                                                  {"kernels.fused_zc_norm", "false"},
+                                                  {"kernels.fused_lm_head", "false"}};
   const RouteRun u = run_with(all, "all_unfused");
   ASSERT_EQ(u.losses.size(), 2u);
   for (size_t i = 0; i < 2; ++i)
@@ -152,12 +150,12 @@ TEST(FusedRoutes, AllUnfusedAtOnceAgreesWithTheFusedRoutes) {
   }
 }
 
-// The unfused LM head with a logits chunk of a few rows (GDN_FLCE_CHUNK_BYTES = 5 rows of the
+// The unfused LM head with a logits chunk of a few rows (memory.lce_chunk_bytes = 5 rows of the
 // tiny model's vocabulary): the same losses as with one chunk, to fp32 rounding.
 TEST(FusedRoutes, UnfusedLmHeadChunksRows) {
-  const RouteRun one = run_with({{"GDN_FUSED_LM_HEAD", "0"}}, "lm_one");
+  const RouteRun one = run_with({{"kernels.fused_lm_head", "false"}}, "lm_one");
   const RouteRun many =
-      run_with({{"GDN_FUSED_LM_HEAD", "0"}, {"GDN_FLCE_CHUNK_BYTES", "4096"}}, "lm_many");
+      run_with({{"kernels.fused_lm_head", "false"}, {"memory.lce_chunk_bytes", "4096"}}, "lm_many");
   ASSERT_EQ(many.losses.size(), 2u);
   ASSERT_TRUE(many.calls.count("lm_head.ce"));
   EXPECT_GT(many.calls.at("lm_head.ce"), one.calls.at("lm_head.ce"));
@@ -165,32 +163,53 @@ TEST(FusedRoutes, UnfusedLmHeadChunksRows) {
     EXPECT_NEAR(many.losses[i], one.losses[i], kCpuRelTol * one.losses[i]) << "step " << i + 1;
 }
 
-TEST(FusedRoutes, InvalidValuesAreErrorsNamingTheKnob) {
-  for (const char* knob : {"GDN_FUSED_CONV", "GDN_FUSED_QK_L2NORM", "GDN_FUSED_SWIGLU",
-                           "GDN_FUSED_ZC_NORM", "GDN_FUSED_LM_HEAD"}) {
+TEST(FusedRoutes, InvalidValuesAreErrorsNamingTheKey) {
+  for (const char* key : {"kernels.fused_conv", "kernels.fused_qk_l2norm", "kernels.fused_swiglu",
+                          "kernels.fused_zc_norm", "kernels.fused_lm_head"}) {
     std::string msg;
     try {
-      run_with({{knob, "2"}}, "bad");
+      run_with({{key, "2"}}, "bad");
     } catch (const Error& e) {
       msg = e.what();
     }
-    EXPECT_NE(msg.find(std::string(knob) + "='2' is not a boolean"), std::string::npos)
-        << knob << ": '" << msg << "'";
+    EXPECT_NE(msg.find(fmt::format("key '{}' expects a boolean value, got 2", key)),
+              std::string::npos)
+        << key << ": '" << msg << "'";
   }
 }
 
-TEST(FusedRoutes, KnobsAreDeclaredWithDefaultOne) {
-  for (const char* knob : {"GDN_FUSED_CONV", "GDN_FUSED_QK_L2NORM", "GDN_FUSED_SWIGLU",
-                           "GDN_FUSED_ZC_NORM", "GDN_FUSED_LM_HEAD"}) {
-    bool found = false;
-    for (const env::Knob& k : env::knobs())
-      if (std::string_view(k.name) == knob) {
-        found = true;
-        EXPECT_EQ(std::string_view(k.dflt), "1") << knob;
-        EXPECT_EQ(k.type, env::KnobType::Bool) << knob;
-      }
-    EXPECT_TRUE(found) << knob << " missing from the knob table (src/core/env.cpp)";
+// The environment knobs that became run config keys: setting one is an error naming its key (it
+// would otherwise be ignored silently); every route is fused by default.
+TEST(FusedRoutes, OldKnobsAreErrorsNamingTheirKeys) {
+  const std::pair<const char*, const char*> moved[] = {
+      {"GDN_FUSED_CONV", "kernels.fused_conv"},
+      {"GDN_FUSED_QK_L2NORM", "kernels.fused_qk_l2norm"},
+      {"GDN_FUSED_SWIGLU", "kernels.fused_swiglu"},
+      {"GDN_FUSED_ZC_NORM", "kernels.fused_zc_norm"},
+      {"GDN_FUSED_LM_HEAD", "kernels.fused_lm_head"},
+      {"GDN_FLCE_CHUNK_BYTES", "memory.lce_chunk_bytes"},
+      {"GDN_GDR_SAVED_MIN_DOC_TOKENS", "memory.gdr_saved_min_doc_tokens"},
+      {"GDN_GRADS_IN_ACTIVATIONS", "memory.grads_in_activations"},
+      {"GDN_SPLIT_MASTER", "optim.split_master"},
+      {"GDN_FAIL_ON_NONFINITE", "train.fail_on_nonfinite"}};
+  for (const auto& [knob, key] : moved) {
+    setenv(knob, "0", 1);
+    std::string msg;
+    try {
+      env::check_environment();
+    } catch (const Error& e) {
+      msg = e.what();
+    }
+    unsetenv(knob);
+    EXPECT_NE(msg.find(fmt::format("{} is no longer read: it is the run config key {}", knob, key)),
+              std::string::npos)
+        << knob << ": '" << msg << "'";
+    for (const env::Knob& k : env::knobs()) EXPECT_NE(std::string_view(k.name), knob);
   }
+  const ConfigTree d(default_train_config());
+  for (const char* key : {"kernels.fused_conv", "kernels.fused_qk_l2norm", "kernels.fused_swiglu",
+                          "kernels.fused_zc_norm", "kernels.fused_lm_head"})
+    EXPECT_TRUE(d.get_bool(key)) << key;
 }
 
 }  // namespace

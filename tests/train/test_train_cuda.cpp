@@ -1,7 +1,7 @@
 // Training on the GPU (issue 8): the tiny model trained on the cuda backend tracks the same model
 // trained on the cpu backend from the same initialisation; the gated delta rule's two CUDA routes
-// and the fused kernel routes' unfused A/B counterparts (GDN_FUSED_*) agree to bf16 precision;
-// split fp32 masters resume bit-exactly; a 1000-step run under GDN_FAIL_ON_NONFINITE=1 has no
+// and the fused kernel routes' unfused A/B counterparts (kernels.fused_*) agree to bf16 precision;
+// split fp32 masters resume bit-exactly; a 1000-step run under train.fail_on_nonfinite has no
 // non-finite step.
 #include <gtest/gtest.h>
 #include <stdlib.h>
@@ -44,13 +44,15 @@ double window_mean(const std::vector<double>& v, size_t begin, size_t end) {
 
 // Two steps of the tiny model on cuda under recompute none, selective and full: the losses of the
 // three runs are bitwise equal.
-void expect_recompute_policies_bitwise_equal(const std::string& tag) {
+void expect_recompute_policies_bitwise_equal(const std::string& tag,
+                                             const std::vector<std::string>& sets = {}) {
   TrainOptions quiet;
   quiet.quiet = true;
   std::vector<double> base;
   for (const char* policy : {"none", "selective", "full"}) {
     auto cfg = tiny(tag + policy, "cuda", 2);
     cfg.set(fmt::format("train.recompute=\"{}\"", policy));
+    for (const std::string& s : sets) cfg.set(s);
     TrainResult r = run_training(cfg, quiet);
     ASSERT_EQ(r.losses.size(), 2u);
     if (base.empty()) {
@@ -148,10 +150,10 @@ TEST(TrainCuda, GdrFusedForwardKnobAgreesToBf16Precision) {
   }
 }
 
-// Split fp32 masters (GDN_SPLIT_MASTER=1, the default: the bf16 compute copy plus an I16 low
+// Split fp32 masters (optim.split_master, the default: the bf16 compute copy plus an I16 low
 // half, ops/adamw/op.h): a run stopped after step 3 and resumed from its checkpoint (the masters
 // joined on the host to write it, split again on upload) repeats the uninterrupted run's losses
-// bitwise, with checkpoints written every 2 steps on the way; and the knob at 0 (a separate fp32
+// bitwise, with checkpoints written every 2 steps on the way; and the key at false (a separate fp32
 // master, the copy rounded ties-to-even) agrees to bf16 precision.
 TEST(TrainCuda, SplitMastersResumeBitExactlyAndAgreeWithSeparateMasters) {
   TrainOptions quiet;
@@ -177,11 +179,9 @@ TEST(TrainCuda, SplitMastersResumeBitExactlyAndAgreeWithSeparateMasters) {
     EXPECT_EQ(first.losses[i], full.losses[i]) << "step " << i + 1;
     EXPECT_EQ(rest.losses[i], full.losses[i + 3]) << "step " << i + 4 << " after resume";
   }
-  setenv("GDN_SPLIT_MASTER", "0", 1);
-  env::reset_cache_for_testing();
-  const TrainResult separate = run_training(cfg("split_off"), quiet);
-  unsetenv("GDN_SPLIT_MASTER");
-  env::reset_cache_for_testing();
+  ConfigTree off = cfg("split_off");
+  off.set("optim.split_master=false");
+  const TrainResult separate = run_training(off, quiet);
   ASSERT_EQ(separate.losses.size(), 6u);
   for (size_t i = 0; i < 6; ++i) {
     std::printf("step %zu: split masters %.9f separate masters %.9f\n", i + 1, full.losses[i],
@@ -190,22 +190,22 @@ TEST(TrainCuda, SplitMastersResumeBitExactlyAndAgreeWithSeparateMasters) {
   }
 }
 
-// The A/B knobs of the fused kernel routes (model/qwen35.h, docs/TRAINING.md): each GDN_FUSED_*
-// knob at 0 really runs its unfused composition (its ops show up in the profiled step 2), and the
-// step-1 and step-2 losses agree with the fused routes' to bf16 precision: the unfused routes
-// round an intermediate (the conv's pre-activation, the gradients of the normalised q and k,
-// silu(gate), 1 + w, the logits and dlogits) to bf16 where the fused kernels keep it in fp32, so
-// none of these knobs is scheduling-only.
+// The A/B switches of the fused kernel routes (model/qwen35.h, docs/TRAINING.md): each
+// kernels.fused_* key at false really runs its unfused composition (its ops show up in the profiled
+// step 2), and the step-1 and step-2 losses agree with the fused routes' to bf16 precision: the
+// unfused routes round an intermediate (the conv's pre-activation, the gradients of the normalised
+// q and k, silu(gate), 1 + w, the logits and dlogits) to bf16 where the fused kernels keep it in
+// fp32, so none of these switches is scheduling-only.
 TEST(TrainCuda, FusedRouteKnobsAgreeToBf16Precision) {
   struct Case {
     const char* knob;
     const char* range;  // a profile range only the unfused route has
   };
-  const Case cases[] = {{"GDN_FUSED_CONV", "conv.silu.bwd"},
-                        {"GDN_FUSED_QK_L2NORM", "gdn.l2norm.bwd"},
-                        {"GDN_FUSED_SWIGLU", "swiglu.mul.fwd"},
-                        {"GDN_FUSED_ZC_NORM", "zc_norm.materialise"},
-                        {"GDN_FUSED_LM_HEAD", "lm_head.ce"}};
+  const Case cases[] = {{"kernels.fused_conv", "conv.silu.bwd"},
+                        {"kernels.fused_qk_l2norm", "gdn.l2norm.bwd"},
+                        {"kernels.fused_swiglu", "swiglu.mul.fwd"},
+                        {"kernels.fused_zc_norm", "zc_norm.materialise"},
+                        {"kernels.fused_lm_head", "lm_head.ce"}};
   TrainOptions o;
   o.quiet = true;
   o.profile_step = 2;
@@ -213,15 +213,13 @@ TEST(TrainCuda, FusedRouteKnobsAgreeToBf16Precision) {
   TrainResult base = run_training(tiny("fused", "cuda", 2), o);
   ASSERT_EQ(base.losses.size(), 2u);
   for (const Case& c : cases) {
-    setenv(c.knob, "0", 1);
-    env::reset_cache_for_testing();
-    TrainResult u = run_training(tiny(std::string("unfused_") + c.knob, "cuda", 2), o);
-    unsetenv(c.knob);
-    env::reset_cache_for_testing();
+    ConfigTree uc = tiny(std::string("unfused_") + c.knob, "cuda", 2);
+    uc.set(std::string(c.knob) + "=false");
+    TrainResult u = run_training(uc, o);
     ASSERT_EQ(u.losses.size(), 2u) << c.knob;
     std::set<std::string> names;
     for (const auto& row : u.profile) names.insert(row.name);
-    EXPECT_TRUE(names.count(c.range)) << c.knob << "=0: range " << c.range << " missing";
+    EXPECT_TRUE(names.count(c.range)) << c.knob << "=false: range " << c.range << " missing";
     for (size_t i = 0; i < 2; ++i) {
       std::printf("%s step %zu: fused %.9f unfused %.9f (%+.2e relative)\n", c.knob, i + 1,
                   base.losses[i], u.losses[i], (u.losses[i] - base.losses[i]) / base.losses[i]);
@@ -231,17 +229,14 @@ TEST(TrainCuda, FusedRouteKnobsAgreeToBf16Precision) {
   }
 }
 
-// Every GDN_FUSED_* knob at 0, under the recompute policies: recompute re-runs the (unfused) layer
-// forward before each backward, which only changes scheduling, so the losses are bitwise those of
-// recompute none.
+// Every kernels.fused_* key at false, under the recompute policies: recompute re-runs the (unfused)
+// layer forward before each backward, which only changes scheduling, so the losses are bitwise
+// those of recompute none.
 TEST(TrainCuda, UnfusedRoutesUnderRecomputeAreBitwiseUnchanged) {
-  const char* knobs[] = {"GDN_FUSED_CONV", "GDN_FUSED_QK_L2NORM", "GDN_FUSED_SWIGLU",
-                         "GDN_FUSED_ZC_NORM", "GDN_FUSED_LM_HEAD"};
-  for (const char* k : knobs) setenv(k, "0", 1);
-  env::reset_cache_for_testing();
-  expect_recompute_policies_bitwise_equal("unfused_rc_");
-  for (const char* k : knobs) unsetenv(k);
-  env::reset_cache_for_testing();
+  expect_recompute_policies_bitwise_equal(
+      "unfused_rc_",
+      {"kernels.fused_conv=false", "kernels.fused_qk_l2norm=false", "kernels.fused_swiglu=false",
+       "kernels.fused_zc_norm=false", "kernels.fused_lm_head=false"});
 }
 
 // Recompute policies only change what is kept and when it is computed: the step-1 and step-2
@@ -251,7 +246,7 @@ TEST(TrainCuda, RecomputePoliciesLeaveTheLossesBitwiseUnchanged) {
 }
 
 // Recompute none keeps each GDN layer's gated delta rule states for its backward (the op's
-// `saved`), which then skips its sequential state pass. GDN_GDR_SAVED_MIN_DOC_TOKENS = 32 plans
+// `saved`), which then skips its sequential state pass. memory.gdr_saved_min_doc_tokens = 32 plans
 // them for the default MQAR micro-batches (64 examples of 32 tokens; the default 128 plans too
 // little for so many documents and those batches recompute); 0 plans none. On both GDR routes the
 // losses of three steps are bitwise the same either way (the saved states are bitwise the
@@ -263,10 +258,9 @@ TEST(TrainCuda, GdrSavedStatesLeaveTheLossesBitwiseUnchanged) {
     force_gdr(route);
     std::vector<std::vector<double>> runs;
     for (const char* min_doc : {"32", "0"}) {
-      setenv("GDN_GDR_SAVED_MIN_DOC_TOKENS", min_doc, 1);
-      env::reset_cache_for_testing();
       auto cfg = tiny(fmt::format("saved_{}_{}", route, min_doc), "cuda", 3);
       cfg.set("train.recompute=\"none\"");
+      cfg.set(fmt::format("memory.gdr_saved_min_doc_tokens={}", min_doc));
       runs.push_back(run_training(cfg, quiet).losses);
     }
     ASSERT_EQ(runs[0].size(), 3u);
@@ -278,11 +272,9 @@ TEST(TrainCuda, GdrSavedStatesLeaveTheLossesBitwiseUnchanged) {
     }
   }
   force_gdr(nullptr);
-  unsetenv("GDN_GDR_SAVED_MIN_DOC_TOKENS");
-  env::reset_cache_for_testing();
 }
 
-// GDN_GRADS_IN_ACTIVATIONS (the gradients in activation memory the backward has consumed, one
+// memory.grads_in_activations (the gradients in activation memory the backward has consumed, one
 // micro-batch a step) is scheduling-only on the GPU too: under recompute none (the GDR saved
 // states among the activations) and full, the losses of three steps are bitwise those with the
 // gradients in an arena of their own.
@@ -291,11 +283,10 @@ TEST(TrainCuda, GradsInActivationsLeaveTheLossesBitwiseUnchanged) {
   quiet.quiet = true;
   for (const char* policy : {"none", "full"}) {
     std::vector<std::vector<double>> runs;
-    for (const char* knob : {"1", "0"}) {
-      setenv("GDN_GRADS_IN_ACTIVATIONS", knob, 1);
-      env::reset_cache_for_testing();
+    for (const char* knob : {"true", "false"}) {
       auto cfg = tiny(fmt::format("gia_{}_{}", policy, knob), "cuda", 3);
       cfg.set(fmt::format("train.recompute=\"{}\"", policy));
+      cfg.set(fmt::format("memory.grads_in_activations={}", knob));
       runs.push_back(run_training(cfg, quiet).losses);
     }
     ASSERT_EQ(runs[0].size(), 3u);
@@ -303,8 +294,6 @@ TEST(TrainCuda, GradsInActivationsLeaveTheLossesBitwiseUnchanged) {
     for (size_t i = 0; i < 3; ++i)
       EXPECT_EQ(runs[0][i], runs[1][i]) << "recompute " << policy << ", step " << i + 1;
   }
-  unsetenv("GDN_GRADS_IN_ACTIVATIONS");
-  env::reset_cache_for_testing();
 }
 
 // --profile-step on the GPU: CUDA-event ranges for every op group of the step, summing to no more
@@ -350,15 +339,12 @@ TEST(TrainCuda, StepLoopNeverDrainsTheDevice) {
 }
 
 TEST(TrainCuda, ThousandStepsWithoutANonFiniteStep) {
-  setenv("GDN_FAIL_ON_NONFINITE", "1", 1);
-  env::reset_cache_for_testing();
   TrainOptions quiet;
   quiet.quiet = true;
   auto cfg = tiny("long", "cuda", 1000);
   cfg.set("eval.every=500");
+  cfg.set("train.fail_on_nonfinite=true");
   TrainResult r = run_training(cfg, quiet);  // throws at the first non-finite step
-  unsetenv("GDN_FAIL_ON_NONFINITE");
-  env::reset_cache_for_testing();
   EXPECT_EQ(r.steps_done, 1000);
   EXPECT_EQ(r.skipped_steps, 0);
   EXPECT_GE(r.eval_accuracy, 0.9);

@@ -190,7 +190,7 @@ TEST(Trainer, GradientAccumulationNormalisesOverTheGlobalBatch) {
   fs::remove_all(b);
 }
 
-// GDN_GRADS_IN_ACTIVATIONS (one micro-batch a step: the gradients in activation memory the
+// memory.grads_in_activations (one micro-batch a step: the gradients in activation memory the
 // backward has consumed) is scheduling-only: the losses of every step, evaluations between the
 // steps included (a forward-only pass overwrites that memory after the optimizer has used it),
 // are bitwise those with the gradients in an arena of their own.
@@ -198,17 +198,14 @@ TEST(Trainer, GradientsInActivationMemoryLeaveTheLossesBitwiseUnchanged) {
   TrainOptions quiet;
   quiet.quiet = true;
   std::vector<TrainResult> runs;
-  for (const char* knob : {"1", "0"}) {
-    setenv("GDN_GRADS_IN_ACTIVATIONS", knob, 1);
-    env::reset_cache_for_testing();
+  for (const char* knob : {"true", "false"}) {
     fs::path d = temp_dir(fmt::format("gia{}", knob));
     auto c = small_config(d, 4);
     c.set("eval.every=2");
+    c.set(fmt::format("memory.grads_in_activations={}", knob));
     runs.push_back(run_training(c, quiet));
     fs::remove_all(d);
   }
-  unsetenv("GDN_GRADS_IN_ACTIVATIONS");
-  env::reset_cache_for_testing();
   ASSERT_EQ(runs[0].losses.size(), 4u);
   ASSERT_EQ(runs[1].losses.size(), 4u);
   for (size_t i = 0; i < 4; ++i)
@@ -228,23 +225,20 @@ TEST(Trainer, NonFiniteStepsAreSkippedOrStopTheRunNamingTheTensor) {
   cfg.set("optim.weight_decay=0.0");
   TrainResult r = run_training(cfg, quiet);
   EXPECT_GE(r.skipped_steps, 1);
-  setenv("GDN_FAIL_ON_NONFINITE", "1", 1);
-  env::reset_cache_for_testing();
+  cfg.set("train.fail_on_nonfinite=true");
   cfg.set(fmt::format("run.dir=\"{}\"", (a / "strict").string()));
   try {
     run_training(cfg, quiet);
     FAIL() << "a non-finite step did not stop the run";
   } catch (const Error& e) {
     std::string m = e.what();
-    EXPECT_NE(m.find("GDN_FAIL_ON_NONFINITE: step 2"), std::string::npos) << m;
+    EXPECT_NE(m.find("train.fail_on_nonfinite: step 2"), std::string::npos) << m;
     // The first non-finite value is named with its layer and tensor.
     EXPECT_NE(m.find("first non-finite: layer 0 (GDN, forward): gated_delta_rule: tensor 'g' has a "
                      "non-finite value"),
               std::string::npos)
         << m;
   }
-  unsetenv("GDN_FAIL_ON_NONFINITE");
-  env::reset_cache_for_testing();
   fs::remove_all(a);
 }
 

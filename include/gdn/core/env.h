@@ -37,8 +37,9 @@ std::optional<std::string> get_family(std::string_view prefix, std::string_view 
 // The current textual value (environment or default) of a declared knob.
 std::string current_text(const Knob& k);
 
-// Validates every set GDN_* variable: values of known knobs parse, unknown names get a warning
-// naming the closest known knob. Called once by the CLI at start-up; returns the warnings printed.
+// Validates every set GDN_* variable: values of known knobs parse, a knob that became a run config
+// key is an error naming the key, other unknown names get a warning naming the closest known knob.
+// Called once by the CLI at start-up; returns the warnings printed.
 int check_environment();
 
 // Forgets cached read-once values (tests only).

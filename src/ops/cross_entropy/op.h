@@ -1,5 +1,5 @@
 // Softmax cross-entropy with z-loss over materialised logits, per row, with the gradient formed in
-// the same pass. The separate CE pass of the unfused LM-head route (GDN_FUSED_LM_HEAD=0: logits
+// the same pass. The separate CE pass of the unfused LM-head route (kernels.fused_lm_head false: logits
 // chunk = x W^T by gemm, then this op, then dx and dW by gemm), which exists to be compared against
 // the fused linear_cross_entropy (docs/TRAINING.md). No label smoothing (the model uses none).
 //

@@ -54,8 +54,8 @@ int64_t validate(const LinearCrossEntropyArgs& a, bool backward) {
   GDN_CHECK(std::isfinite(a.denominator), "{}: denominator must be finite, got {}", kOp,
             a.denominator);
   GDN_CHECK(a.chunk_bytes == 0 || a.chunk_bytes >= kLceMinChunkBytes,
-            "{}: chunk_bytes = {} is below the minimum {} (0 reads GDN_FLCE_CHUNK_BYTES)", kOp,
-            a.chunk_bytes, kLceMinChunkBytes);
+            "{}: chunk_bytes = {} is below the minimum {} (0: the default {})", kOp, a.chunk_bytes,
+            kLceMinChunkBytes, kLceDefaultChunkBytes);
   std::vector<const Tensor*> all = {&a.w, &a.targets, &a.loss, &a.lse, &a.z_loss};
   if (backward) {
     if (none) {
@@ -250,11 +250,10 @@ void run(const ImplDesc& impl, OpIO& io, bool backward) {
 
 LceChunkPlan linear_cross_entropy_plan(int64_t n, int64_t v, int64_t chunk_bytes) {
   LceChunkPlan p;
-  p.budget = chunk_bytes != 0 ? chunk_bytes : env::get_int("GDN_FLCE_CHUNK_BYTES");
+  p.budget = chunk_bytes != 0 ? chunk_bytes : kLceDefaultChunkBytes;
   GDN_CHECK(p.budget >= kLceMinChunkBytes,
-            "{}: logits budget {} bytes is below the minimum {} (GDN_FLCE_CHUNK_BYTES or "
-            "chunk_bytes)",
-            kOp, p.budget, kLceMinChunkBytes);
+            "{}: logits budget {} bytes is below the minimum {} (chunk_bytes)", kOp, p.budget,
+            kLceMinChunkBytes);
   GDN_CHECK(n >= 0 && v >= 1, "{}: plan for N = {}, V = {}", kOp, n, v);
   if (n == 0) return p;
   const int64_t r_min = std::min(n, kLceMinRows);
@@ -311,7 +310,7 @@ LceChunkPlan linear_cross_entropy_cuda_plan(int64_t n, int64_t v, int64_t d, int
     p.workspace_bytes = lce_cuda_layout_bytes(p.rows, ld_v, d, false);
     return p;
   }
-  GDN_CHECK_HINT(slab_rows >= 1, "raise chunk_bytes or GDN_FLCE_CHUNK_BYTES",
+  GDN_CHECK_HINT(slab_rows >= 1, "raise chunk_bytes (the run config's memory.lce_chunk_bytes)",
                  "{} (cuda): a logits budget of {} bytes (workspace {} bytes) cannot hold one row "
                  "of the slab layout at D = {}: it needs a workspace of at least {} bytes (an "
                  "8-column bf16 tile, an fp32 dx accumulator of D, row statistics, header)",

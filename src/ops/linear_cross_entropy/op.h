@@ -34,7 +34,7 @@
 //
 // Chunking (cpu; the design a cuda path follows too). Only one chunk of logits exists at a time:
 // a block of R rows x a slab of S vocabulary columns, R and S chosen from a byte budget B
-// (chunk_bytes, else the knob GDN_FLCE_CHUNK_BYTES; B >= kLceMinChunkBytes):
+// (chunk_bytes, else kLceDefaultChunkBytes; B >= kLceMinChunkBytes):
 //   full-V mode  if floor(B / (4V + 32)) >= min(N, kLceMinRows):  S = V, R = min(N, that);
 //                per block: logits GEMM, softmax in place, dx GEMM, dW GEMM (beta = 1): 3 GEMMs.
 //   slab mode    otherwise: R = min(N, kLceMinRows), S = min(V, floor(B / (4R)) - 8);
@@ -96,8 +96,9 @@ namespace gdn::ops {
 enum class LceReduction : uint8_t { Mean = 0, Sum = 1, None = 2 };
 
 constexpr int64_t kLceIgnoreIndex = -100;
-constexpr int64_t kLceMinRows = 32;             // rows per block below which slabs are used
-constexpr int64_t kLceMinChunkBytes = 4096;     // smallest accepted budget
+constexpr int64_t kLceMinRows = 32;          // rows per block below which slabs are used
+constexpr int64_t kLceMinChunkBytes = 4096;  // smallest accepted budget
+constexpr int64_t kLceDefaultChunkBytes = int64_t{256} << 20;  // 256 MiB
 constexpr int64_t kLceWorkspaceOverhead = 128;  // alignment padding beyond the budget
 constexpr int64_t kLceRowStatBytes = 32;        // per-row fp64 stats (max, sum, z_y, sum z)
 
@@ -116,7 +117,7 @@ struct LinearCrossEntropyArgs {
   double z_loss_scale = 0;     // lambda >= 0; 0 adds nothing (z_loss reported as 0)
   double label_smoothing = 0;  // eps in [0, 1)
   double denominator = -1;     // mean only: < 0 counts this call's non-ignored targets
-  int64_t chunk_bytes = 0;     // logits budget B; 0 reads GDN_FLCE_CHUNK_BYTES
+  int64_t chunk_bytes = 0;     // logits budget B; 0: kLceDefaultChunkBytes
 };
 
 struct LinearCrossEntropyTable {
@@ -128,7 +129,7 @@ struct LinearCrossEntropyTable {
 void linear_cross_entropy_forward(const LinearCrossEntropyArgs& a);
 void linear_cross_entropy_forward_backward(const LinearCrossEntropyArgs& a);
 
-// The chunk plan of the cpu path (see the header comment). chunk_bytes = 0 reads the knob.
+// The chunk plan of the cpu path (see the header comment). chunk_bytes = 0: kLceDefaultChunkBytes.
 struct LceChunkPlan {
   int64_t rows = 0;             // R
   int64_t cols = 0;             // S (== V: full-V mode, one slab)

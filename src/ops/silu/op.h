@@ -1,5 +1,5 @@
 // SiLU, elementwise: y = silu(x) = x * sigmoid(x). A building block of the unfused A/B routes
-// (GDN_FUSED_CONV=0: the conv without its SiLU, then this pass; GDN_FUSED_SWIGLU=0: this pass,
+// (kernels.fused_conv false: the conv without its SiLU, then this pass; kernels.fused_swiglu false: this pass,
 // then the mul op), which exist to be compared against the fused kernels (docs/TRAINING.md).
 //
 //   s = sigmoid(x)
