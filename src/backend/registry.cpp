@@ -156,6 +156,8 @@ void Registry::remove_dispatch(OpDispatch* d) {
 }
 
 OpQuery ShapeClass::query() const {
+  GDN_CHECK(n_ <= kMaxDims, "internal: a shape class has {} dims, at most {} are supported ({}...)",
+            n_, kMaxDims, names_[0]);
   OpQuery q;
   q.backend = backend_;
   for (int i = 0; i < n_; ++i) {

@@ -282,5 +282,19 @@ TEST(GlobalRegistry, EveryOpHasARefAndProbesCleanOnCpu) {
   }
 }
 
+// A shape class keeps every dim it is given, up to ShapeClass's limit of 10; one more is an error
+// rather than a class that silently lost a dim (two shapes differing only there would share a
+// decision).
+TEST(ShapeClassDims, TenDimsAreKeptAndAnEleventhIsAnError) {
+  ShapeClass c(Backend::Cpu);
+  const char* names[] = {"a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k"};
+  for (int i = 0; i < 10; ++i) c.dim(names[i], i);
+  const OpQuery q = c.query();
+  EXPECT_EQ(q.dims.size(), 10u);
+  EXPECT_EQ(q.shape_class, "a=0,b=1,c=2,d=3,e=4,f=5,g=6,h=7,i=8,j=9");
+  c.dim(names[10], 10);
+  EXPECT_THROW(c.query(), Error);
+}
+
 }  // namespace
 }  // namespace gdn

@@ -56,8 +56,9 @@ class ShapeClass {
   ShapeClass& dim(const char* name, int64_t value) {
     if (n_ < kMaxDims) {
       names_[n_] = name;
-      values_[n_++] = value;
+      values_[n_] = value;
     }
+    ++n_;  // past kMaxDims only counted: query() then fails (a class must never lose a dim)
     // FNV-1a over the value's bytes, and the count so that a short class is not a prefix.
     for (int i = 0; i < 8; ++i)
       hash_ = (hash_ ^ ((static_cast<uint64_t>(value) >> (8 * i)) & 0xff)) * 1099511628211ull;
@@ -67,6 +68,8 @@ class ShapeClass {
   ShapeClass& flag(const char* name, bool value) { return dim(name, value ? 1 : 0); }
   Backend backend() const { return backend_; }
   uint64_t hash() const { return hash_; }
+  // The class as an OpQuery (its dims by name, shape_class "a=1,b=2"); throws when the class has
+  // more than kMaxDims dims.
   OpQuery query() const;
 
  private:
