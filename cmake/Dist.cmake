@@ -7,11 +7,14 @@ if(GDN_MPI)
   find_package(MPI COMPONENTS C)
   if(MPI_C_FOUND)
     set(GDN_HAVE_MPI ON)
-    # Only the headers and the library: FindMPI's compile options (-pthread) would reach nvcc.
+    # Only src/dist/comm_mpi.cpp sees MPI: its headers and GDN_WITH_MPI are set on that one file
+    # (every other file keeps its compile line, and ccache its hits), and FindMPI's compile
+    # options (-pthread) never reach nvcc. The library is linked wherever libgdn is.
     get_target_property(GDN_MPI_INCLUDES MPI::MPI_C INTERFACE_INCLUDE_DIRECTORIES)
-    target_include_directories(gdn SYSTEM PUBLIC ${GDN_MPI_INCLUDES})
+    set_source_files_properties(${PROJECT_SOURCE_DIR}/src/dist/comm_mpi.cpp
+                                PROPERTIES COMPILE_DEFINITIONS GDN_WITH_MPI=1
+                                           INCLUDE_DIRECTORIES "${GDN_MPI_INCLUDES}")
     target_link_libraries(gdn PUBLIC ${MPI_C_LIBRARIES})
-    target_compile_definitions(gdn PUBLIC GDN_WITH_MPI=1)
     # Open MPI's mpirun needs --allow-run-as-root/--oversubscribe in the tests (tests/dist).
     set(GDN_MPI_IS_OPENMPI OFF)
     if(MPIEXEC_EXECUTABLE)
