@@ -26,6 +26,8 @@ PACKAGES=(
   libzstd-dev
   pkg-config
   python3-venv
+  libopenmpi-dev
+  openmpi-bin
 )
 DEBUG_PACKAGES=(
   clang

@@ -57,14 +57,16 @@ int main(int argc, char** argv) {
                    "writing the standard output failed: {}", std::strerror(errno));
     return rc;
   } catch (const gdn::Error& e) {
-    std::fprintf(stderr, "error: %s\n  at %s:%d\n", e.message().c_str(), e.file(), e.line());
+    // In a multi-rank run the error carries the rank ("[rank 1/8] error: ...").
+    std::fprintf(stderr, "%serror: %s\n  at %s:%d\n", gdn::log::prefix().c_str(),
+                 e.message().c_str(), e.file(), e.line());
     std::fprintf(stderr, "hint: %s\n", e.hint().empty() ? help_line().c_str() : e.hint().c_str());
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr,
-                 "error: %s\nhint: this is unexpected; please report it with the command "
+                 "%serror: %s\nhint: this is unexpected; please report it with the command "
                  "line\n",
-                 e.what());
+                 gdn::log::prefix().c_str(), e.what());
     return 2;
   }
 }

@@ -35,7 +35,7 @@ const char* level_tag(Level l) {
 void emit_locked(State& s, Level level, std::string_view message) {
   if (level < s.min_level) return;
   std::string line;
-  if (s.world > 1) line = fmt::format("[rank {}] ", s.rank);
+  if (s.world > 1) line = fmt::format("[rank {}/{}] ", s.rank, s.world);
   line += level_tag(level);
   line += message;
   if (s.sink) {
@@ -52,6 +52,12 @@ void set_rank(int rank, int world) {
   std::lock_guard lock(s.mu);
   s.rank = rank;
   s.world = world;
+}
+
+std::string prefix() {
+  State& s = state();
+  std::lock_guard lock(s.mu);
+  return s.world > 1 ? fmt::format("[rank {}/{}] ", s.rank, s.world) : std::string();
 }
 
 void set_sink(std::function<void(Level, std::string_view)> sink) {

@@ -358,7 +358,7 @@ TEST(Log, OncePerKeyAcrossThreadsWithRankPrefix) {
   log::set_sink({});
   EXPECT_EQ(count.load(), 1);
   ASSERT_EQ(lines.size(), 1u);
-  EXPECT_EQ(lines[0], "[rank 3] chose kernel x");
+  EXPECT_EQ(lines[0], "[rank 3/8] chose kernel x");
 }
 
 }  // namespace

@@ -12,8 +12,10 @@ namespace gdn::log {
 
 enum class Level { Debug, Info, Warn, Error };
 
-// Sets the rank prefix ("[rank 3] ") used when world > 1.
+// Sets the rank prefix ("[rank 3/8] ") used when world > 1.
 void set_rank(int rank, int world);
+// The current prefix ("" at world 1), for text printed outside these functions (the CLI's error).
+std::string prefix();
 // Redirects output (tests capture lines through this); an empty function restores stderr.
 void set_sink(std::function<void(Level, std::string_view)> sink);
 void set_min_level(Level level);
