@@ -1,10 +1,12 @@
 #include "train/metrics.h"
 
+#include <unistd.h>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <string>
 
 #include "gdn/core/error.h"
 #include "gdn/core/safetensors.h"
@@ -70,6 +72,39 @@ std::string format_duration(double s) {
   auto total = static_cast<int64_t>(s);
   if (total < 3600) return fmt::format("{}m{:02d}s", total / 60, total % 60);
   return fmt::format("{}h{:02d}m", total / 3600, (total % 3600) / 60);
+}
+
+void write_profile(const std::string& run_dir, int64_t step, const std::vector<Profiler::Row>& rows,
+                   double wall_ms, int64_t tokens) {
+  nlohmann::json r = nlohmann::json::array();
+  double sum = 0;
+  for (const auto& row : rows) {
+    r.push_back({{"name", row.name}, {"calls", row.calls}, {"ms", row.ms}});
+    sum += row.ms;
+  }
+  nlohmann::json j = {{"step", step},
+                      {"tokens", tokens},
+                      {"step_wall_ms", wall_ms},
+                      {"ranges_ms", sum},
+                      {"ranges", r}};
+  write_file_atomic(fmt::format("{}/profile_step{}.json", run_dir, step), j.dump(2) + "\n");
+}
+
+double seconds_since_process_start() {
+  std::ifstream st("/proc/self/stat"), up("/proc/uptime");
+  std::string stat;
+  double uptime = 0;
+  if (!std::getline(st, stat) || !(up >> uptime)) return -1;
+  // Field 22 (starttime, clock ticks after boot) follows the ')' closing the command name.
+  const size_t close = stat.rfind(')');
+  if (close == std::string::npos) return -1;
+  std::istringstream rest(stat.substr(close + 2));
+  std::string field;
+  for (int i = 3; i <= 22; ++i)
+    if (!(rest >> field)) return -1;
+  const long ticks = sysconf(_SC_CLK_TCK);
+  if (ticks <= 0) return -1;
+  return uptime - std::stod(field) / static_cast<double>(ticks);
 }
 
 }  // namespace gdn::train

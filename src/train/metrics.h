@@ -1,10 +1,14 @@
 // Training metrics: one JSON object per step appended to metrics.jsonl (flushed each line so a
-// crash loses at most the line being written), and the console progress line.
+// crash loses at most the line being written), the console progress line's pieces, a profiled
+// step's record and the launch clock.
 #pragma once
 
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
+
+#include "gdn/core/profile.h"
 
 namespace gdn::train {
 
@@ -32,5 +36,14 @@ void truncate_metrics(const std::string& path, int64_t last_step);
 
 // "1h02m", "3m05s", "12.3s".
 std::string format_duration(double seconds);
+
+// --profile-step: RUN_DIR/profile_step<N>.json, the ranges of one step summed by name.
+void write_profile(const std::string& run_dir, int64_t step, const std::vector<Profiler::Row>& rows,
+                   double wall_ms, int64_t tokens);
+
+// Seconds since this process started (Linux: /proc/self/stat's start time against /proc/uptime,
+// 10 ms resolution), so "launch" includes everything before the trainer: the dynamic loader, the
+// CUDA runtime's start-up, the command line. -1 where /proc cannot tell.
+double seconds_since_process_start();
 
 }  // namespace gdn::train

@@ -168,19 +168,9 @@ std::string format_eta(double s) {
                    : fmt::format("{:02d}:{:02d}", t / 60, t % 60);
 }
 
-}  // namespace
-
-PrepareStats prepare_dataset(const PrepareOptions& opt) {
-  GDN_CHECK(!opt.inputs.empty(), "prepare: no input files");
-  GDN_CHECK(!opt.output_prefix.empty(), "prepare: no output prefix");
-  GDN_CHECK(opt.progress_every_bytes > 0, "prepare: the progress interval must be positive");
-  GDN_CHECK(opt.batch_bytes > 0, "prepare: the batch size must be positive");
-  GDN_CHECK(opt.threads >= 0, "prepare: --threads must be >= 0");
-  const auto t0 = std::chrono::steady_clock::now();
-  auto elapsed = [&] {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  };
-  PrepareStats st;
+// The tokenizer (--tokenizer, else the byte tokenizer), its document separator and the output
+// dtype, into `st`.
+std::optional<text::Tokenizer> open_tokenizer(const PrepareOptions& opt, PrepareStats& st) {
   std::optional<text::Tokenizer> tok;
   if (!opt.tokenizer.empty()) {
     tok.emplace(text::Tokenizer::from_file(opt.tokenizer));
@@ -197,6 +187,172 @@ PrepareStats prepare_dataset(const PrepareOptions& opt) {
   GDN_CHECK_HINT(st.dtype != TokenDType::U16 || st.vocab_size <= 65536,
                  "use --dtype int32 (or leave --dtype unset)",
                  "prepare: the tokenizer has {} ids, too many for uint16", st.vocab_size);
+  return tok;
+}
+
+// Tokenizing threads: the reader pushes batches in input order, each thread tokenizes whole
+// batches, and take(seq) hands back batch seq's result, so the caller writes them in order.
+// Destruction (or stop()) lets the threads finish the batches already queued and joins them.
+class WorkerPool {
+ public:
+  WorkerPool(int threads, const text::Tokenizer* tok, const PrepareOptions& opt, int32_t eos) {
+    try {
+      start(threads, tok, opt, eos);
+    } catch (...) {
+      stop();  // a thread that failed to start: join the started ones
+      throw;
+    }
+  }
+  ~WorkerPool() { stop(); }
+  WorkerPool(const WorkerPool&) = delete;
+  WorkerPool& operator=(const WorkerPool&) = delete;
+
+  void push(std::shared_ptr<Batch> b) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      queue_.push_back(std::move(b));
+    }
+    cv_work_.notify_one();
+  }
+  // Waits for batch `seq`'s result.
+  Result take(int64_t seq) {
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_done_.wait(lk, [&] { return done_.count(seq) > 0; });
+    Result r = std::move(done_[seq]);
+    done_.erase(seq);
+    return r;
+  }
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      closing_ = true;
+    }
+    cv_work_.notify_all();
+    for (auto& w : workers_) w.join();
+    workers_.clear();
+  }
+
+ private:
+  void start(int threads, const text::Tokenizer* tok, const PrepareOptions& opt, int32_t eos) {
+    for (int t = 0; t < threads; ++t) {
+      workers_.emplace_back([this, tok, &opt, eos] {
+        Encoder enc(tok);
+        for (;;) {
+          std::shared_ptr<Batch> b;
+          {
+            std::unique_lock<std::mutex> lk(mu_);
+            cv_work_.wait(lk, [&] { return closing_ || !queue_.empty(); });
+            if (queue_.empty()) return;
+            b = queue_.front();
+            queue_.pop_front();
+          }
+          Result r;
+          process(*b, opt.inputs, opt.json_key, eos, enc, r);
+          {
+            std::lock_guard<std::mutex> lk(mu_);
+            done_.emplace(b->seq, std::move(r));
+          }
+          cv_done_.notify_all();
+        }
+      });
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_work_, cv_done_;
+  std::deque<std::shared_ptr<Batch>> queue_;
+  std::map<int64_t, Result> done_;
+  bool closing_ = false;
+  std::vector<std::thread> workers_;
+};
+
+// Progress on stderr: a live bar (a terminal), else a log line every progress_every_bytes.
+class Progress {
+ public:
+  Progress(const PrepareOptions& opt, int64_t total_file_bytes)
+      : opt_(opt), total_(total_file_bytes), next_report_(opt.progress_every_bytes) {}
+  // `fb`: input file bytes consumed so far; `t`: seconds since the start.
+  void report(const PrepareStats& st, int64_t fb, double t, bool final) {
+    if (opt_.progress_bar) {
+      if (!final && t - last_bar_ < 0.25) return;
+      last_bar_ = t;
+      const double frac = total_ > 0 ? std::min(1.0, static_cast<double>(fb) / total_) : 1.0;
+      const int width = 30, filled = static_cast<int>(frac * width);
+      const double rate = t > 0 ? static_cast<double>(fb) / t : 0;
+      std::fprintf(stderr, "\r[%s%s] %5.1f%%  %.1f MB/s  ETA %s  %lld docs  %lld tokens%s",
+                   std::string(static_cast<size_t>(filled), '#').c_str(),
+                   std::string(static_cast<size_t>(width - filled), '.').c_str(), 100 * frac,
+                   rate / 1e6, format_eta(rate > 0 ? (total_ - fb) / rate : -1).c_str(),
+                   static_cast<long long>(st.documents), static_cast<long long>(st.tokens),
+                   final ? "\n" : "");
+      std::fflush(stderr);
+    } else if (st.bytes_read >= next_report_) {
+      log::info("prepare: {} read, {} documents, {} tokens, {:.1f} MB/s",
+                format_bytes(static_cast<double>(st.bytes_read)), st.documents, st.tokens,
+                t > 0 ? static_cast<double>(fb) / t / 1e6 : 0.0);
+      while (next_report_ <= st.bytes_read) next_report_ += opt_.progress_every_bytes;
+    }
+  }
+
+ private:
+  const PrepareOptions& opt_;
+  const int64_t total_;
+  int64_t next_report_;
+  double last_bar_ = -1;
+};
+
+// Cuts input file `fi` into batches of whole lines (about opt.batch_bytes each, never 2^31 or
+// more) and hands each to `submit`; `cur_file_bytes` follows the file's bytes read at each
+// batch-size cut. Returns the file's bytes read.
+int64_t read_file(const PrepareOptions& opt, size_t fi, int64_t& cur_file_bytes,
+                  const std::function<void(std::shared_ptr<Batch>)>& submit) {
+  text::LineReader reader(opt.inputs[fi]);
+  const bool jsonl = is_jsonl(opt.inputs[fi], opt.format);
+  int64_t lineno = 0;
+  auto batch = std::make_shared<Batch>();
+  auto fresh = [&] {
+    batch = std::make_shared<Batch>();
+    batch->file = fi;
+    batch->jsonl = jsonl;
+    batch->first_line = lineno + 1;
+  };
+  fresh();
+  std::string line;
+  while (reader.next_line(line)) {
+    ++lineno;
+    GDN_CHECK(line.size() < (size_t{1} << 31), "prepare: {}:{}: a line of {} bytes is too long",
+              opt.inputs[fi], lineno, line.size());
+    if (batch->data.size() + line.size() > (size_t{1} << 31)) {
+      submit(batch);
+      fresh();
+      batch->first_line = lineno;
+    }
+    batch->data += line;
+    batch->ends.push_back(static_cast<uint32_t>(batch->data.size()));
+    if (jsonl) batch->blank.push_back(line.find_first_not_of(" \t\r") == std::string::npos);
+    if (static_cast<int64_t>(batch->data.size()) >= opt.batch_bytes) {
+      cur_file_bytes = reader.file_bytes_read();
+      submit(batch);
+      fresh();
+    }
+  }
+  submit(batch);
+  return reader.file_bytes_read();
+}
+
+}  // namespace
+
+PrepareStats prepare_dataset(const PrepareOptions& opt) {
+  GDN_CHECK(!opt.inputs.empty(), "prepare: no input files");
+  GDN_CHECK(!opt.output_prefix.empty(), "prepare: no output prefix");
+  GDN_CHECK(opt.progress_every_bytes > 0, "prepare: the progress interval must be positive");
+  GDN_CHECK(opt.batch_bytes > 0, "prepare: the batch size must be positive");
+  GDN_CHECK(opt.threads >= 0, "prepare: --threads must be >= 0");
+  const auto t0 = std::chrono::steady_clock::now();
+  auto elapsed = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  PrepareStats st;
+  const std::optional<text::Tokenizer> tok = open_tokenizer(opt, st);
   // Open every input first so that a typo fails before any work.
   int64_t total_file_bytes = 0;
   for (const auto& in : opt.inputs) {
@@ -211,79 +367,12 @@ PrepareStats prepare_dataset(const PrepareOptions& opt) {
   // this thread writes results strictly in batch order, so the output does not depend on the
   // thread count. At most `max_in_flight` batches exist at once (bounded memory).
   const int64_t max_in_flight = 2 * static_cast<int64_t>(st.threads);
-  std::mutex mu;
-  std::condition_variable cv_work, cv_done;
-  std::deque<std::shared_ptr<Batch>> queue;
-  std::map<int64_t, Result> done;
-  bool closing = false;
-  std::vector<std::thread> workers;
-  auto stop_workers = [&] {
-    {
-      std::lock_guard<std::mutex> lk(mu);
-      closing = true;
-    }
-    cv_work.notify_all();
-    for (auto& w : workers) w.join();
-    workers.clear();
-  };
-  struct Joiner {
-    std::function<void()> f;
-    ~Joiner() { f(); }
-  } joiner{stop_workers};
-  const std::string& key = opt.json_key;
-  if (st.threads > 1) {
-    for (int t = 0; t < st.threads; ++t) {
-      workers.emplace_back([&] {
-        Encoder enc(tok ? &*tok : nullptr);
-        for (;;) {
-          std::shared_ptr<Batch> b;
-          {
-            std::unique_lock<std::mutex> lk(mu);
-            cv_work.wait(lk, [&] { return closing || !queue.empty(); });
-            if (queue.empty()) return;
-            b = queue.front();
-            queue.pop_front();
-          }
-          Result r;
-          process(*b, opt.inputs, key, st.eos_id, enc, r);
-          {
-            std::lock_guard<std::mutex> lk(mu);
-            done.emplace(b->seq, std::move(r));
-          }
-          cv_done.notify_all();
-        }
-      });
-    }
-  }
+  std::optional<WorkerPool> pool;
+  if (st.threads > 1) pool.emplace(st.threads, tok ? &*tok : nullptr, opt, st.eos_id);
   Encoder inline_enc(tok && st.threads == 1 ? &*tok : nullptr);
 
   int64_t next_seq = 0, next_write = 0, file_bytes_done = 0, cur_file_bytes = 0;
-  int64_t next_report = opt.progress_every_bytes;
-  double last_bar = -1;
-  auto progress = [&](bool final) {
-    const int64_t fb = file_bytes_done + cur_file_bytes;
-    const double t = elapsed();
-    if (opt.progress_bar) {
-      if (!final && t - last_bar < 0.25) return;
-      last_bar = t;
-      const double frac =
-          total_file_bytes > 0 ? std::min(1.0, static_cast<double>(fb) / total_file_bytes) : 1.0;
-      const int width = 30, filled = static_cast<int>(frac * width);
-      const double rate = t > 0 ? static_cast<double>(fb) / t : 0;
-      std::fprintf(stderr, "\r[%s%s] %5.1f%%  %.1f MB/s  ETA %s  %lld docs  %lld tokens%s",
-                   std::string(static_cast<size_t>(filled), '#').c_str(),
-                   std::string(static_cast<size_t>(width - filled), '.').c_str(), 100 * frac,
-                   rate / 1e6, format_eta(rate > 0 ? (total_file_bytes - fb) / rate : -1).c_str(),
-                   static_cast<long long>(st.documents), static_cast<long long>(st.tokens),
-                   final ? "\n" : "");
-      std::fflush(stderr);
-    } else if (st.bytes_read >= next_report) {
-      log::info("prepare: {} read, {} documents, {} tokens, {:.1f} MB/s",
-                format_bytes(static_cast<double>(st.bytes_read)), st.documents, st.tokens,
-                t > 0 ? static_cast<double>(fb) / t / 1e6 : 0.0);
-      while (next_report <= st.bytes_read) next_report += opt.progress_every_bytes;
-    }
-  };
+  Progress progress(opt, total_file_bytes);
   auto write_result = [&](Result& r) {
     if (r.error) std::rethrow_exception(r.error);
     size_t off = 0;
@@ -297,15 +386,11 @@ PrepareStats prepare_dataset(const PrepareOptions& opt) {
     st.skipped_empty += r.skipped;
     st.bytes_read += r.text_bytes;
     ++next_write;
-    progress(false);
+    progress.report(st, file_bytes_done + cur_file_bytes, elapsed(), false);
   };
-  // Writes the next result in order, waiting for it (threads) or making it (inline).
+  // Writes the next result in order, waiting for it.
   auto write_next = [&] {
-    std::unique_lock<std::mutex> lk(mu);
-    cv_done.wait(lk, [&] { return done.count(next_write) > 0; });
-    Result r = std::move(done[next_write]);
-    done.erase(next_write);
-    lk.unlock();
+    Result r = pool->take(next_write);
     write_result(r);
   };
   auto submit = [&](std::shared_ptr<Batch> b) {
@@ -313,60 +398,25 @@ PrepareStats prepare_dataset(const PrepareOptions& opt) {
     b->seq = next_seq++;
     if (st.threads == 1) {
       Result r;
-      process(*b, opt.inputs, key, st.eos_id, inline_enc, r);
+      process(*b, opt.inputs, opt.json_key, st.eos_id, inline_enc, r);
       write_result(r);
       return;
     }
     while (next_seq - 1 - next_write >= max_in_flight) write_next();
-    {
-      std::lock_guard<std::mutex> lk(mu);
-      queue.push_back(std::move(b));
-    }
-    cv_work.notify_one();
+    pool->push(std::move(b));
   };
 
-  std::string line;
   for (size_t fi = 0; fi < opt.inputs.size(); ++fi) {
-    text::LineReader reader(opt.inputs[fi]);
-    const bool jsonl = is_jsonl(opt.inputs[fi], opt.format);
-    int64_t lineno = 0;
-    auto batch = std::make_shared<Batch>();
-    auto fresh = [&] {
-      batch = std::make_shared<Batch>();
-      batch->file = fi;
-      batch->jsonl = jsonl;
-      batch->first_line = lineno + 1;
-    };
-    fresh();
-    while (reader.next_line(line)) {
-      ++lineno;
-      GDN_CHECK(line.size() < (size_t{1} << 31), "prepare: {}:{}: a line of {} bytes is too long",
-                opt.inputs[fi], lineno, line.size());
-      if (batch->data.size() + line.size() > (size_t{1} << 31)) {
-        submit(batch);
-        fresh();
-        batch->first_line = lineno;
-      }
-      batch->data += line;
-      batch->ends.push_back(static_cast<uint32_t>(batch->data.size()));
-      if (jsonl) batch->blank.push_back(line.find_first_not_of(" \t\r") == std::string::npos);
-      if (static_cast<int64_t>(batch->data.size()) >= opt.batch_bytes) {
-        cur_file_bytes = reader.file_bytes_read();
-        submit(batch);
-        fresh();
-      }
-    }
-    submit(batch);
-    file_bytes_done += reader.file_bytes_read();
+    const int64_t file_bytes = read_file(opt, fi, cur_file_bytes, submit);
+    file_bytes_done += file_bytes;
     cur_file_bytes = 0;
   }
   while (next_write < next_seq) write_next();
-  stop_workers();
-  joiner.f = [] {};
+  if (pool) pool->stop();
   writer.finish();
   st.file_bytes = file_bytes_done;
   st.seconds = elapsed();
-  progress(true);
+  progress.report(st, file_bytes_done + cur_file_bytes, elapsed(), true);
   return st;
 }
 

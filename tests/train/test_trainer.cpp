@@ -305,6 +305,64 @@ TEST(Trainer, ConfigurationErrorsAreClear) {
   fs::remove_all(a);
 }
 
+// The Trainer driven by hand: step() by step(), then evaluate() and checkpoint(), is run_training:
+// the same evaluation after the same steps, and a checkpoint() taken between steps resumes into
+// the uninterrupted run's losses bit for bit.
+TEST(Trainer, StepEvaluateCheckpointByHandMatchRunTraining) {
+  fs::path a = temp_dir("api_run"), b = temp_dir("api_hand");
+  TrainOptions quiet;
+  quiet.quiet = true;
+  ConfigTree cfg_a = small_config(a, 6);
+  cfg_a.set("eval.every=3");
+  cfg_a.set("eval.batches=2");
+  const TrainResult full = run_training(cfg_a, quiet);
+  ConfigTree cfg_b = small_config(b, 6);
+  cfg_b.set("eval.batches=2");  // eval.every 0: evaluate() by hand
+  cfg_b.set("checkpoint.every=0");
+  cfg_b.set("checkpoint.at_end=false");
+  {
+    Trainer t(cfg_b, quiet);
+    for (int i = 0; i < 3; ++i) EXPECT_FALSE(t.step());
+    const Trainer::Evaluation e = t.evaluate();
+    EXPECT_GT(e.accuracy, -1.0);  // MQAR: a recall accuracy
+    t.checkpoint(3);
+    EXPECT_FALSE(fs::exists(b / "checkpoints" / "step-6"));
+    ASSERT_TRUE(fs::exists(b / "checkpoints" / "step-3"));
+    // run_training evaluated after step 3 too (eval.every 3): the same numbers.
+    std::ifstream in(a / "metrics.jsonl");
+    std::string line;
+    for (int i = 0; i < 3; ++i) ASSERT_TRUE(std::getline(in, line));
+    const nlohmann::json rec = nlohmann::json::parse(line);
+    EXPECT_EQ(rec["eval_loss"].get<double>(), e.loss);
+    EXPECT_EQ(rec["eval_accuracy"].get<double>(), e.accuracy);
+  }
+  TrainOptions resume = quiet;
+  resume.resume = true;
+  const TrainResult rest = run_training(cfg_b, resume);
+  ASSERT_EQ(rest.losses.size(), 3u);
+  for (size_t i = 0; i < 3; ++i)
+    EXPECT_EQ(rest.losses[i], full.losses[i + 3]) << "step " << i + 4 << " after resume";
+  EXPECT_EQ(rest.eval_loss, 0.0);  // eval.every 0 in cfg_b
+  fs::remove_all(a);
+  fs::remove_all(b);
+}
+
+// step() says when the run stops (--stop-after), and run() on a stopped trainer does no more.
+TEST(Trainer, StepReportsTheStop) {
+  fs::path a = temp_dir("api_stop");
+  TrainOptions o;
+  o.quiet = true;
+  o.stop_after = 2;
+  Trainer t(small_config(a, 5), o);
+  EXPECT_FALSE(t.step());
+  EXPECT_TRUE(t.step());
+  const TrainResult r = t.run();
+  EXPECT_EQ(r.steps_done, 2);
+  EXPECT_EQ(r.losses.size(), 2u);
+  EXPECT_TRUE(fs::exists(a / "checkpoints" / "step-2"));  // written at the stop
+  fs::remove_all(a);
+}
+
 // Counts on the command line must be positive: `--steps 0` once meant "the configured default"
 // (600 steps) without a word. CLI11 now refuses it, naming the option, and no run starts.
 TEST(Trainer, CliRefusesNonPositiveCounts) {
