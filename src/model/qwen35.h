@@ -35,12 +35,9 @@
 #include "gdn/core/arena.h"
 #include "model/config.h"
 #include "model/weights.h"
-#include "train/packing.h"
+#include "model/micro_batch.h"
 
 namespace gdn::model {
-
-// Micro-batches come from the packer (train/packing.h): ids, labels, cu_seqlens on the host.
-using train::MicroBatch;
 
 struct StepOptions {
   bool backward = true;          // accumulate parameter gradients (+=)
