@@ -2,6 +2,8 @@
 // rmsnorm1p(h_in; input_layernorm), qg = x·Wqᵀ (queries and their output gate), k = x·Wkᵀ,
 // v = x·Wvᵀ and y = gated_attention(qg, k, v) (q/k norms, partial RoPE, varlen causal GQA,
 // sigmoid output gate).
+#include <utility>
+
 #include "gdn/core/profile.h"
 #include "model/step.h"
 #include "ops/gated_attention/op.h"

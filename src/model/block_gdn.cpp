@@ -4,6 +4,9 @@
 //   q, k, v = silu(causal_conv1d(qkv, conv1d)) ; g, β = gates(a, b, A_log, dt_bias)
 //   o = gated_delta_rule(q, k, v, g, β; l2norm(q, k) in the kernel, scale dk^-1/2)
 //   y = gated_rmsnorm(o, z, norm)
+#include <array>
+#include <utility>
+
 #include "gdn/core/profile.h"
 #include "model/step.h"
 #include "ops/causal_conv1d/op.h"
