@@ -41,22 +41,8 @@ DumpResult dump(const std::string& model_dir, const std::string& docs_path, Back
         "{}: unexpected tensor '{}' (documents must be numbered doc0, doc1, ... without gaps)",
         docs_path, t.name);
   }
-  // One micro-batch holding every document whole, in file order (the project's packer with a
-  // budget of all the tokens never splits a document).
-  std::vector<int64_t> lengths;
-  int64_t total = 0;
-  for (const auto& d : docs) {
-    lengths.push_back(static_cast<int64_t>(d.size()));
-    total += static_cast<int64_t>(d.size());
-  }
-  train::PackPlan plan = train::plan_packing(
-      lengths, train::identity_order(total > 0 ? static_cast<int64_t>(docs.size()) : 0), total);
-  GDN_CHECK(plan.num_batches() == 1, "dump: packing produced {} micro-batches", plan.num_batches());
-  MicroBatch mb =
-      train::build_micro_batch(plan, 0, [&](int64_t doc, int64_t b, int64_t e, int32_t* out) {
-        std::copy(docs[static_cast<size_t>(doc)].begin() + b,
-                  docs[static_cast<size_t>(doc)].begin() + e, out);
-      });
+  // One micro-batch holding every document whole, in file order.
+  const MicroBatch mb = micro_batch_of_documents(docs);
   const int64_t T = mb.num_tokens(), V = ck.config.vocab_size;
   Qwen35Model m(ck.config, backend, T, mb.num_segments());
   log::info("{}", m.memory_plan());

@@ -3,8 +3,8 @@
 #include <filesystem>
 
 #include "gdn/core/error.h"
+#include "model/micro_batch.h"
 #include "model/weights.h"
-#include "train/packing.h"
 
 namespace gdn::model {
 
@@ -19,18 +19,16 @@ Qwen35Config load_model_config(const std::string& path) {
 
 std::vector<Registry::Decision> probe_model(const Qwen35Config& cfg, Backend backend,
                                             Recompute recompute) {
-  const std::vector<int64_t> lengths = {1, 511, 512};
-  int64_t T = 0;
-  for (int64_t l : lengths) T += l;
-  const train::PackPlan plan =
-      train::plan_packing(lengths, train::identity_order(static_cast<int64_t>(lengths.size())), T);
-  GDN_CHECK(plan.num_batches() == 1, "probe_model: packing produced {} micro-batches",
-            plan.num_batches());
-  const MicroBatch mb =
-      train::build_micro_batch(plan, 0, [&](int64_t doc, int64_t b, int64_t e, int32_t* out) {
-        for (int64_t t = b; t < e; ++t)  // any ids in the vocabulary
-          out[t - b] = static_cast<int32_t>((doc * 7919 + t * 104729) % cfg.vocab_size);
-      });
+  // Three documents, a 1-token one among them; any ids in the vocabulary.
+  std::vector<std::vector<int32_t>> docs;
+  for (int64_t len : {1, 511, 512}) {
+    const int64_t doc = static_cast<int64_t>(docs.size());
+    std::vector<int32_t>& d = docs.emplace_back();
+    for (int64_t t = 0; t < len; ++t)
+      d.push_back(static_cast<int32_t>((doc * 7919 + t * 104729) % cfg.vocab_size));
+  }
+  const MicroBatch mb = micro_batch_of_documents(docs);
+  const int64_t T = mb.num_tokens();
   const size_t before = Registry::global().decisions().size();
   Qwen35Model m(cfg, backend, T, mb.num_segments(), {.recompute = recompute});
   {

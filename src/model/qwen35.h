@@ -15,13 +15,24 @@
 //                 h'' = h' + down(swiglu(x2·Wgᵀ, x2·Wuᵀ))
 //   hn = rmsnorm1p(h, model.norm) ; loss = linear_cross_entropy(hn, lm_head or embed, labels)
 //
+// Where it lives (docs/MODEL.md): Qwen35Model::run in qwen35.cpp walks the layers, forward then
+// backward, with the recompute; each layer is two residual blocks, the mixer (block_gdn.cpp or
+// block_attention.cpp: its input norm, the mixer, the out projection with the residual add) and
+// the MLP (block_mlp.cpp: the post norm, SwiGLU, the down projection with the residual add); the
+// final norm and the loss are lm_head.cpp. Every block has a forward and a backward and takes the
+// step's context (step.h, private: the arenas, live or planning, the batch's device inputs, the
+// options). memory_plan.cpp places the gradients in activation memory and prints the plan.
+//
 // Packed documents: every op receives cu_seqlens, so no recurrent state, conv window, RoPE
 // position or attention crosses a document boundary.
 //
 // Memory (ARCHITECTURE.md §7): the compute copy of the parameters, the gradients (+=, fp32 or
-// fp64) and every activation live in three arenas sized once at construction from
-// (config, max_tokens, max_docs); nothing is allocated per step. The activation arena is sized by
-// running the same allocation sequence as a step in planning mode.
+// fp64) and every activation live in arenas sized once at construction from (config,
+// max_tokens, max_docs, options); nothing is allocated per step. The activation arenas are sized
+// by running the same allocation sequence as a step in planning mode (step.h).
+//
+// Policy (ModelOptions below) comes from the caller (the trainer, from the saved run config); the
+// model reads no environment variable.
 #pragma once
 
 #include <array>
@@ -34,13 +45,12 @@
 #include "gdn/backend/registry.h"
 #include "gdn/core/arena.h"
 #include "model/config.h"
+#include "model/micro_batch.h"
 #include "model/weights.h"
-#include "train/packing.h"
 
 namespace gdn::model {
 
-// Micro-batches come from the packer (train/packing.h): ids, labels, cu_seqlens on the host.
-using train::MicroBatch;
+struct Step;  // a training step's context (step.h, private)
 
 struct StepOptions {
   bool backward = true;          // accumulate parameter gradients (+=)
@@ -165,13 +175,16 @@ class Qwen35Model {
   std::string memory_plan() const;
 
  private:
-  struct Pass;  // the per-step state (implementation detail)
   // `arena`: the forward's activations (and gradients placed there); `tmp`: the per-layer
   // recompute scratch; `bwd`: everything made after the forward (loss, LM head workspace, the
   // backward's per-layer temporaries), kept apart so the activation arena's top is free for
   // gradients.
   void run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb, const StepOptions& opt,
            StepStats* stats);
+  // The step context over these arenas (live, or planning when mb is null) and the inputs' copy
+  // to the device (live).
+  Step make_step(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb, bool backward);
+  void upload_inputs(const Step& st);
   // GradMemory::InActivations: places the gradients in act_arena_ from the planned ends.
   void place_grads_in_activations(size_t forward_peak);
 

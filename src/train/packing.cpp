@@ -8,16 +8,6 @@
 
 namespace gdn::train {
 
-int64_t MicroBatch::num_targets() const {
-  return std::count_if(labels.begin(), labels.end(), [](int32_t l) { return l != kIgnoreIndex; });
-}
-
-int32_t MicroBatch::max_seqlen() const {
-  int32_t m = 0;
-  for (size_t i = 1; i < cu_seqlens.size(); ++i) m = std::max(m, cu_seqlens[i] - cu_seqlens[i - 1]);
-  return m;
-}
-
 std::span<const Segment> PackPlan::batch(int64_t b) const {
   GDN_CHECK(b >= 0 && b < num_batches(), "packing: micro-batch {} out of range [0, {})", b,
             num_batches());

@@ -26,22 +26,13 @@
 #include <span>
 #include <vector>
 
+#include "model/micro_batch.h"
+
 namespace gdn::train {
 
-constexpr int32_t kIgnoreIndex = -100;
-
-// One packed micro-batch: T tokens in N segments.
-struct MicroBatch {
-  std::vector<int32_t> input_ids;   // [T]
-  std::vector<int32_t> labels;      // [T] target of the output at each position, or kIgnoreIndex
-  std::vector<int32_t> cu_seqlens;  // [N+1] 0 = cu[0] < cu[1] < ... < cu[N] = T
-  std::vector<int32_t> positions;   // [T] position within the segment: 0, 1, ... per segment
-
-  int64_t num_tokens() const { return static_cast<int64_t>(input_ids.size()); }
-  int64_t num_segments() const { return static_cast<int64_t>(cu_seqlens.size()) - 1; }
-  int64_t num_targets() const;  // labels != kIgnoreIndex (the loss normaliser)
-  int32_t max_seqlen() const;
-};
+// The micro-batch is the model's input type (model/micro_batch.h); train code names it here.
+using model::kIgnoreIndex;
+using model::MicroBatch;
 
 // Tokens [begin, end) of document `doc`.
 struct Segment {

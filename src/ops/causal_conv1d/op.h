@@ -62,28 +62,28 @@ namespace gdn::ops {
 inline constexpr int64_t kConvMaxWidth = 8;
 
 struct CausalConv1dFwd {
-  Tensor x;              // [T, C]
-  Tensor weight;         // [C, W]
-  Tensor bias;           // [C] optional
-  Tensor cu_seqlens;     // [N+1] I32, optional (one document)
-  Tensor initial_state;  // [N, C, W-1] optional (zeros)
-  Tensor y;              // [T, C] out (=)
-  Tensor final_state;    // [N, C, W-1] optional out (=)
+  Tensor x;                // [T, C]
+  Tensor weight;           // [C, W]
+  Tensor bias{};           // [C] optional
+  Tensor cu_seqlens;       // [N+1] I32, optional (one document)
+  Tensor initial_state{};  // [N, C, W-1] optional (zeros)
+  Tensor y;                // [T, C] out (=)
+  Tensor final_state{};    // [N, C, W-1] optional out (=)
   bool silu = true;
 };
 
 struct CausalConv1dBwd {
-  Tensor x;               // [T, C]
-  Tensor weight;          // [C, W]
-  Tensor bias;            // [C] optional (needed to recompute z under SiLU)
-  Tensor cu_seqlens;      // [N+1] I32, optional
-  Tensor initial_state;   // [N, C, W-1] optional
-  Tensor dy;              // [T, C]
-  Tensor dfinal_state;    // [N, C, W-1] optional (zero)
-  Tensor dx;              // [T, C] out (=)
-  Tensor dweight;         // [C, W] out (+=), grad dtype
-  Tensor dbias;           // [C] optional out (+=), grad dtype; only with bias
-  Tensor dinitial_state;  // [N, C, W-1] optional out (=); only with initial_state
+  Tensor x;                 // [T, C]
+  Tensor weight;            // [C, W]
+  Tensor bias{};            // [C] optional (needed to recompute z under SiLU)
+  Tensor cu_seqlens;        // [N+1] I32, optional
+  Tensor initial_state{};   // [N, C, W-1] optional
+  Tensor dy;                // [T, C]
+  Tensor dfinal_state{};    // [N, C, W-1] optional (zero)
+  Tensor dx;                // [T, C] out (=)
+  Tensor dweight;           // [C, W] out (+=), grad dtype
+  Tensor dbias{};           // [C] optional out (+=), grad dtype; only with bias
+  Tensor dinitial_state{};  // [N, C, W-1] optional out (=); only with initial_state
   bool silu = true;
 };
 

@@ -1,7 +1,8 @@
 // Softmax cross-entropy with z-loss over materialised logits, per row, with the gradient formed in
-// the same pass. The separate CE pass of the unfused LM-head route (kernels.fused_lm_head false: logits
-// chunk = x W^T by gemm, then this op, then dx and dW by gemm), which exists to be compared against
-// the fused linear_cross_entropy (docs/TRAINING.md). No label smoothing (the model uses none).
+// the same pass. The separate CE pass of the unfused LM-head route (kernels.fused_lm_head false:
+// logits chunk = x W^T by gemm, then this op, then dx and dW by gemm), which exists to be compared
+// against the fused linear_cross_entropy (docs/TRAINING.md). No label smoothing (the model uses
+// none).
 //
 // Per row t with target y_t != -100, z = logits[t]:
 //   lse_t = log sum_j exp(z_j)                        (max-shifted)
@@ -30,7 +31,7 @@ struct CrossEntropyArgs {
   Tensor loss;              // [R] out (=), stat dtype
   Tensor lse;               // [R] out (=), stat dtype
   Tensor z_loss;            // [R] out (=), stat dtype
-  Tensor dlogits;           // [R, V] optional out (=); may alias logits
+  Tensor dlogits{};         // [R, V] optional out (=); may alias logits
   double z_loss_scale = 0;  // lambda >= 0
   double grad_scale = 1;    // c
 };

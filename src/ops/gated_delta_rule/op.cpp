@@ -9,6 +9,9 @@
 #include "backend/tolerances.h"
 #include "gdn/backend/probe.h"
 #include "gdn/backend/registry.h"
+#if GDN_WITH_CUDA
+#include "ops/gated_delta_rule/cuda.h"
+#endif
 
 namespace gdn::ops {
 
@@ -343,6 +346,27 @@ void gated_delta_rule_forward(const GatedDeltaRuleFwd& a) {
 void gated_delta_rule_backward(const GatedDeltaRuleBwd& a) {
   validate_bwd(a);
   dispatch().table<GatedDeltaRuleTable>(class_of(a)).backward(a);
+}
+
+int64_t gdr_batch_index_numel(Device device, int64_t T, int64_t N) {
+#if GDN_WITH_CUDA
+  if (device == Device::CUDA) return gdr_chunk_index_numel(T, N);
+#endif
+  (void)T, (void)N;
+  return 0;
+}
+
+GdrBatchIndex::GdrBatchIndex(const Tensor& cu_seqlens, int64_t T, const Tensor& index) {
+#if GDN_WITH_CUDA
+  if (cu_seqlens.device() == Device::CUDA) scope_ = new GdrChunkIndexScope(cu_seqlens, T, index);
+#endif
+  (void)cu_seqlens, (void)T, (void)index;
+}
+
+GdrBatchIndex::~GdrBatchIndex() {
+#if GDN_WITH_CUDA
+  delete scope_;
+#endif
 }
 
 GDN_REGISTER(gated_delta_rule_op) {

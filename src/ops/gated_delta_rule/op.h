@@ -154,9 +154,9 @@ struct GatedDeltaRuleFwd {
   Tensor g;           // [T, Hv] state dtype, log-decay <= 0
   Tensor beta;        // [T, Hv] state dtype
   Tensor cu_seqlens;  // [N+1] I32
-  Tensor h0;          // [N, Hv, dk, dv] state dtype; optional (absent = zero initial state)
+  Tensor h0{};        // [N, Hv, dk, dv] state dtype; optional (absent = zero initial state)
   Tensor o;           // [T, Hv, dv] out (=)
-  Tensor hT;          // [N, Hv, dk, dv] state dtype; optional out (=)
+  Tensor hT{};        // [N, Hv, dk, dv] state dtype; optional out (=)
   double scale = 0;   // 0 selects dk^{-1/2}
   bool use_qk_l2norm = false;
   Tensor saved{};  // [gdr_saved_numel(..)] activation dtype; optional out (=), see above
@@ -170,17 +170,17 @@ struct GatedDeltaRuleBwd {
   Tensor g;           // [T, Hv] state dtype
   Tensor beta;        // [T, Hv] state dtype
   Tensor cu_seqlens;  // [N+1] I32
-  Tensor h0;          // [N, Hv, dk, dv] state dtype; optional
+  Tensor h0{};        // [N, Hv, dk, dv] state dtype; optional
   // Upstream gradients.
-  Tensor dout;  // [T, Hv, dv] gradient of o ("do" in files)
-  Tensor dhT;   // [N, Hv, dk, dv] state dtype; optional (absent = 0)
+  Tensor dout;   // [T, Hv, dv] gradient of o ("do" in files)
+  Tensor dhT{};  // [N, Hv, dk, dv] state dtype; optional (absent = 0)
   // Gradients, all written (=).
   Tensor dq;     // [T, Hk, dk]
   Tensor dk;     // [T, Hk, dk]
   Tensor dv;     // [T, Hv, dv]
   Tensor dg;     // [T, Hv] state dtype
   Tensor dbeta;  // [T, Hv] state dtype
-  Tensor dh0;    // [N, Hv, dk, dv] state dtype; optional out
+  Tensor dh0{};  // [N, Hv, dk, dv] state dtype; optional out
   double scale = 0;
   bool use_qk_l2norm = false;
   Tensor saved{};  // [gdr_saved_numel(..)] activation dtype; optional in: the forward's `saved`
@@ -209,5 +209,29 @@ int64_t gdr_saved_chunks(int64_t T, int64_t N);
 // 64 * 64 + 128). At T = 8192, one document, Hv = 32, dk = dv = 128: 128 slots, 151.5 M elements,
 // 289 MiB in bf16.
 int64_t gdr_saved_numel(int64_t T, int64_t N, int64_t Hv, int64_t dk, int64_t dv);
+
+// A micro-batch's chunk index, shared by its calls. Every call derives from cu_seqlens which
+// chunks of 64 tokens each document has; on cuda that index is built on the device per call
+// unless a scope provides it (cuda.h: GdrChunkIndexScope), so a caller that runs many layers on
+// one batch builds it once:
+//   Tensor ix = <I32 [gdr_batch_index_numel(device, T, N)], when > 0>;
+//   GdrBatchIndex scope(cu_seqlens, T, ix);  // builds it; the calls within the scope reuse it
+// ref and cpu have no such index: the numel is 0 on the host and the scope does nothing.
+class GdrChunkIndexScope;  // cuda.h
+// I32 elements of the index of T tokens in N documents on `device` (0 on the host).
+int64_t gdr_batch_index_numel(Device device, int64_t T, int64_t N);
+class GdrBatchIndex {
+ public:
+  // cu_seqlens: I32 [N+1]; index: I32 [gdr_batch_index_numel(cu_seqlens' device, T, N)] on the
+  // same device, 16-byte aligned (unused on the host). While alive, gated_delta_rule calls on this
+  // thread with this cu_seqlens tensor and T reuse it; cu_seqlens must not change meanwhile.
+  GdrBatchIndex(const Tensor& cu_seqlens, int64_t T, const Tensor& index);
+  ~GdrBatchIndex();
+  GdrBatchIndex(const GdrBatchIndex&) = delete;
+  GdrBatchIndex& operator=(const GdrBatchIndex&) = delete;
+
+ private:
+  GdrChunkIndexScope* scope_ = nullptr;  // cuda only
+};
 
 }  // namespace gdn::ops
