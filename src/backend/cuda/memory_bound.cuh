@@ -183,7 +183,7 @@ void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t s
   launch_pdl_smem(kernel, grid, block, 0, s, std::forward<Args>(args)...);
 }
 
-// The norm backwards' dw sum (rmsnorm cuda.bulkp2, gated_rmsnorm cuda.rowwise_pf) as a
+// The norm backwards' dw sum (rmsnorm cuda.sm90_bulk, gated_rmsnorm cuda.rowwise_prefetch) as a
 // programmatic dependent of the kernel that wrote the partials, on `s`: its blocks sit on the
 // multiprocessors the main kernel's blocks have left and start the moment the last one ends,
 // instead of after a drain and a launch (0-2 µs of a ~62 µs backward in helper mem7's
