@@ -114,9 +114,9 @@ __device__ __forceinline__ float row_sum_squares(const Pack<V> (&xc)[P], const b
 // pdl_wait (griddepcontrol.wait) returns once the primary grid has completed and its memory is
 // visible, and the primary's pdl_launch_dependents lets the dependent's blocks be created early
 // (without it they are created as the primary's blocks end). Without the launch attribute the wait
-// returns at once. Used by embedding cuda.v2* (the dW kernel after the ranks), by the norms' dw
-// sum (launch_column_sum_add_pdl), by the conv backward's dweight sum, and by the gated delta
-// rule's trailing output (which waits on the state pass's published chunk counts instead).
+// returns at once. Used by embedding cuda.ranked_windows (the dW kernel after the ranks), by the
+// norms' dw sum (launch_column_sum_add_pdl), by the conv backward's dweight sum, and by the gated
+// delta rule's trailing output (which waits on the state pass's published chunk counts instead).
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
