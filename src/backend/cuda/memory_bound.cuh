@@ -186,11 +186,10 @@ void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t s
 // The norm backwards' dw sum (rmsnorm cuda.sm90_bulk, gated_rmsnorm cuda.rowwise_prefetch) as a
 // programmatic dependent of the kernel that wrote the partials, on `s`: its blocks sit on the
 // multiprocessors the main kernel's blocks have left and start the moment the last one ends,
-// instead of after a drain and a launch (0-2 µs of a ~62 µs backward in helper mem7's
-// same-process A/B on the H200, session 6). 32 slices a column (1024 threads a block): about 4
-// loads a thread at P = 132, all issued before their first use. The main kernel should call
-// pdl_launch_dependents() early.
-// (A template only so that a unit instantiates the kernel when it calls this.)
+// instead of after a drain and a launch (measured: docs/PERF.md). 32 slices a column (1024 threads
+// a block): about 4 loads a thread at P = 132, all issued before their first use. The main kernel
+// should call pdl_launch_dependents() early. (A template only so that a unit instantiates the
+// kernel when it calls this.)
 template <int kSlices = 32>
 void launch_column_sum_add_pdl(const float* partial, float* out, int P, int D, cudaStream_t s) {
   float* no_second_plane = nullptr;

@@ -63,13 +63,12 @@
 // the warpgroups waited for each other at every step. What remains, in order of size:
 //   - dk/dv re-reads Q and dA from L2 once per key tile (64 KB per 8.4 MFLOP): a cluster of two key
 //     tiles sharing Q / dA by TMA multicast is the next step;
-//   - the forward (553 TFLOP/s; SDPA 617): FlashAttention-3's ping-pong of the two consumer
+//   - the forward (below SDPA's rate): FlashAttention-3's ping-pong of the two consumer
 //     warpgroups (one's softmax under the other's products) is not done;
-//   - the row kernels (branch attn7, H200 with cuda_bench_attn_kernels --iters 10): epilogue
-//     0.130 ms (was 0.33; 0.61 of copy), prologue 0.065 (was 0.11; 0.61), preprocess 0.084 (now
-//     also the gate gradient; 0.94). Fusing the query rows' epilogue into the dq kernel (dq_hat
-//     staged through shared memory, RoPE from a table) was tried: epilogue -0.094 ms but dq
-//     +0.150 ms (the epilogue runs at one block per SM with nothing to overlap it), so dropped;
+//   - the row kernels (epilogue and prologue near 0.6 of copy). Fusing the query rows' epilogue
+//     into the dq kernel (dq_hat staged through shared memory, RoPE from a table) was tried and
+//     lost more in dq than it saved (the epilogue runs at one block per SM with nothing to overlap
+//     it), so dropped;
 //   - documents are ordered by their tile index, not by work, so with several documents the
 //     longest tiles do not all start first.
 #include <algorithm>

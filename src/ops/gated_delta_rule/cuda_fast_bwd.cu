@@ -899,7 +899,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     // The dk lines this warp adds to at the end (add_acc_f32), towards L2 now, a few products
     // ahead: within the register budget the compiler issues those loads one at a time between the
     // stores, each waiting for its line (ncu at T 32768: long scoreboard, the largest stall of this
-    // kernel; PERF.md run 25). One line a lane: rows g8 and g8 + 8, the two 32-column halves.
+    // kernel; docs/PERF.md). One line a lane: rows g8 and g8 + 8, the two 32-column halves.
     // Only the first head: later heads add to lines the block has just written.
     if (hh == 0) {
       const int r = 16 * mt + g8 + 8 * (t4 >> 1), cc = col0 + 32 * (t4 & 1);

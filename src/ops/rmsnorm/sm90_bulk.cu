@@ -136,11 +136,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int npacks = D / 8;
   const uint32_t row_bytes = static_cast<uint32_t>(D) * 2u;
   // This group's rows: first + i * step, i < n (its "iterations"), so that at any time the grid's
-  // groups work on nearby rows. mem7 measured the alternatives on the H200 at [8192, 4096]:
-  // contiguous per-block row ranges (62-63 rows each) 5% slower (the multiprocessors then stream
-  // from 132 regions at once); the group order g * gridDim.x + b, which spreads the last partial
-  // sweep (272 of 528 rows) over all blocks instead of the first 68, 0.3-0.6 us faster, as fast
-  // as two ring stages but not tried together with them (device run 2).
+  // groups work on nearby rows (contiguous per-block row ranges measured slower: the
+  // multiprocessors then stream from 132 regions at once; docs/PERF.md).
   const int64_t step = static_cast<int64_t>(gridDim.x) * G;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * G + g;
   const int64_t n = first < R ? (R - first + step - 1) / step : 0;
