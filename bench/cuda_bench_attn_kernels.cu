@@ -5,7 +5,7 @@
 // that size (relative L2), a check of the long tile loops that the unit tests' small shapes
 // cannot make.
 //
-//   cuda_bench_attn_kernels [--iters N] [--impls cuda.flash,cuda.pipe]
+//   cuda_bench_attn_kernels [--iters N] [--impls cuda.flash,cuda.sm90_tma]
 //
 // Method: CUDA events on the library stream before the first launch and after each launch of one
 // forward / backward call (src/ops/gated_attention/cuda_launch.h, forward_marked), each call
@@ -171,8 +171,7 @@ GatedAttentionBwd bwd_args(Bufs& b) {
 
 int run(int argc, char** argv) {
   int iters = 20;
-  std::vector<std::string> impls{"cuda.flash", "cuda.pipe",   "cuda.pipe_xi",
-                                 "cuda.tma",   "cuda.tma_kv", "cuda.tma_all"};
+  std::vector<std::string> impls{"cuda.flash", "cuda.sm90_tma"};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--iters" && i + 1 < argc) {

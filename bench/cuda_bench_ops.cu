@@ -1336,7 +1336,7 @@ int run(int argc, char** argv) {
     double extra_bytes, grown_bytes;
   };
   std::vector<Extra> extras;
-  std::printf("%-26s %-28s %-14s %10s %12s %10s %8s\n", "op", "shape", "impl", "median us",
+  std::printf("%-26s %-28s %-22s %10s %12s %10s %8s\n", "op", "shape", "impl", "median us",
               "MB | GFLOP", "GB/s|TF/s", "x ceil");
   // Forces `impl` for `op` (empty: the resolver's own choice) and forgets earlier decisions.
   auto force = [](const std::string& op, const std::string& impl) {
@@ -1361,17 +1361,24 @@ int run(int argc, char** argv) {
     for (const std::string& forced : runs) {
       if (!forced.empty()) force(c.op, forced);
       Row r{"op", c.name, c.shape, "", {}, c.bytes, c.flops};
+      // Decisions are per shape class: forget them so that the ones this case makes name what it
+      // ran (its classes, not the op's default class).
+      Registry::global().clear_resolutions();
       r.t = time_it(c.run, 5, iters);  // warm-up resolves (and probes) the op
-      r.impl = Registry::global().resolve(c.op, OpQuery{Backend::Cuda, "", {}}).impl->name;
+      for (const Registry::Decision& d : Registry::global().decisions())
+        if (d.op == c.op && d.query.backend == Backend::Cuda &&
+            ("+" + r.impl + "+").find("+" + d.result.impl->name + "+") == std::string::npos)
+          r.impl += (r.impl.empty() ? "" : "+") + d.result.impl->name;
+      if (r.impl.empty()) r.impl = "?";
       const double sec = r.t.median_ms * 1e-3;
       if (r.flops > 0) {
         const double tf = r.flops / sec / 1e12;
-        std::printf("%-26s %-28s %-14s %10.1f %12.1f %10.1f %8.3f\n", r.name.c_str(),
+        std::printf("%-26s %-28s %-22s %10.1f %12.1f %10.1f %8.3f\n", r.name.c_str(),
                     r.shape.c_str(), r.impl.c_str(), r.t.median_ms * 1e3, r.flops / 1e9, tf,
                     tf / gemm_tflops);
       } else {
         const double gbs = r.bytes / sec / 1e9;
-        std::printf("%-26s %-28s %-14s %10.1f %12.1f %10.1f %8.3f\n", r.name.c_str(),
+        std::printf("%-26s %-28s %-22s %10.1f %12.1f %10.1f %8.3f\n", r.name.c_str(),
                     r.shape.c_str(), r.impl.c_str(), r.t.median_ms * 1e3, r.bytes / 1e6, gbs,
                     gbs / copy_gbs);
         if (r.bytes < kSmallOpBytes) {

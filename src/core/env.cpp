@@ -16,39 +16,6 @@ namespace gdn::env {
 namespace {
 // The one table of knobs. Keep it sorted by name.
 constexpr Knob kKnobs[] = {
-    {"GDN_GDR_DQKW_WARPS", KnobType::Int, "16",
-     "gated_delta_rule on CUDA, fast route's backward (A/B): warps of the dq/dk/dW kernel's block, "
-     "8 or 16 (cuda_fast_bwd.cu). The gradients of q, k, v and beta are the same bitwise; g's "
-     "differs in rounding only (its partial sums are grouped by the warps).",
-     true, nullptr},
-    {"GDN_GDR_PREP_DVLOC", KnobType::Choice, "interleave",
-     "gated_delta_rule on CUDA, fast route's backward without `saved` (A/B; given `saved` it "
-     "runs no prep): 'sequence' runs prep and then the dV'_loc kernel instead of one grid whose "
-     "blocks alternate between the two (cuda_fast_fwd.cu). Scheduling-only: same results.",
-     true, "interleave|sequence"},
-    {"GDN_GDR_STATE_COLS", KnobType::Int, "0",
-     "gated_delta_rule on CUDA, fast route's sequential state passes (A/B): value columns per "
-     "block, 16 or 32; 0 chooses (16 when twice the 32-column grid fits the SMs: cuda_fast.h "
-     "state_pipe). Scheduling-only: same results.",
-     true, nullptr},
-    {"GDN_GDR_STATE_EXCHANGE", KnobType::Choice, "auto",
-     "gated_delta_rule on CUDA, fast route's state passes (A/B): 'all' has every warp sum all dk "
-     "partials of its column slice; 'auto' scatters the sums over the warps (cuda_fast.h "
-     "state_exchange_sum). Scheduling-only: same results.",
-     true, "auto|all"},
-    {"GDN_GDR_STATE_SNAP", KnobType::Choice, "auto",
-     "gated_delta_rule on CUDA, fast route's state passes (A/B): 'off' stores the state snapshots "
-     "straight from the registers instead of through shared memory. Scheduling-only.",
-     true, "auto|off"},
-    {"GDN_GDR_STATE_STAGES", KnobType::Int, "0",
-     "gated_delta_rule on CUDA, fast route's state passes (A/B): chunk buffers of the staging "
-     "ring, 2..4 (at most what fits); 0 chooses. Scheduling-only: same results.",
-     true, nullptr},
-    {"GDN_GDR_TRAIL", KnobType::Choice, "auto",
-     "gated_delta_rule on CUDA, fast route's forward (A/B): 'off' runs the output kernel after the "
-     "state pass instead of beside it (at few documents the output of each chunk starts once the "
-     "pass has published it: cuda_fast_fwd.cu). Scheduling-only: same results.",
-     true, "auto|off"},
     {"GDN_LOG_LEVEL", KnobType::Choice, "info", "Lowest log level printed.", false,
      "debug|info|warn|error"},
     {"GDN_NUM_THREADS", KnobType::Int, "0",

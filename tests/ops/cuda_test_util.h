@@ -69,12 +69,14 @@ inline void expect_bitwise_equal(const Tensor& got, const Tensor& want, const st
       << what << " differs bitwise";
 }
 
-// The resolver picks `impl` for `op` on cuda with a probe error within `tol`; outputs rounded to
-// bf16 cannot match fp64 exactly, so a zero error where `*_nonzero` is set would mean the probe
-// compared nothing.
+// The resolver picks `impl` for `op` on cuda in shape class `query` (the op's default class when
+// not given) with a probe error within `tol` and no implementation skipped or rejected; outputs
+// rounded to bf16 cannot match fp64 exactly, so a zero error where `*_nonzero` is set would mean
+// the probe compared nothing.
 inline void expect_resolves_to_cuda(const std::string& op, const std::string& impl, ProbeError tol,
-                                    bool fwd_nonzero, bool bwd_nonzero) {
-  const Resolution& r = Registry::global().resolve(op, OpQuery{Backend::Cuda, "", {}});
+                                    bool fwd_nonzero, bool bwd_nonzero,
+                                    const OpQuery& query = OpQuery{Backend::Cuda, "", {}}) {
+  const Resolution& r = Registry::global().resolve(op, query);
   ASSERT_NE(r.impl, nullptr);
   EXPECT_EQ(r.impl->name, impl);
   EXPECT_EQ(r.impl->backend, Backend::Cuda);
@@ -99,9 +101,11 @@ const Table* cuda_table(const std::string& op, const std::string& name) {
 
 // In a private registry (the global one is untouched) holding the op, its ref and its registered
 // cuda implementations, adds the deliberately wrong implementations `wrong` (name, table) above
-// them in priority and checks that the resolver rejects each one by its probe and picks `real`.
+// them in priority and checks that the resolver rejects each one by its probe in shape class
+// `query` (the op's default class when not given) and picks `real`, which that class supports.
 inline void expect_probe_rejects(const std::string& op, const std::string& real,
-                                 const std::vector<std::pair<std::string, const void*>>& wrong) {
+                                 const std::vector<std::pair<std::string, const void*>>& wrong,
+                                 const OpQuery& query = OpQuery{Backend::Cuda, "", {}}) {
   Registry reg;
   reg.add_op(Registry::global().op(op));
   reg.add_impl(Registry::global().ref(op));
@@ -109,7 +113,7 @@ inline void expect_probe_rejects(const std::string& op, const std::string& real,
   int priority = 100;
   for (const auto& [name, table] : wrong)
     reg.add_impl({op, name, Backend::Cuda, priority++, nullptr, table});
-  const Resolution& r = reg.resolve(op, OpQuery{Backend::Cuda, "", {}});
+  const Resolution& r = reg.resolve(op, query);
   ASSERT_NE(r.impl, nullptr);
   EXPECT_EQ(r.impl->name, real);
   ASSERT_EQ(r.rejected.size(), wrong.size());

@@ -121,42 +121,12 @@ struct Route {
   Route& operator=(const Route&) = delete;
 };
 
-// Sets one environment knob for the life of the object (the A/B knobs the GDR kernels read at
-// every launch).
-struct KnobScope {
-  KnobScope(const char* name, const char* value) : name_(name) { setenv(name, value, 1); }
-  ~KnobScope() { unsetenv(name_); }
-  KnobScope(const KnobScope&) = delete;
-  KnobScope& operator=(const KnobScope&) = delete;
-  const char* name_;
-};
-
 // Forces the dk split of the fast route's state passes for the life of the object.
 struct StateSplit {
   explicit StateSplit(int ks) { gdr_set_state_split(ks); }
   ~StateSplit() { gdr_set_state_split(0); }
   StateSplit(const StateSplit&) = delete;
   StateSplit& operator=(const StateSplit&) = delete;
-};
-
-// Forces the staging pipeline of the fast route's state passes (GDN_GDR_STATE_STAGES, _COLS,
-// _SNAP, _EXCHANGE: cuda_fast.h state_pipe) for the life of the object.
-struct StatePipeKnobs {
-  StatePipeKnobs(const char* stages, const char* cols, const char* snap,
-                 const char* exchange = "auto") {
-    setenv("GDN_GDR_STATE_STAGES", stages, 1);
-    setenv("GDN_GDR_STATE_COLS", cols, 1);
-    setenv("GDN_GDR_STATE_SNAP", snap, 1);
-    setenv("GDN_GDR_STATE_EXCHANGE", exchange, 1);
-  }
-  ~StatePipeKnobs() {
-    unsetenv("GDN_GDR_STATE_STAGES");
-    unsetenv("GDN_GDR_STATE_COLS");
-    unsetenv("GDN_GDR_STATE_SNAP");
-    unsetenv("GDN_GDR_STATE_EXCHANGE");
-  }
-  StatePipeKnobs(const StatePipeKnobs&) = delete;
-  StatePipeKnobs& operator=(const StatePipeKnobs&) = delete;
 };
 
 // The swept shapes of both tests: partial chunks, 1-token, empty and 50 documents, r in {1, 2, 3},

@@ -1,16 +1,16 @@
-// Causal conv1d on CUDA (label gpu), for every implementation, cuda.tiled (cuda.cu), cuda.v2, its
-// evict-first-store variant cuda.v2cs and the staged forwards cuda.v2st5 / cuda.v2sw
-// (cuda_v2.cu; y bitwise cuda.v2's, checked below; they run cuda.tiled for W > 4, C % 8 != 0 or
-// unaligned tensors, so those cases check the fallback): cuda vs ref over widths W in {1, 2, 4, 8},
+// Causal conv1d on CUDA (label gpu), for every implementation, cuda.tiled (cuda.cu, any shape) and
+// cuda.sliding_window (cuda_sliding_window.cu; y bitwise cuda.tiled's, checked below; only the
+// classes W <= 4, C % 8 == 0, aligned tensors: the other cases run through the op's entry points,
+// where the resolver gives them to cuda.tiled): cuda vs ref over widths W in {1, 2, 4, 8},
 // document layouts (T < W, 1-token documents, zero-length documents at the start, middle and end,
 // 50 documents, one long document crossing many tiles / segments, documents starting just before /
-// at / after tile and warp boundaries, many documents of 0..100 tokens across cuda.v2's segments,
+// at / after tile and warp boundaries, many documents of 0..100 tokens across the segments,
 // 8-token chunks and 8-token forward runs, no cu_seqlens) and every option combination (bias, SiLU,
 // initial state, dfinal_state, final state requested), on both load paths (16-byte and scalar) and
 // both store paths; forward and every gradient. Then: no read across documents (NaN in one document
 // leaves the others finite), dweight / dbias accumulation and run-to-run determinism over a
 // persistent grid whose blocks walk several tiles, unaligned tensors, saturating SiLU, empty
-// batches, the resolver's choice (cuda.v2sw) and probe, leaking implementations rejected by the
+// batches, the resolver's choice per class and probe, leaking implementations rejected by the
 // probe, `ops run` on the cuda backend, and bad input. Tolerances come from the one table,
 // src/backend/tolerances.h.
 #include <unistd.h>
@@ -35,14 +35,40 @@ using testing::randn;
 
 constexpr ProbeError kTol = bf16_tolerance("causal_conv1d");
 
-// The implementations under test; "" is ref (F64 on the host).
-const char* const kImpls[] = {"cuda.tiled", "cuda.v2", "cuda.v2cs", "cuda.v2st5", "cuda.v2sw"};
+// The implementations under test; "" is ref (F64 on the host), kEntry the op's entry points on
+// the device (the resolver's choice for the call's shape class).
+const char* const kImpls[] = {"cuda.tiled", "cuda.sliding_window"};
+const char* const kChosen = "cuda.sliding_window";  // in the classes it takes
+const std::string kEntry = "entry points";
+const CausalConv1dTable kEntryTable{causal_conv1d_forward, causal_conv1d_backward};
 
-// The registered cuda implementation `name` (its function table); a test fails without it.
+// The registered cuda implementation `name` (its function table), or kEntryTable for kEntry; a
+// test fails without it.
 const CausalConv1dTable& impl_table(const std::string& name) {
+  if (name == kEntry) return kEntryTable;
   for (const ImplDesc* i : Registry::global().impls("causal_conv1d", Backend::Cuda))
     if (i->name == name) return *static_cast<const CausalConv1dTable*>(i->table);
   GDN_FAIL("causal_conv1d implementation {} is not registered", name);
+}
+
+// The shape class of a call at width W over C channels with SiLU, bias and states (op.cpp's
+// class_of; `aligned`: every tensor 16-byte aligned).
+OpQuery class_query(int64_t W, int64_t C, bool aligned = true) {
+  const bool vec = aligned && C % 8 == 0;
+  return OpQuery{
+      Backend::Cuda,
+      fmt::format("W={},C={},vec={},silu=1,bias=1,states=1", W, C, vec ? 1 : 0),
+      {{"W", W}, {"C", C}, {"vec", vec ? 1 : 0}, {"silu", 1}, {"bias", 1}, {"states", 1}}};
+}
+
+// What runs `impl`'s part of a case at (W, C): the implementation itself where its `supports`
+// takes the class, else the entry points (the resolver's choice, checked to be cuda.tiled by
+// UnsupportedClassesResolveToTiled).
+std::string runner(const std::string& impl, int64_t W, int64_t C, bool aligned = true) {
+  for (const ImplDesc* i : Registry::global().impls("causal_conv1d", Backend::Cuda))
+    if (i->name == impl)
+      return !i->supports || i->supports(class_query(W, C, aligned)).empty() ? impl : kEntry;
+  GDN_FAIL("causal_conv1d implementation {} is not registered", impl);
 }
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
@@ -101,7 +127,8 @@ struct Out {
 };
 
 // Forward + backward on ref (impl "", F64 host) or the cuda implementation `impl` called directly
-// (bf16 device; dweight / dbias F32). cuda outputs start poisoned; dweight / dbias start at zero.
+// (bf16 device; dweight / dbias F32; kEntry: the op's entry points). cuda outputs start poisoned;
+// dweight / dbias start at zero.
 Out run(const Case& k, const std::string& impl) {
   const bool cuda = !impl.empty();
   const int64_t T = k.T(), N = k.N(), C = k.C, S = k.W - 1;
@@ -168,10 +195,10 @@ std::vector<int32_t> random_cu(int n, int lo, int hi, uint64_t seed) {
   return cu;
 }
 
-// Layouts (cuda.tiled: tiles of 64 tokens, a warp's run 16, 128 channels a block; cuda.v2: a warp
-// owns a segment of >= 64 tokens streamed in chunks of 8, 256 channels a column, and runs only for
-// C % 8 == 0) and their channel counts, chosen so that every load / store path and partial channel
-// blocks are covered:
+// Layouts (cuda.tiled: tiles of 64 tokens, a warp's run 16, 128 channels a block;
+// cuda.sliding_window's backward: a warp owns a segment of >= 64 tokens streamed in chunks of 8,
+// 256 channels a column, and runs only for C % 8 == 0) and their channel counts, chosen so that
+// every load / store path and partial channel blocks are covered:
 //   0 one document shorter than W (1 token for W = 1); C = 13 (scalar loads and stores)
 //   1 six 1-token documents; C = 128 (16-byte loads, 8-byte stores, one full channel block)
 //   2 zero-length documents at the start, middle and end; C = 70 (scalar)
@@ -179,7 +206,7 @@ std::vector<int32_t> random_cu(int n, int lo, int hi, uint64_t seed) {
 //   4 one document of 1000 tokens (16 tiles); C = 260 (scalar loads, 8-byte stores, 3 blocks)
 //   5 documents starting just before, at and after tile and warp boundaries; C = 8
 //   6 no cu_seqlens, T = 300; C = 24
-//   7 one document of 1000 tokens; C = 264 (cuda.v2: ~16 segments, two channel columns, the second
+//   7 one document of 1000 tokens; C = 264 (~16 segments, two channel columns, the second
 //     with one active lane)
 //   8 24 documents of 0..100 tokens; C = 256 (boundaries inside segments and chunks, at chunk and
 //     segment edges, zero-length documents between segments)
@@ -231,7 +258,8 @@ TEST_P(ConvCudaSweep, MatchesRef) {
     k.dfin = flags & 8;
     k.fin = !(flags & 16);
     const Out want = run(k, "");
-    for (const std::string impl : kImpls) {
+    for (const std::string name : kImpls) {
+      const std::string impl = runner(name, W, l.C);
       SCOPED_TRACE(fmt::format("{} W={} layout={} bias={} silu={} init={} dfin={} fin={}", impl, W,
                                lay, k.bias, k.silu, k.init, k.dfin, k.fin));
       compare(k, run(k, impl), want);
@@ -256,7 +284,8 @@ TEST_F(CausalConv1dCuda, OtherWidthsMatchRef) {
       Case k = make_case(l.C, W, l.cu, 2000 + static_cast<uint64_t>(W * 13 + lay));
       k.bias = k.silu = k.init = k.dfin = true;
       const Out want = run(k, "");
-      for (const std::string impl : kImpls) {
+      for (const std::string name : kImpls) {
+        const std::string impl = runner(name, W, l.C);
         SCOPED_TRACE(fmt::format("{} W={} layout={}", impl, W, lay));
         compare(k, run(k, impl), want);
       }
@@ -264,11 +293,12 @@ TEST_F(CausalConv1dCuda, OtherWidthsMatchRef) {
   }
 }
 
-// The staged forwards (token tiles of 64 through shared memory) compute y and the final state
-// with cuda.v2's arithmetic in its order: bit-identical to cuda.v2cs on documents that start
-// before, at and after the tile edges, with and without SiLU, bias and initial state; layout -1:
-// 1500 documents of 0..3 tokens (cuda.v2sw's 32-ary document search takes three rounds).
-TEST_F(CausalConv1dCuda, StagedForwardsAreBitwiseV2) {
+// The staged forward (token tiles of 64 through shared memory) computes y and the final state
+// with cuda.tiled's arithmetic in its order (preact, sigmoid of cuda_state.cuh): bit-identical to
+// cuda.tiled on documents that start before, at and after the tile edges, with and without SiLU,
+// bias and initial state; layout -1: 1500 documents of 0..3 tokens (the 32-ary document search
+// takes three rounds).
+TEST_F(CausalConv1dCuda, StagedForwardIsBitwiseTiled) {
   for (int64_t W : {2, 4}) {
     for (int lay : {-1, 3, 5, 7, 8}) {
       const Layout l = lay < 0 ? Layout{random_cu(1500, 0, 3, 79), 16, true} : layout(lay, W);
@@ -277,13 +307,12 @@ TEST_F(CausalConv1dCuda, StagedForwardsAreBitwiseV2) {
         k.bias = flags & 1;
         k.silu = flags & 2;
         k.init = flags & 4;
-        const Out want = run(k, "cuda.v2cs");
-        for (const std::string impl : {"cuda.v2st5", "cuda.v2sw"}) {
-          SCOPED_TRACE(fmt::format("{} W={} layout={} flags={}", impl, W, lay, flags));
-          const Out got = run(k, impl);
-          EXPECT_EQ(to_f64_vector(got.y), to_f64_vector(want.y)) << "y";
-          EXPECT_EQ(to_f64_vector(got.fin), to_f64_vector(want.fin)) << "final state";
-        }
+        const Out want = run(k, "cuda.tiled");
+        SCOPED_TRACE(fmt::format("W={} layout={} flags={}", W, lay, flags));
+        ASSERT_EQ(runner(kChosen, W, l.C), kChosen);
+        const Out got = run(k, kChosen);
+        EXPECT_EQ(to_f64_vector(got.y), to_f64_vector(want.y)) << "y";
+        EXPECT_EQ(to_f64_vector(got.fin), to_f64_vector(want.fin)) << "final state";
       }
     }
   }
@@ -295,8 +324,9 @@ TEST_F(CausalConv1dCuda, StagedForwardsAreBitwiseV2) {
 // state, d initial state). Backward direction: dy of document 1 poisoned, document 0's dx checked.
 TEST_F(CausalConv1dCuda, NoCrossDocumentReads) {
   const int64_t C = 136, W = 4;
-  // Document 1 starts inside / at / after a tile start (and inside a cuda.v2 chunk).
+  // Document 1 starts inside / at / after a tile start (and inside a segment's chunk).
   for (const std::string impl : kImpls) {
+    ASSERT_EQ(runner(impl, W, C), impl);
     for (int64_t split : {5, 40, 64, 65, 70}) {
       SCOPED_TRACE(impl + ": document 1 starts at " + std::to_string(split));
       Case k = make_case(C, W, {0, static_cast<int32_t>(split), 150}, 31);
@@ -338,8 +368,9 @@ TEST_F(CausalConv1dCuda, NoCrossDocumentReads) {
 
 // dweight / dbias are accumulated (+=), and dx, dweight, dbias are bit-identical run to run. The
 // shape makes the persistent backward grid walk several tiles per block (about 1100 tokens, 18
-// tiles, over 64 channel blocks: an H200 fits about 8 blocks per channel block; cuda.v2: ~18
-// segments of ~61 tokens over 32 channel columns) and sums 15 documents' contributions.
+// tiles, over 64 channel blocks: an H200 fits about 8 blocks per channel block;
+// cuda.sliding_window: ~18 segments of ~61 tokens over 32 channel columns) and sums 15 documents'
+// contributions.
 TEST_F(CausalConv1dCuda, BackwardAccumulatesAndIsDeterministic) {
   const int64_t C = 8192, W = 4;
   Case k = make_case(C, W, random_cu(15, 1, 150, 5), 41);
@@ -354,6 +385,7 @@ TEST_F(CausalConv1dCuda, BackwardAccumulatesAndIsDeterministic) {
   auto cu = convert(testing::i32_tensor(k.cu), DType::I32, Device::CUDA);
   for (const std::string impl : kImpls) {
     SCOPED_TRACE(impl);
+    ASSERT_EQ(runner(impl, W, C), impl);
     std::vector<double> dx1, dw1, db1;
     for (int rep = 0; rep < 3; ++rep) {
       auto dw = convert(dw0, DType::F32, Device::CUDA), db = convert(db0, DType::F32, Device::CUDA);
@@ -391,13 +423,16 @@ TEST_F(CausalConv1dCuda, BackwardAccumulatesAndIsDeterministic) {
 }
 
 // C % 8 == 0 but x, dy, y, dx start 2 bytes past a 16-byte boundary: the scalar load and store
-// paths (cuda.v2 hands these calls to cuda.tiled).
+// paths, cuda.tiled's; cuda.sliding_window's `supports` rejects the class, so through the entry
+// points the resolver gives it to cuda.tiled.
 TEST_F(CausalConv1dCuda, UnalignedTensorsTakeTheScalarPaths) {
   const int64_t C = 256, W = 4;
   Case k = make_case(C, W, {0, 3, 90, 200}, 51);
   k.bias = k.silu = k.init = k.dfin = true;
   const Out ref = run(k, "");
-  for (const std::string impl : kImpls) {
+  EXPECT_EQ(runner(kChosen, W, C, false), kEntry) << kChosen << " takes unaligned tensors";
+  EXPECT_EQ(runner(kChosen, W, C, true), kChosen);
+  for (const std::string& impl : {std::string("cuda.tiled"), kEntry}) {
     SCOPED_TRACE(impl);
     const int64_t T = k.T(), N = k.N();
     auto shifted = [&](const Tensor& src) {
@@ -431,8 +466,8 @@ TEST_F(CausalConv1dCuda, UnalignedTensorsTakeTheScalarPaths) {
 }
 
 // SiLU saturates for any finite input (silu(z) -> 0 for z -> -inf, -> z for z -> +inf) without
-// inf / NaN in y or in the gradients. C = 1 and C = 8 (every channel the same; cuda.v2's own
-// kernels need C % 8 == 0).
+// inf / NaN in y or in the gradients. C = 1 and C = 8 (every channel the same;
+// cuda.sliding_window needs C % 8 == 0: C = 1 runs through the entry points).
 TEST_F(CausalConv1dCuda, ExtremeFiniteInputs) {
   const std::vector<double> xs = {-1e30, -3e38, -100, -88.5, -87, -20, 0, 20, 87, 88.5, 100, 1e30};
   const int64_t T = static_cast<int64_t>(xs.size()), W = 2;
@@ -446,7 +481,8 @@ TEST_F(CausalConv1dCuda, ExtremeFiniteInputs) {
     k.x = testing::rounded(from_f64(xv, DType::F64, {T, C}), DType::BF16);
     k.w = from_f64(wv, DType::F64, {C, W});  // y = silu(x)
     const Out ref = run(k, "");
-    for (const std::string impl : kImpls) {
+    for (const std::string name : kImpls) {
+      const std::string impl = runner(name, W, C);
       SCOPED_TRACE(fmt::format("{} C={}", impl, C));
       const Out got = run(k, impl);
       const auto yr = to_f64_vector(ref.y), yc = to_f64_vector(got.y);
@@ -463,8 +499,9 @@ TEST_F(CausalConv1dCuda, ExtremeFiniteInputs) {
 // Empty batches: T = 0 with zero-length documents (final state = initial state or zeros,
 // d initial state = d final state, dweight untouched), and T = 0 with no document.
 TEST_F(CausalConv1dCuda, EmptyBatches) {
-  for (const std::string impl : kImpls) {
+  for (const std::string name : kImpls) {
     for (int64_t C : {5, 8}) {
+      const std::string impl = runner(name, 4, C);
       for (auto cu : {std::vector<int32_t>{0, 0, 0}, std::vector<int32_t>{0}}) {
         SCOPED_TRACE(fmt::format("{} C={} documents: {}", impl, C, cu.size() - 1));
         Case k = make_case(C, 4, cu, 71);
@@ -481,11 +518,12 @@ TEST_F(CausalConv1dCuda, EmptyBatches) {
   }
 }
 
+// The production class (Qwen3.5: W = 4, 8192 channels, aligned) resolves to cuda.sliding_window,
+// which passes its probe there.
 TEST_F(CausalConv1dCuda, ResolverChoosesCudaAndItPassesItsProbe) {
-  const Resolution& r =
-      Registry::global().resolve("causal_conv1d", OpQuery{Backend::Cuda, "", {{"W", 4}}});
+  const Resolution& r = Registry::global().resolve("causal_conv1d", class_query(4, 8192));
   ASSERT_NE(r.impl, nullptr);
-  EXPECT_EQ(r.impl->name, "cuda.v2sw");
+  EXPECT_EQ(r.impl->name, kChosen);
   EXPECT_EQ(r.impl->backend, Backend::Cuda);
   EXPECT_LE(r.error.fwd, kTol.fwd);
   EXPECT_LE(r.error.bwd, kTol.bwd);
@@ -495,12 +533,29 @@ TEST_F(CausalConv1dCuda, ResolverChoosesCudaAndItPassesItsProbe) {
   EXPECT_TRUE(r.rejected.empty()) << r.rejected.front();
 }
 
-// Deliberately wrong CUDA implementations built from the real one (cuda.v2sw, the resolver's
-// choice): one that ignores the document boundaries (reads across documents), one that drops the
-// dweight accumulation.
+// Every class cuda.sliding_window does not take (W > 4, C % 8 != 0, unaligned tensors, and the
+// default class without dims) resolves to cuda.tiled, with one line saying why it was skipped.
+TEST_F(CausalConv1dCuda, UnsupportedClassesResolveToTiled) {
+  for (const OpQuery& q : {OpQuery{Backend::Cuda, "", {}}, class_query(8, 256), class_query(4, 13),
+                           class_query(4, 256, false), class_query(2, 70)}) {
+    SCOPED_TRACE(q.shape_class);
+    const Resolution& r = Registry::global().resolve("causal_conv1d", q);
+    ASSERT_NE(r.impl, nullptr);
+    EXPECT_EQ(r.impl->name, "cuda.tiled");
+    EXPECT_LE(r.error.fwd, kTol.fwd);
+    EXPECT_LE(r.error.bwd, kTol.bwd);
+    ASSERT_EQ(r.rejected.size(), 1u);
+    EXPECT_NE(r.rejected[0].find("skipping cuda.sliding_window"), std::string::npos)
+        << r.rejected[0];
+  }
+}
+
+// Deliberately wrong CUDA implementations built from the real one (cuda.sliding_window, the
+// resolver's choice in the production class): one that ignores the document boundaries (reads
+// across documents), one that drops the dweight accumulation.
 const CausalConv1dTable* real_cuda_table() {
   for (const ImplDesc* i : Registry::global().impls("causal_conv1d", Backend::Cuda))
-    if (i->name == "cuda.v2sw") return static_cast<const CausalConv1dTable*>(i->table);
+    if (i->name == kChosen) return static_cast<const CausalConv1dTable*>(i->table);
   return nullptr;
 }
 void leaky_forward(const CausalConv1dFwd& a) {
@@ -524,7 +579,7 @@ const CausalConv1dTable kLeaky{leaky_forward, real_backward};
 const CausalConv1dTable kNoDw{real_forward, no_dw_backward};
 
 TEST_F(CausalConv1dCuda, ProbeRejectsWrongCudaKernels) {
-  ASSERT_NE(real_cuda_table(), nullptr) << "cuda.v2sw is not registered";
+  ASSERT_NE(real_cuda_table(), nullptr) << kChosen << " is not registered";
   Registry reg;  // private: the global registry is untouched
   reg.add_op(Registry::global().op("causal_conv1d"));
   reg.add_impl(Registry::global().ref("causal_conv1d"));
@@ -532,9 +587,9 @@ TEST_F(CausalConv1dCuda, ProbeRejectsWrongCudaKernels) {
     reg.add_impl(*i);
   reg.add_impl({"causal_conv1d", "cuda.leaky", Backend::Cuda, 30, nullptr, &kLeaky});
   reg.add_impl({"causal_conv1d", "cuda.no_dw", Backend::Cuda, 40, nullptr, &kNoDw});
-  const Resolution& r = reg.resolve("causal_conv1d", OpQuery{Backend::Cuda, "", {{"W", 4}}});
+  const Resolution& r = reg.resolve("causal_conv1d", class_query(4, 8192));
   ASSERT_NE(r.impl, nullptr);
-  EXPECT_EQ(r.impl->name, "cuda.v2sw");
+  EXPECT_EQ(r.impl->name, kChosen);
   ASSERT_EQ(r.rejected.size(), 2u);
   EXPECT_NE(r.rejected[0].find("rejecting cuda.no_dw: probe error"), std::string::npos)
       << r.rejected[0];
@@ -563,7 +618,8 @@ TEST_F(CausalConv1dCuda, OpsRunOnCudaBackend) {
                           {"dy", dy.view(), {}, {}, nullptr, 0},
                           {"dfinal_state", dsN.view(), {}, {}, nullptr, 0}});
   OpRunResult res = run_op_file("causal_conv1d", Backend::Cuda, inp, outp, true, {{"silu", 1}});
-  EXPECT_EQ(res.impl, "cuda.v2sw");
+  // `ops run` resolves the op's default class (no dims): the implementation that takes any shape.
+  EXPECT_EQ(res.impl, "cuda.tiled");
   SafeTensorsFile f(outp);
   testing::expect_close(f.load("y", DType::F64), ref.y, kTol.fwd, "y (ops run)");
   testing::expect_close(f.load("final_state", DType::F64), ref.fin, 0.0, "final_state (ops run)");

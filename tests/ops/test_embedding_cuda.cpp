@@ -1,5 +1,5 @@
 // Embedding on CUDA (label gpu), every registered cuda implementation (cuda.sorted_windows and
-// cuda.v2, cuda.v2r, cuda.v2ry, cuda.v2re): cuda vs ref over swept shapes, both id dtypes and id
+// cuda.ranked_windows): cuda vs ref over swept shapes, both id dtypes and id
 // distributions that exercise every case of the sorted-window backwards (all ids distinct, a few
 // ids repeated everywhere, one id over all tokens, runs of lengths around the window sizes, the
 // 248320-token vocabulary, sequences past each implementation's single-kernel sort), an exact-copy
@@ -27,9 +27,8 @@ class EmbeddingCuda : public CudaOpTest {};
 
 // Every cuda implementation, called through its table (the sweep checks each one, not only the
 // resolver's choice). kChosen is the one the resolver picks.
-const std::vector<std::string> kImpls = {"cuda.sorted_windows", "cuda.v2", "cuda.v2r", "cuda.v2ry",
-                                         "cuda.v2re"};
-const std::string kChosen = "cuda.v2re";
+const std::vector<std::string> kImpls = {"cuda.sorted_windows", "cuda.ranked_windows"};
+const std::string kChosen = "cuda.ranked_windows";
 
 const EmbeddingTable& table_of(const std::string& impl) {
   const EmbeddingTable* t = cuda_table<EmbeddingTable>("embedding", impl);
@@ -182,7 +181,8 @@ INSTANTIATE_TEST_SUITE_P(IdsI64, EmbeddingCudaSweep,
 
 TEST_F(EmbeddingCuda, WideRowsSpanSeveralColumnChunks) {
   // A backward block covers 1024 columns with vector accesses, a forward block 4096: D = 4096 + 8
-  // gives both a partial last chunk (and cuda.v2 a thread whose second column group is outside).
+  // gives both a partial last chunk (and cuda.ranked_windows a thread whose second column group is
+  // outside).
   check(300, 100, 4104, Ids::Runs, DType::I32, 6);
   check(70, 100, 4104, Ids::Uniform, DType::I64, 5);
   check(40, 100, 1540, Ids::Few, DType::I32, 4);
@@ -203,7 +203,8 @@ TEST_F(EmbeddingCuda, ModelVocabulary) {
 }
 
 TEST_F(EmbeddingCuda, LongSequencesTakeTheDeviceWideSort) {
-  // cuda.sorted_windows sorts in one block up to 8192 tokens, cuda.v2 ranks in one kernel up to
+  // cuda.sorted_windows sorts in one block up to 8192 tokens, cuda.ranked_windows ranks in one
+  // kernel up to
   // 16384; past that both take the device-wide radix sort, with the same order (stable, same
   // keys).
   check(8193, 248320, 8, Ids::Uniform, DType::I32, 11);
@@ -346,8 +347,8 @@ TEST_F(EmbeddingCuda, UnalignedTensorsTakeTheScalarPath) {
 }
 
 TEST_F(EmbeddingCuda, OddWidthAlignedTakesTheScalarPath) {
-  // D % 4 != 0 with aligned pointers: cuda.v2's scalar path over several column chunks (256
-  // columns each) with a partial last one.
+  // D % 4 != 0 with aligned pointers: cuda.ranked_windows' scalar path over several column chunks
+  // (256 columns each) with a partial last one.
   check(77, 20, 601, Ids::Runs, DType::I32, 23);
 }
 

@@ -1,6 +1,5 @@
 // Gated attention on CUDA (label gpu), for each CUDA implementation ("cuda.flash": mma.sync,
-// "cuda.pipe" / "cuda.pipe_xi": Hopper warpgroup MMAs with overlapped tile products, "cuda.tma",
-// "cuda.tma_kv", "cuda.tma_all": the same with TMA producer warps and mbarriers) called directly:
+// "cuda.sm90_tma": Hopper warpgroup MMAs with TMA producer warps and mbarriers) called directly:
 // cuda vs ref over swept shapes (forward, every saved tensor and every gradient, both halves of dqg
 // separately): one document, many documents with 1-token and empty ones, T and documents not
 // multiples of the 128-query / 64-key tiles, GQA 1/2/4, head dims 8 .. 256 (64, 128, 256 native; 8,
@@ -115,11 +114,9 @@ DevInputs to_device(const Inputs& in) {
           b(in.dout)};
 }
 
-const char* const kImpls[] = {"cuda.flash", "cuda.pipe",   "cuda.pipe_xi",
-                              "cuda.tma",   "cuda.tma_kv", "cuda.tma_all"};
-// The resolver's choice on Hopper: the highest priority (cuda.tma_all 39, cuda.tma_kv 38,
-// cuda.pipe_xi 35, cuda.tma 33, cuda.pipe 30, cuda.flash 10).
-constexpr const char* kPreferred = "cuda.tma_all";
+const char* const kImpls[] = {"cuda.flash", "cuda.sm90_tma"};
+// The resolver's choice on Hopper: the highest priority (cuda.sm90_tma 39, cuda.flash 10).
+constexpr const char* kPreferred = "cuda.sm90_tma";
 
 // The function table of a registered CUDA implementation.
 const GatedAttentionTable& table_of(const std::string& impl) {
@@ -219,7 +216,7 @@ TEST_P(GatedAttentionCudaSweep, MatchesRef) {
   compare(got, ref, std::string(impl) + " " + c.name);
 }
 
-// "cuda.pipe" -> "pipe" (test names are identifiers).
+// "cuda.flash" -> "flash" (test names are identifiers).
 std::string short_name(const char* impl) { return std::string(impl).substr(5); }
 
 // Tiles: 128 queries (forward, dq), 64 keys / queries (dk/dv), 64 keys per forward step and per
@@ -347,14 +344,14 @@ TEST_P(GatedAttentionCudaImpl, BackwardIsDeterministicAndAccumulatesNormWeightGr
   }
 }
 
-// The TMA kernels (producer warpgroup, mbarriers: cuda.tma the forward, cuda.tma_kv also dk/dv,
-// cuda.tma_all also dq) compute the same products in the same order as cuda.pipe_xi's, and their
-// tiles past a document's end hold the next document's rows instead of zeros (a tensor map ends
-// at T, not at the document), which the causal mask (keys) and lse = +inf (queries) must turn
-// into exact zeros: every output, forward and backward, bit for bit, over documents that end
-// inside a key tile, inside and at the end of a query tile, 1-token and empty ones, padded head
-// dims (columns past hd zero-filled by the TMA unit) and the last rows of T.
-TEST_F(GatedAttentionCuda, TmaMatchesPipeXiBitForBit) {
+// The TMA kernels' (cuda.sm90_tma: producer warpgroup, mbarriers) tiles past a document's end
+// hold the next document's rows instead of zeros (a tensor map ends at T, not at the document),
+// which the causal mask (keys) and lse = +inf (queries) must turn into exact zeros: every output,
+// forward and backward, against ref, over documents that end inside a key tile, inside and at the
+// end of a query tile, 1-token and empty ones, padded head dims (columns past hd zero-filled by
+// the TMA unit) and the last rows of T. (The cp.async kernels they were checked against bit for
+// bit, cuda.pipe_xi, are gone.)
+TEST_F(GatedAttentionCuda, TmaTilesPastADocumentEndMatchRef) {
   struct Case {
     std::vector<int32_t> lens;
     int64_t Hq, Hkv, hd;
@@ -364,19 +361,9 @@ TEST_F(GatedAttentionCuda, TmaMatchesPipeXiBitForBit) {
         Case{{65, 191, 2}, 2, 2, 256}, Case{{5, 0, 70, 0}, 2, 1, 96}, Case{{9, 3}, 2, 2, 8}}) {
     Inputs in = make_inputs(c.lens, c.Hq, c.Hkv, c.hd, 0.25, 1e4, 71 + c.hd);
     DevInputs d = to_device(in);
-    Result b = run_cuda("cuda.pipe_xi", in, d);
-    for (const char* impl : {"cuda.tma", "cuda.tma_kv", "cuda.tma_all"}) {
-      Result a = run_cuda(impl, in, d);
-      const std::string label =
-          std::string(impl) + ", hd " + std::to_string(c.hd) + ", T " + std::to_string(in.T());
-      for (auto [x, y, what] : {std::tuple{&a.o, &b.o, "o"},
-                                {&a.attn, &b.attn, "attn"},
-                                {&a.lse, &b.lse, "lse"},
-                                {&a.dqg, &b.dqg, "dqg"},
-                                {&a.dk, &b.dk, "dk"},
-                                {&a.dv, &b.dv, "dv"}})
-        EXPECT_EQ(to_f64_vector(*x), to_f64_vector(*y)) << what << ", " << label;
-    }
+    const Result ref = run_ref(in);
+    const Result a = run_cuda("cuda.sm90_tma", in, d);
+    compare(a, ref, "cuda.sm90_tma, hd " + std::to_string(c.hd) + ", T " + std::to_string(in.T()));
   }
 }
 
@@ -424,7 +411,7 @@ TEST_P(GatedAttentionCudaImpl, InconsistentDeviceOffsetsDoNotFault) {
 }
 
 // The resolver prefers the highest priority (kPreferred); every implementation passes the probe.
-TEST_F(GatedAttentionCuda, ResolverChoosesPipeAndAllPassTheProbe) {
+TEST_F(GatedAttentionCuda, ResolverChoosesSm90TmaAndAllPassTheProbe) {
   const OpQuery q{Backend::Cuda, "", {{"hd", 256}, {"Hq", 16}, {"Hkv", 4}}};
   const Resolution& r = Registry::global().resolve("gated_attention", q);
   ASSERT_NE(r.impl, nullptr);

@@ -386,13 +386,12 @@ TEST(GatedDeltaRule, ProbeAcceptsCpuAndMeasuresSmallError) {
   std::printf("[gdr] probe cpu.chunk64: fwd %.2e bwd %.2e\n", r.error.fwd, r.error.bwd);
 }
 
-// The fused forward is one of the op's cuda candidates (forced with GDN_OP_GATED_DELTA_RULE): the
-// cpu has no such implementation, so forcing it on the cpu is an error naming it, and without the
-// knob the cpu results are those of cpu.chunk64.
-TEST(GatedDeltaRule, FusedForwardIsACudaCandidateOnly) {
+// A cuda implementation forced with GDN_OP_GATED_DELTA_RULE is not one of the cpu's: forcing it on
+// the cpu is an error naming it, and without the knob the cpu results are those of cpu.chunk64.
+TEST(GatedDeltaRule, ForcingACudaImplementationOnTheCpuIsAnError) {
   Registry& reg = Registry::global();
   for (const ImplDesc* i : reg.impls("gated_delta_rule", Backend::Cpu))
-    EXPECT_EQ(i->name.find("fused"), std::string::npos) << i->name;
+    EXPECT_EQ(i->name.find("cuda."), std::string::npos) << i->name;
   const int64_t T = 70, Hk = 1, Hv = 2, dk = 16, dv = 8;
   OwnedTensor q = convert(testing::randn({T, Hk, dk}, 61, 0.3), DType::F32);
   OwnedTensor k = convert(testing::randn({T, Hk, dk}, 62, 0.3), DType::F32);
@@ -406,14 +405,14 @@ TEST(GatedDeltaRule, FusedForwardIsACudaCandidateOnly) {
     return o;
   };
   OwnedTensor want = run();
-  setenv("GDN_OP_GATED_DELTA_RULE", "cuda.fused_fwd", 1);
+  setenv("GDN_OP_GATED_DELTA_RULE", "cuda.chunk64", 1);
   env::reset_cache_for_testing();
   reg.clear_resolutions();
   try {
     run();
-    ADD_FAILURE() << "forcing cuda.fused_fwd on the cpu was accepted";
+    ADD_FAILURE() << "forcing cuda.chunk64 on the cpu was accepted";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("cuda.fused_fwd"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("cuda.chunk64"), std::string::npos) << e.what();
   }
   unsetenv("GDN_OP_GATED_DELTA_RULE");
   env::reset_cache_for_testing();

@@ -7,10 +7,10 @@
 // up to 256). Then: empty documents and an empty batch; a packed batch equals its documents run one
 // by one; runs are bitwise reproducible; a GdrChunkIndexScope gives the same results as the op's
 // own index; garbage device cu_seqlens are sanitised, not read out of bounds; the resolver picks
-// cuda and its probe passes; the probe rejects wrong CUDA variants; every staging pipeline of the
-// state passes gives the same bits; `ops run` on the cuda backend;
-// bad input. Tolerances come from the one table, src/backend/tolerances.h. Every case prints its
-// errors.
+// cuda and its probe passes; the probe rejects wrong CUDA variants; the automatic choices of the
+// fast route's schedule (state split, trailing output) and the shapes they meet match ref; `ops
+// run` on the cuda backend; bad input. Tolerances come from the one table,
+// src/backend/tolerances.h. Every case prints its errors.
 #include <unistd.h>
 
 #include <algorithm>
@@ -237,17 +237,6 @@ void expect_bitwise_equal(const Result& a, const Result& b, const std::string& w
         << what << ": " << names[i] << " differs";
 }
 
-// With knob `name` set to `bad`, a call is an error whose message names the knob.
-void expect_knob_rejected(const Inputs& in, const Dev& d, const char* name, const char* bad) {
-  KnobScope k(name, bad);
-  try {
-    run_cuda(in, d, true);
-    ADD_FAILURE() << name << "=" << bad << " was accepted";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
-  }
-}
-
 // Every dk split of the sequential state passes (1: one warp pair per 32 value columns; 2, 4, 8:
 // dk over 2, 4 or 8 warp pairs with a partial exchange per chunk) against ref, forward and every
 // gradient: dk = dv = 128 with T not a multiple of 64 (a long document, then one with a 1-token
@@ -287,7 +276,7 @@ TEST_F(GdrCuda, EveryStateSplitMatchesRef) {
   }
 }
 
-// The two shapes the scheduling knobs' tests share (each test its own seed): dk = dv = 128 over
+// The two shapes the schedule tests share (each test its own seed): dk = dv = 128 over
 // several documents with a 1-token one and partial chunks, r value heads a key head; and dk = 48,
 // dv = 24 (the general staging: a half-empty value slice).
 Spec d128_docs_spec(int64_t r, uint64_t seed) {
@@ -302,58 +291,6 @@ Spec d128_docs_spec(int64_t r, uint64_t seed) {
 }
 Spec dk48_dv24_spec(uint64_t seed) {
   return {.name = "dk48_dv24", .lens = {130, 7}, .r = 2, .dk = 48, .dv = 24, .seed = seed};
-}
-
-// The staging pipeline of the state passes (cuda_state_pipe.cuh: ring depth 2..4, 16 or 32 value
-// columns per block, snapshots through shared memory or straight from the registers, the dk
-// partials summed by every warp or scattered over the warps) changes no
-// arithmetic: at every dk split, every forced choice gives bitwise the results of the automatic
-// one (which EveryStateSplitMatchesRef checks against ref), forward and every gradient, for
-// dk = dv = 128 (whole-row staging; a long document and one with a 1-token document and partial
-// chunks) and dk = 48, dv = 24 (the general staging, a half-empty value slice). Bad knob values are
-// errors that name the knob.
-TEST_F(GdrCuda, EveryStatePipeGivesTheSameBits) {
-  const Spec specs[] = {d128_docs_spec(1, 43), dk48_dv24_spec(44)};
-  for (const Spec& s : specs) {
-    Inputs in = make_inputs(s, true);
-    Dev d = to_device(in);
-    for (int ks : {1, 2, 4, 8}) {
-      StateSplit split(ks);
-      const Result want = run_cuda(in, d, true);
-      for (const char* stages : {"2", "3", "4"}) {
-        for (const char* cols : {"16", "32"}) {
-          for (const char* snap : {"auto", "off"}) {
-            for (const char* exchange : {"auto", "all"}) {
-              StatePipeKnobs knobs(stages, cols, snap, exchange);
-              expect_bitwise_equal(run_cuda(in, d, true), want,
-                                   s.name + " ks=" + std::to_string(ks) + " stages=" + stages +
-                                       " cols=" + cols + " snap=" + snap + " exchange=" + exchange);
-            }
-          }
-        }
-      }
-    }
-  }
-  Inputs in = make_inputs(specs[1], true);
-  Dev d = to_device(in);
-  for (const char* bad : {"5", "1"}) {
-    StatePipeKnobs knobs(bad, "0", "auto");
-    try {
-      run_cuda(in, d, true);
-      ADD_FAILURE() << "GDN_GDR_STATE_STAGES=" << bad << " was accepted";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("GDN_GDR_STATE_STAGES"), std::string::npos) << e.what();
-    }
-  }
-  {
-    StatePipeKnobs knobs("0", "24", "auto");
-    try {
-      run_cuda(in, d, true);
-      ADD_FAILURE() << "GDN_GDR_STATE_COLS=24 was accepted";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("GDN_GDR_STATE_COLS"), std::string::npos) << e.what();
-    }
-  }
 }
 
 // The automatic split: 4 while the state passes' grid (documents x value heads x 32-column blocks)
@@ -380,13 +317,10 @@ TEST_F(GdrCuda, StateSplitChoice) {
   }
 }
 
-// The dq/dk/dW kernel of the fast backward at 8 and 16 warps a block (GDN_GDR_DQKW_WARPS): every
-// output but dg bitwise the same (each dq, dk and dW element is the same sum in the same order),
-// dg the same to fp32 rounding (its partial sums are grouped by the warps), both against ref; dk =
-// dv = 128 over several documents with partial chunks and r = 2, dk = 64 (half the key columns: the
-// 8-warp kernel's second column half has none), and dk = 48, dv = 24. A value other than 8 or 16 is
-// an error naming the knob.
-TEST_F(GdrCuda, DqkwWarpsGiveTheSameGradients) {
+// The dq/dk/dW kernel of the fast backward (16 warps a block, each warp a 16-row slice and a
+// quarter of the columns) against ref: dk = dv = 128 over several documents with partial chunks
+// and r = 2, dk = 64 (half the key columns: a column quarter of 16), and dk = 48, dv = 24.
+TEST_F(GdrCuda, DqkwMatchesRef) {
   const Spec specs[] = {
       d128_docs_spec(2, 45),
       {.name = "d64", .lens = {190, 70}, .Hk = 1, .r = 2, .dk = 64, .dv = 64, .seed = 46},
@@ -395,35 +329,16 @@ TEST_F(GdrCuda, DqkwWarpsGiveTheSameGradients) {
     Inputs in = make_inputs(s, true);
     const Result ref = run_ref(in, true);
     Dev d = to_device(in);
-    Result w8, w16;
-    {
-      KnobScope w("GDN_GDR_DQKW_WARPS", "8");
-      w8 = run_cuda(in, d, true);
-    }
-    {
-      KnobScope w("GDN_GDR_DQKW_WARPS", "16");
-      w16 = run_cuda(in, d, true);
-    }
-    compare(w8, ref, s.name + " dqkw 8 warps");
-    compare(w16, ref, s.name + " dqkw 16 warps");
-    const std::pair<const OwnedTensor*, const OwnedTensor*> same[] = {
-        {&w8.o, &w16.o},   {&w8.dq, &w16.dq},       {&w8.dk, &w16.dk},
-        {&w8.dv, &w16.dv}, {&w8.dbeta, &w16.dbeta}, {&w8.dh0, &w16.dh0}};
-    for (const auto& [a, b] : same)
-      EXPECT_EQ(to_f64_vector(*a), to_f64_vector(*b)) << s.name << ": 8 and 16 warps differ";
-    testing::expect_close(w16.dg, w8.dg, 1e-5, s.name + " dg, 16 against 8 warps");
+    compare(run_cuda(in, d, true), ref, s.name + " dqkw");
   }
-  Inputs in = make_inputs(specs[2], true);
-  expect_knob_rejected(in, to_device(in), "GDN_GDR_DQKW_WARPS", "12");
 }
 
-// The forward's output beside the state pass (cuda_fast.h: fast_state_output) changes no
-// arithmetic: with it (the automatic choice at few documents) o and hT, and so every gradient, are
-// bitwise those of the pass followed by the output (GDN_GDR_TRAIL=off), and match ref; one long
-// document (47 chunks: the output waits on counts published every 4 chunks), several documents
-// with a 1-token one and partial chunks, and dk = 48, dv = 24. The first two must take it. A bad
-// knob value is an error naming the knob.
-TEST_F(GdrCuda, TrailingOutputGivesTheSameBits) {
+// The forward's output beside the state pass (cuda_fast.h: fast_state_output) is the automatic
+// choice at few documents with a dk split, and its results match ref: one long document (47
+// chunks: the output waits on counts published every 4 chunks), several documents with a 1-token
+// one and partial chunks (both must take it), and dk = 48, dv = 24. Without a dk split (forced to
+// 1) the output runs after the pass, and matches ref too.
+TEST_F(GdrCuda, TrailingOutputChoiceAndResults) {
   const Spec specs[] = {{.name = "d128_T3000_one_doc",
                          .lens = {3000},
                          .Hk = 2,
@@ -442,41 +357,13 @@ TEST_F(GdrCuda, TrailingOutputGivesTheSameBits) {
     }
     const Result ref = run_ref(in, true);
     Dev d = to_device(in);
-    Result off;
-    {
-      KnobScope t("GDN_GDR_TRAIL", "off");
-      EXPECT_FALSE(gdr_trailing_output_for(in.T, in.N, in.Hk, in.Hv, in.dk, in.dv));
-      off = run_cuda(in, d, true);
-    }
-    const Result got = run_cuda(in, d, true);
-    compare(got, ref, s.name + (trails ? " trailing output" : " output after the pass"));
-    expect_bitwise_equal(got, off, s.name + ": trailing output against GDN_GDR_TRAIL=off");
+    compare(run_cuda(in, d, true), ref,
+            s.name + (trails ? " trailing output" : " output after the pass"));
+    StateSplit split(1);
+    EXPECT_FALSE(gdr_trailing_output_for(in.T, in.N, in.Hk, in.Hv, in.dk, in.dv))
+        << s.name << ": without a dk split the output should follow the pass";
+    compare(run_cuda(in, d, true), ref, s.name + " ks=1, output after the pass");
   }
-  Inputs in = make_inputs(specs[2], true);
-  expect_knob_rejected(in, to_device(in), "GDN_GDR_TRAIL", "sometimes");
-}
-
-// The backward's prep and dV'_loc in one grid of alternating blocks (the default) or one after the
-// other (GDN_GDR_PREP_DVLOC=sequence): bitwise the same results, both against ref; a bad value is
-// an error naming the knob.
-TEST_F(GdrCuda, PrepDvlocScheduleGivesTheSameBits) {
-  const Spec specs[] = {d128_docs_spec(2, 51), dk48_dv24_spec(52)};
-  for (const Spec& s : specs) {
-    Inputs in = make_inputs(s, true);
-    const Result ref = run_ref(in, true);
-    Dev d = to_device(in);
-    Result seq;
-    {
-      KnobScope m("GDN_GDR_PREP_DVLOC", "sequence");
-      seq = run_cuda(in, d, true);
-    }
-    const Result got = run_cuda(in, d, true);
-    compare(seq, ref, s.name + " prep then dvloc");
-    compare(got, ref, s.name + " prep and dvloc interleaved");
-    expect_bitwise_equal(got, seq, s.name + ": interleaved against GDN_GDR_PREP_DVLOC=sequence");
-  }
-  Inputs in = make_inputs(specs[1], true);
-  expect_knob_rejected(in, to_device(in), "GDN_GDR_PREP_DVLOC", "sideways");
 }
 
 TEST_F(GdrCuda, RunsAreBitwiseReproducible) {

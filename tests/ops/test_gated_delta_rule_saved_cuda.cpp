@@ -1,8 +1,8 @@
 // Gated delta rule on CUDA (label gpu): the optional `saved` tensor (op.h), the forward's state
 // pass output that lets the backward skip its own. On both routes of cuda.cu (fast and generic,
-// GDN_GDR_GENERIC=1) over swept shapes (partial chunks, 1-token, empty and 50 documents, r in
-// {1, 2, 3}, dk != dv, with and without h0 / dhT and the l2norm, dims the fast route takes and dims
-// only the generic one takes, up to 256):
+// cuda.chunk64 and cuda.chunk64_generic) over swept shapes (partial chunks, 1-token, empty and 50
+// documents, r in {1, 2, 3}, dk != dv, with and without h0 / dhT and the l2norm, dims the fast
+// route takes and dims only the generic one takes, up to 256):
 //   - a forward given `saved` returns bitwise the o and hT of one without it;
 //   - a backward given that `saved` returns bitwise the dq, dk, dv, dg, dbeta, dh0 of the backward
 //     that recomputes (the recomputed states are bitwise those the forward wrote); `saved` starts

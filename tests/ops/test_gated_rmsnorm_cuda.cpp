@@ -21,8 +21,8 @@ class GatedRmsNormCuda : public CudaOpTest {};
 
 // The implementations under test, each called through its own table (the sweep, the saturated
 // gates, the dw accumulation and determinism, the scalar path), and the resolver's choice.
-const char* const kImpls[] = {"cuda.rowwise", "cuda.rowwise_pf"};
-const char* const kChosen = "cuda.rowwise_pf";
+const char* const kImpls[] = {"cuda.rowwise_prefetch"};
+const char* const kChosen = "cuda.rowwise_prefetch";
 
 const GatedRmsNormTable& impl_table(const std::string& name) {
   const GatedRmsNormTable* t = cuda_table<GatedRmsNormTable>("gated_rmsnorm", name);
@@ -207,7 +207,7 @@ TEST_F(GatedRmsNormCuda, ResolverChoosesCudaAndItPassesItsProbe) {
 // Deliberately wrong CUDA implementations built from the real one: x and z swapped (normalising
 // the gate), and a backward that forgets to accumulate dw.
 const GatedRmsNormTable* real_table() {
-  return cuda_table<GatedRmsNormTable>("gated_rmsnorm", "cuda.rowwise");
+  return cuda_table<GatedRmsNormTable>("gated_rmsnorm", kChosen);
 }
 void real_forward(const GatedRmsNormFwd& a) { real_table()->forward(a); }
 void real_backward(const GatedRmsNormBwd& a) { real_table()->backward(a); }
@@ -227,7 +227,7 @@ const GatedRmsNormTable kWrongFwd{swapped_forward, real_backward};
 const GatedRmsNormTable kWrongBwd{real_forward, lost_dw_backward};
 
 TEST_F(GatedRmsNormCuda, ProbeRejectsWrongCudaKernels) {
-  ASSERT_NE(real_table(), nullptr) << "cuda.rowwise is not registered";
+  ASSERT_NE(real_table(), nullptr) << kChosen << " is not registered";
   expect_probe_rejects("gated_rmsnorm", kChosen,
                        {{"cuda.wrong_xz", &kWrongFwd}, {"cuda.wrong_dw", &kWrongBwd}});
 }

@@ -1,11 +1,12 @@
-// RMSNorm on CUDA (label gpu), for every implementation, cuda.rowwise (cuda.cu) and cuda.bulk
-// with its variants (cuda_bulk.cu: its own backward where covered, cuda.rowwise's otherwise),
-// each called through its own table: cuda vs ref over swept shapes (forward and both gradients,
-// both flavours, both the 16-byte and the scalar paths, rows wider than the register-held part, the
-// bulk ring wrapping several times), dw accumulation and determinism, unaligned tensors; then the
-// resolver's choice (kChosen, the highest priority) and probe, deliberately wrong CUDA
-// implementations rejected by the probe, `ops run` on the cuda backend, and bad input. Tolerances
-// come from the one table, src/backend/tolerances.h.
+// RMSNorm on CUDA (label gpu), for every implementation, cuda.rowwise (cuda.cu, any shape) and
+// cuda.sm90_bulk (sm90_bulk.cu: its own backward, cuda.rowwise's forward; only the shape classes
+// its `supports` accepts), each called through its own table: cuda vs ref over swept shapes
+// (forward and both gradients, both flavours, both the 16-byte and the scalar paths, rows wider
+// than the register-held part, the bulk ring wrapping several times), dw accumulation and
+// determinism, unaligned tensors (through the op's entry points); then the resolver's choice per
+// class (kChosen in the production class, cuda.rowwise in the default one) and probe,
+// deliberately wrong CUDA implementations rejected by the probe, `ops run` on the cuda backend,
+// and bad input. Tolerances come from the one table, src/backend/tolerances.h.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -25,16 +26,22 @@ using testing::randn;
 
 constexpr ProbeError kTol = bf16_tolerance("rmsnorm");
 
-// The implementations under test, and the resolver's choice (the highest priority).
-const char* const kImpls[] = {"cuda.rowwise", "cuda.bulk", "cuda.bulkp2"};
-const char* const kChosen = "cuda.bulkp2";
+// The implementations under test, and the resolver's choice in the production class (the highest
+// priority).
+const char* const kImpls[] = {"cuda.rowwise", "cuda.sm90_bulk"};
+const char* const kChosen = "cuda.sm90_bulk";
 
-// The bulk variants after the first two differ from cuda.bulk only in its own backward (D % 8 ==
-// 0, 1024 <= D <= 8192); elsewhere they run cuda.rowwise's code, which the first two already
-// cover, so the sweep skips them there (the test's time goes to the large shapes).
+// cuda.sm90_bulk takes the classes D % 8 == 0, 1024 <= D <= 8192 with 16-byte aligned tensors
+// (the sweep's are); the resolver gives every other class to cuda.rowwise (checked below).
 bool sweep_runs(const std::string& impl, int64_t D) {
   const bool own = D % 8 == 0 && D >= 1024 && D <= 8192;
-  return own || impl == "cuda.rowwise" || impl == "cuda.bulk";
+  return own || impl == "cuda.rowwise";
+}
+
+// The shape class of rows of width D (op.cpp's class_of).
+OpQuery class_query(int64_t D, bool vec) {
+  return OpQuery{
+      Backend::Cuda, fmt::format("D={},vec={}", D, vec ? 1 : 0), {{"D", D}, {"vec", vec ? 1 : 0}}};
 }
 
 // The registered cuda implementation `name` (its function table); a test fails without it.
@@ -161,13 +168,13 @@ void compare(const Dev& d, const Ref& r, const Tensor& dy64) {
 // one warp per row up to the register limit (D = 8192) and past it (D = 12288 with 16-byte packs,
 // D = 9001 / 4100 scalar: re-read tail and dw accumulated in the partial rows), many rows (the
 // backward's grid-stride walk takes several turns), and the benchmark's width.
-// cuda.bulk covers D % 8 == 0 with 1024 <= D <= 8192: 32 threads per row (D = 1024; [13000, 1024]
-// gives each of the 16 x 132 row groups of an H200 6-7 rows, so its 3-slot ring wraps twice and
-// the waits use both parities twice), 64 with packs left over (1032), 128 (3000: some threads own
-// 2 packs, some 3; 4096), 256 (4104: one row, groups without rows; 8192); the other widths check
-// that it defers to cuda.rowwise.
-// The forward's fixed-width kernel (2048 <= D <= 4096, 16-byte packs): 128 threads a row with an
-// odd row count ([4099, 2048]), 256 (4096, and 3000 with packs left over).
+// cuda.sm90_bulk covers D % 8 == 0 with 1024 <= D <= 8192: 32 threads per row (D = 1024; [13000,
+// 1024] gives each of the 16 x 132 row groups of an H200 6-7 rows, so its 3-slot ring wraps twice
+// and the waits use both parities twice), 64 with packs left over (1032), 128 (3000: some threads
+// own 2 packs, some 3; 4096), 256 (4104: one row, groups without rows; 8192); its `supports`
+// rejects the other widths (UnsupportedClassesResolveToRowwise). The forward's fixed-width kernel
+// (2048 <= D <= 4096, 16-byte packs): 128 threads a row with an odd row count ([4099, 2048]), 256
+// (4096, and 3000 with packs left over).
 struct Shape {
   int64_t R, D;
 };
@@ -208,7 +215,7 @@ TEST_F(RmsNormCuda, ZeroCentredFormsOnePlusWInFp32) {
   // every y 1e-3 too small relative to ref. Each y's own rounding error is unbiased (std ~1.6e-3
   // relative), so over 16k elements the mean signed relative error is ~1e-5 when (1 + w) is formed
   // in fp32 and ~-1e-3 when it is not: a bias the L2 tolerance alone could not see.
-  // D = 1024: cuda.bulk's own backward (the forward is cuda.rowwise's in both).
+  // D = 1024: cuda.sm90_bulk's own backward (the forward is cuda.rowwise's in both).
   const int64_t R = 16, D = 1024;
   Inputs in = make_inputs(R, D, true, 7);
   std::vector<double> wv(static_cast<size_t>(D), 1e-3);
@@ -266,13 +273,21 @@ TEST_F(RmsNormCuda, BackwardAccumulatesDwAndIsDeterministic) {
 
 TEST_F(RmsNormCuda, UnalignedTensorsTakeTheScalarPath) {
   // D % 8 == 0 but x, y, dy, dx start 2 bytes past a 16-byte boundary; D = 1024 is a width
-  // cuda.bulk covers when aligned, so it is the alignment check that sends it to cuda.rowwise.
+  // cuda.sm90_bulk covers when aligned, so it is the alignment ("vec") that gives the class to
+  // cuda.rowwise: its table directly, then the op's entry points (the resolver's choice).
   const int64_t R = 9, D = 1024;
   Inputs in = make_inputs(R, D, false, 31);
   Ref ref = run_ref(in, false);
-  for (const std::string impl : kImpls) {
+  const ImplDesc* bulk = nullptr;
+  for (const ImplDesc* i : Registry::global().impls("rmsnorm", Backend::Cuda))
+    if (i->name == "cuda.sm90_bulk") bulk = i;
+  ASSERT_NE(bulk, nullptr);
+  EXPECT_NE(bulk->supports(class_query(D, false)), "") << "cuda.sm90_bulk takes unaligned rows";
+  EXPECT_EQ(bulk->supports(class_query(D, true)), "");
+  const RmsNormTable entry{rmsnorm_forward, rmsnorm_backward};
+  for (const std::string impl : {"cuda.rowwise", "entry points"}) {
     SCOPED_TRACE(impl);
-    const RmsNormTable& t = impl_table(impl);
+    const RmsNormTable& t = impl == "cuda.rowwise" ? impl_table(impl) : entry;
     Dev d = to_device(in);
     auto shifted = [&](const Tensor& src) {
       OwnedTensor buf = OwnedTensor::zeros(DType::BF16, {R * D + 8}, Device::CUDA);
@@ -294,7 +309,26 @@ TEST_F(RmsNormCuda, UnalignedTensorsTakeTheScalarPath) {
 }
 
 TEST_F(RmsNormCuda, ResolverChoosesCudaAndItPassesItsProbe) {
-  testing::expect_resolves_to_cuda("rmsnorm", kChosen, kTol, true, true);
+  // The production classes (hidden sizes 2048 and 4096, aligned rows): cuda.sm90_bulk.
+  testing::expect_resolves_to_cuda("rmsnorm", kChosen, kTol, true, true, class_query(4096, true));
+  testing::expect_resolves_to_cuda("rmsnorm", kChosen, kTol, true, true, class_query(2048, true));
+}
+
+TEST_F(RmsNormCuda, UnsupportedClassesResolveToRowwise) {
+  // Every class cuda.sm90_bulk's backward does not cover, the default one (no dims) included, goes
+  // to cuda.rowwise, with one line saying why cuda.sm90_bulk was skipped.
+  for (const OpQuery& q :
+       {OpQuery{Backend::Cuda, "", {}}, class_query(128, true), class_query(1000, false),
+        class_query(1024, false), class_query(12288, true)}) {
+    SCOPED_TRACE(q.shape_class);
+    const Resolution& r = Registry::global().resolve("rmsnorm", q);
+    ASSERT_NE(r.impl, nullptr);
+    EXPECT_EQ(r.impl->name, "cuda.rowwise");
+    EXPECT_LE(r.error.fwd, kTol.fwd);
+    EXPECT_LE(r.error.bwd, kTol.bwd);
+    ASSERT_EQ(r.rejected.size(), 1u);
+    EXPECT_NE(r.rejected[0].find("skipping cuda.sm90_bulk"), std::string::npos) << r.rejected[0];
+  }
 }
 
 // Deliberately wrong CUDA implementations, built from cuda.rowwise.
@@ -323,7 +357,8 @@ const RmsNormTable kWrongBwd{real_forward, wrong_backward};
 TEST_F(RmsNormCuda, ProbeRejectsWrongCudaKernels) {
   ASSERT_NE(real_cuda_table(), nullptr) << "cuda.rowwise is not registered";
   testing::expect_probe_rejects("rmsnorm", kChosen,
-                                {{"cuda.wrong_fwd", &kWrongFwd}, {"cuda.wrong_dw", &kWrongBwd}});
+                                {{"cuda.wrong_fwd", &kWrongFwd}, {"cuda.wrong_dw", &kWrongBwd}},
+                                class_query(4096, true));
 }
 
 TEST_F(RmsNormCuda, OpsRunOnCudaBackend) {
@@ -334,7 +369,8 @@ TEST_F(RmsNormCuda, OpsRunOnCudaBackend) {
               dy = convert(in.dy, DType::F32);
   testing::OpsRunOnCuda run("rmsnorm", {{"x", x.view()}, {"w", w.view()}, {"dy", dy.view()}}, true,
                             {{"zero_centred", 1}});
-  EXPECT_EQ(run.result().impl, kChosen);
+  // `ops run` resolves the op's default class (no dims): the implementation that takes any shape.
+  EXPECT_EQ(run.result().impl, "cuda.rowwise");
   testing::expect_close(run.load("y"), ref.y, kTol.fwd, "y (ops run)");
   testing::expect_close(run.load("rstd"), ref.rstd, kTol.fwd, "rstd (ops run)");
   testing::expect_close(run.load("dx"), ref.dx, kTol.bwd, "dx (ops run)");

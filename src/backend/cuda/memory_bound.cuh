@@ -114,9 +114,9 @@ __device__ __forceinline__ float row_sum_squares(const Pack<V> (&xc)[P], const b
 // pdl_wait (griddepcontrol.wait) returns once the primary grid has completed and its memory is
 // visible, and the primary's pdl_launch_dependents lets the dependent's blocks be created early
 // (without it they are created as the primary's blocks end). Without the launch attribute the wait
-// returns at once. Used by embedding cuda.v2* (the dW kernel after the ranks), by the norms' dw
-// sum (launch_column_sum_add_pdl), by the conv backward's dweight sum, and by the gated delta
-// rule's trailing output (which waits on the state pass's published chunk counts instead).
+// returns at once. Used by embedding cuda.ranked_windows (the dW kernel after the ranks), by the
+// norms' dw sum (launch_column_sum_add_pdl), by the conv backward's dweight sum, and by the gated
+// delta rule's trailing output (which waits on the state pass's published chunk counts instead).
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -183,14 +183,13 @@ void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t s
   launch_pdl_smem(kernel, grid, block, 0, s, std::forward<Args>(args)...);
 }
 
-// The norm backwards' dw sum (rmsnorm cuda.bulkp2, gated_rmsnorm cuda.rowwise_pf) as a
+// The norm backwards' dw sum (rmsnorm cuda.sm90_bulk, gated_rmsnorm cuda.rowwise_prefetch) as a
 // programmatic dependent of the kernel that wrote the partials, on `s`: its blocks sit on the
 // multiprocessors the main kernel's blocks have left and start the moment the last one ends,
-// instead of after a drain and a launch (0-2 µs of a ~62 µs backward in helper mem7's
-// same-process A/B on the H200, session 6). 32 slices a column (1024 threads a block): about 4
-// loads a thread at P = 132, all issued before their first use. The main kernel should call
-// pdl_launch_dependents() early.
-// (A template only so that a unit instantiates the kernel when it calls this.)
+// instead of after a drain and a launch (measured: docs/PERF.md). 32 slices a column (1024 threads
+// a block): about 4 loads a thread at P = 132, all issued before their first use. The main kernel
+// should call pdl_launch_dependents() early. (A template only so that a unit instantiates the
+// kernel when it calls this.)
 template <int kSlices = 32>
 void launch_column_sum_add_pdl(const float* partial, float* out, int P, int D, cudaStream_t s) {
   float* no_second_plane = nullptr;

@@ -54,7 +54,7 @@ constexpr int kGroups = 4;                                  // 16-byte groups pe
 constexpr int64_t kUnit = int64_t{kThreads} * kGroups * 4;  // elements per block: 4096
 // grad_sumsq: units of 32768 elements, walked in steps of kSumStep = 8192 (kSumG 16-byte loads per
 // thread a step). A read-only stream needs more bytes per block than the step's 4096 elements
-// to amortise a block's start and its reduction (PERF.md run 11).
+// to amortise a block's start and its reduction (measured: docs/PERF.md).
 constexpr int kSumG = 8;
 constexpr int64_t kSumStep = int64_t{kThreads} * kSumG * 4;  // 8192
 constexpr int64_t kSumUnit = 4 * kSumStep;                   // 32768
@@ -104,7 +104,7 @@ struct AdamWScalars {
 // to nearest (__f*_rn), so nvcc cannot contract a multiply-add. With plain operators it contracted
 // them differently in the 16-byte and per-element paths and in the F32 and split instantiations of
 // adamw_unit (last-bit differences; after the split path's loads were reordered the probe's split
-// twins no longer matched their F32 masters: docs/PERF.md run 19). Memory-bound: the extra
+// twins no longer matched their F32 masters: docs/PERF.md). Memory-bound: the extra
 // instructions cost nothing measurable.
 __device__ __forceinline__ void adamw_elem(float& p, float g, float& m, float& v,
                                            const AdamWScalars& sc, float df) {
@@ -139,8 +139,7 @@ __device__ __forceinline__ void split2(float a, float b, uint32_t& hi, uint32_t&
 // master (lo [n] int16, hi [n] bf16: the copy is the high half).
 // load4 returns the raw 16-byte group and value4 turns it into the four fp32 values: the unit
 // issues every load of a thread before the first value4 (a join right after its own load stalled
-// the warp there, one group in flight, in the split path's SASS: adamw.step_split at 0.71 of copy
-// against the F32 step's 0.94, docs/PERF.md run 18; the reordered version has not run yet).
+// the warp there, one group in flight, in the split path's SASS; measured: docs/PERF.md).
 struct F32Master {
   using Raw = float4;
   float* p;    // [n]

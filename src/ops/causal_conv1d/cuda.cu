@@ -45,8 +45,8 @@
 // plus the halo rows (W-1 per 64 tokens, mostly L2 hits) and the partials (G (W+1) C fp32).
 //
 // The small kernels (final_state, dinitial_state, the dweight second pass) and the sigmoid live in
-// cuda_state.cuh, shared with cuda_v2.cu ("cuda.v2", priority 20, which runs this implementation
-// for the calls it does not cover).
+// cuda_state.cuh, shared with cuda_sliding_window.cu ("cuda.sliding_window", the default in the
+// shape classes it covers; the resolver gives every other class to this implementation).
 #include <algorithm>
 #include <climits>
 #include <cstdint>

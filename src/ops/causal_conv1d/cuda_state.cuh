@@ -1,9 +1,9 @@
-// Pieces shared by the causal conv1d CUDA implementations (cuda.cu "cuda.tiled" and cuda_v2.cu
-// "cuda.v2"): the fp32 sigmoid both use (so their SiLU values agree), the small kernels over
-// (document, channel) for the states plus the deterministic second pass of the dweight / dbias
-// reduction, and the host-side helpers (tensor pointers, the width dispatch, the common shape
-// checks). Included by those two translation units only; each gets its own copy (unnamed
-// namespace), so the kernels need no exported symbols.
+// Pieces shared by the causal conv1d CUDA implementations (cuda.cu "cuda.tiled" and
+// cuda_sliding_window.cu "cuda.sliding_window"): the fp32 sigmoid both use (so their SiLU values
+// agree), the small kernels over (document, channel) for the states plus the deterministic second
+// pass of the dweight / dbias reduction, and the host-side helpers (tensor pointers, the width
+// dispatch, the common shape checks). Included by those two translation units only; each gets its
+// own copy (unnamed namespace), so the kernels need no exported symbols.
 #pragma once
 
 #include <algorithm>

@@ -1,6 +1,7 @@
 // The sort input shared by the embedding CUDA implementations (cuda.cu "cuda.sorted_windows" and
-// cuda_v2.cu "cuda.v2"): one (key, token) pair per token, invalid ids keyed to the vocabulary size
-// so they sort last. Included by those two translation units only (unnamed namespace).
+// cuda_ranked_windows.cu "cuda.ranked_windows"): one (key, token) pair per token, invalid ids keyed
+// to the vocabulary size so they sort last. Included by those two translation units only (unnamed
+// namespace).
 #pragma once
 
 #include <cstdint>

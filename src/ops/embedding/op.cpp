@@ -65,10 +65,11 @@ void validate_bwd(const EmbeddingBwd& a) {
 }
 
 // The shape class (`rows`: w or dy, [*, D]): the width D (the CUDA gather's 8-wide packs need D % 8
-// == 0, cuda.v2's dW 4-wide groups D % 4 == 0, and D sets the column chunks), whether the rows
-// allow 16-byte vectors (w and y; dy and dW), whether the caller passes a plan (cuda.v2*: the
-// forward ranks the ids on a side stream and the backward reads that ranking instead of ranking
-// again; the model passes one on cuda) and whether the ids are I64 (else I32).
+// == 0, cuda.ranked_windows' dW 4-wide groups D % 4 == 0, and D sets the column chunks), whether
+// the rows allow 16-byte vectors (w and y; dy and dW), whether the caller passes a plan
+// (cuda.ranked_windows: the forward ranks the ids on a side stream and the backward reads that
+// ranking instead of ranking again; the model passes one on cuda) and whether the ids are I64 (else
+// I32).
 ShapeClass class_of(const Tensor& rows, const Tensor& ids, bool vec, const Tensor& plan) {
   return ShapeClass(infer_backend(rows))
       .dim("D", rows.size(1))

@@ -10,13 +10,14 @@
 // Device ids are not read back (that would synchronise): the cuda kernels never access memory out
 // of bounds whatever the ids hold; forward writes a row of NaN for an id outside [0, V) (the loss
 // turns NaN and the trainer stops there) and backward drops that token's gradient.
-// Forward saves nothing the backward needs besides ids. Optionally (`plan`, cuda.v2* only) the
+// Forward saves nothing the backward needs besides ids. Optionally (`plan`, cuda.ranked_windows
+// only) the
 // forward also ranks the ids for the backward, concurrently with its gather (a side stream joined
 // before it returns), so that the backward's sort of the ids is off the backward's critical path:
 //   plan: I32 [embedding_plan_numel(T, D)] on the ids' device: the (id, t) pairs in stable sorted
 //         order, each 16-position window's segment bounds and zeroed combine counters (layout:
-//         EmbeddingPlanLayout). Written (=) by the forward of cuda.v2, cuda.v2r, cuda.v2ry and
-//         cuda.v2re; read by their backward (which leaves the counters zeroed again, so a plan
+//         EmbeddingPlanLayout). Written (=) by the forward of cuda.ranked_windows; read by its
+//         backward (which leaves the counters zeroed again, so a plan
 //         serves any number of backwards), which then runs no sort. The backward's result is
 //         bitwise the same with or without a plan. Other implementations (ref, cpu,
 //         cuda.sorted_windows) neither write nor read it. A plan is valid for the ids and the D
@@ -30,9 +31,8 @@
 // cuda: a stable radix sort of (id, t) pairs, then fixed windows of the sorted positions summed in
 // t order, windows combined in window order (src/ops/embedding/cuda.cu): the order depends on the
 // ids alone, bitwise reproducible, no float atomics; it may differ from the ascending-t serial
-// order in rounding. cuda.v2 and cuda.v2r (src/ops/embedding/cuda_v2.cu; bitwise equal to each
-// other: the ranks are exact either way) have the same order semantics with
-// 16-position windows: the sorted positions come from exact
+// order in rounding. cuda.ranked_windows (src/ops/embedding/cuda_ranked_windows.cu) has the same
+// order semantics with 16-position windows: the sorted positions come from exact
 // ranks, and a spanning segment is combined by whichever of its windows' blocks finishes last,
 // still in window order.
 #pragma once

@@ -1,22 +1,20 @@
 // Gated attention on CUDA (op.h has the contract): bf16 qg/k/v/weights/outputs, fp32 lse, rstd and
 // norm-weight gradients, fp32 arithmetic, tensor-core (bf16 -> fp32) attention.
 //
-// The implementations share this host side and the row kernels and differ in the three attention
-// kernels (fwd, dk/dv, dq), which compute the same things with the same tiles of work and, on an
-// H200, the same bits (HGMMA and HMMA round alike and the products accumulate in the same order):
-//   cuda.tma_all (priority 39, Hopper): the default: every attention kernel warp-specialized, a
-//              producer warpgroup bringing the tiles in with TMA into slots guarded by full / empty
+// The two implementations share this host side and the row kernels and differ in the three
+// attention kernels (fwd, dk/dv, dq), which compute the same things with the same tiles of work
+// and, on an H200, the same bits (HGMMA and HMMA round alike and the products accumulate in the
+// same order):
+//   cuda.sm90_tma (priority 39, Hopper): the default: warpgroup MMAs (wgmma) on 128-byte-swizzled
+//              tiles (sm90_pipe.cuh), every attention kernel warp-specialized, a producer
+//              warpgroup bringing the tiles in with TMA into slots guarded by full / empty
 //              mbarriers and the two consumer warpgroups never meeting at a block barrier
-//              (sm90_tma.cuh; FlashAttention-3's design) around cuda.pipe_xi's products;
-//   cuda.tma_kv  (38): the TMA forward and dk/dv, cuda.pipe_xi's dq (kept for A/B);
-//   cuda.pipe_xi (35, Hopper): warpgroup MMAs (wgmma) on 128-byte-swizzled tiles with the tile
-//              products overlapped, sm90_pipe.cuh, cp.async by every thread and block barriers, the
-//              dk/dv kernel pipelined across its items;
-//   cuda.tma     (33): the TMA forward, cuda.pipe_xi's backward (kept for A/B);
-//   cuda.pipe    (30, Hopper): cuda.pipe_xi with the dk/dv kernel one item at a time;
-//   cuda.flash   (10, any sm_80+): mma.sync m16n8k16 with ldmatrix, cuda_fwd.cuh / cuda_bwd.cuh.
+//              (sm90_tma.cuh; FlashAttention-3's design);
+//   cuda.flash    (10, any sm_80+): mma.sync m16n8k16 with ldmatrix, cuda_fwd.cuh / cuda_bwd.cuh.
 // The resolver takes the first that the device supports and that passes the probe, so a Hopper
-// kernel that went wrong falls back to the mma.sync one.
+// kernel that went wrong falls back to the mma.sync one. (The cp.async wgmma kernels and the
+// partly-TMA sets between them, cuda.pipe, cuda.pipe_xi, cuda.tma and cuda.tma_kv, measured slower:
+// docs/PERF.md.)
 //
 // Forward, three launches on the context stream:
 //   1. attn_tile_index_kernel (one block): per-document prefix sums of the query / key tile
@@ -57,29 +55,20 @@
 // [T, Hq, hd] bf16, dq_hat [T, Hq, hd] and dk_hat [T, Hkv, hd] fp32 and the weight-grad partials
 // (ceil(T / kRowTokens) x 2hd fp32).
 //
-// Where the time goes (H200, T = 8192 as one document, 16 / 4 heads x 256; measured with
-// bench/cuda_bench_attn_kernels --iters 10, branch attn8, one process): cuda.pipe_xi forward
-// 1.34 ms = prologue 0.07 + attention 1.27 (435 TFLOP/s); backward 4.66 ms = preprocess 0.09 +
-// dk/dv 3.04 (362) + dq 1.39 (595) + epilogue 0.13 + the rest 0.01; forward + backward 5.99 ms.
-// The TMA producer warpgroup and mbarriers (sm90_tma.cuh, cuda.tma_all) took the attention
-// forward to 0.99 ms (553 TFLOP/s), dk/dv to 2.22 ms (496) and dq to 1.05 ms (783), bit-identical:
-// forward + backward 4.56 ms (four documents of 2048: 2.00 -> 1.65 ms). torch SDPA in the same
-// machine session: 4.54 / 1.55 ms forward + backward (cuda_bench_ops --peers; with cuda.tma_kv, the
-// TMA forward and dk/dv only, that bench measured 5.115 ms against SDPA's 4.738 in one process,
-// 1.08x, four documents 1.729 vs 1.568, 1.10x, from 1.31x / 1.29x with cuda.pipe_xi; merged, with
-// cuda.tma_all, docs/PERF.md run 18: 4.812 vs 4.597 ms, 1.047x, and 1.643 vs 1.546, 1.063x). In the
-// cp.async kernels a third of dk/dv's stall cycles were at the two block barriers per item (Nsight
-// Compute; 30% L2, 39% SM): every thread spent issue slots and registers on copies, and the
-// warpgroups waited for each other at every step. What remains, in order of size:
+// Where the time goes (H200, T = 8192 as one document, 16 / 4 heads x 256; the per-kernel split
+// and the comparison with torch SDPA are measured in docs/PERF.md with
+// bench/cuda_bench_attn_kernels and cuda_bench_ops --peers). The TMA producer warpgroup and
+// mbarriers (sm90_tma.cuh) replaced cp.async kernels in which a third of dk/dv's stall cycles were
+// at the two block barriers per item: every thread spent issue slots and registers on copies, and
+// the warpgroups waited for each other at every step. What remains, in order of size:
 //   - dk/dv re-reads Q and dA from L2 once per key tile (64 KB per 8.4 MFLOP): a cluster of two key
 //     tiles sharing Q / dA by TMA multicast is the next step;
-//   - the forward (553 TFLOP/s; SDPA 617): FlashAttention-3's ping-pong of the two consumer
+//   - the forward (below SDPA's rate): FlashAttention-3's ping-pong of the two consumer
 //     warpgroups (one's softmax under the other's products) is not done;
-//   - the row kernels (branch attn7, H200 with cuda_bench_attn_kernels --iters 10): epilogue
-//     0.130 ms (was 0.33; 0.61 of copy), prologue 0.065 (was 0.11; 0.61), preprocess 0.084 (now
-//     also the gate gradient; 0.94). Fusing the query rows' epilogue into the dq kernel (dq_hat
-//     staged through shared memory, RoPE from a table) was tried: epilogue -0.094 ms but dq
-//     +0.150 ms (the epilogue runs at one block per SM with nothing to overlap it), so dropped;
+//   - the row kernels (epilogue and prologue near 0.6 of copy). Fusing the query rows' epilogue
+//     into the dq kernel (dq_hat staged through shared memory, RoPE from a table) was tried and
+//     lost more in dq than it saved (the epilogue runs at one block per SM with nothing to overlap
+//     it), so dropped;
 //   - documents are ordered by their tile index, not by work, so with several documents the
 //     longest tiles do not all start first.
 #include <algorithm>
@@ -369,16 +358,8 @@ void backward_with(const GatedAttentionBwd& a, const attn::AttnKernels& kernels,
 
 // The kernel sets, one per implementation: forward, dq and dk/dv launchers.
 constexpr attn::AttnKernels kMmaSync{attn::launch_fwd, attn::launch_bwd_dq, attn::launch_bwd_dkdv};
-constexpr attn::AttnKernels kPipe{attn::launch_fwd_pipe, attn::launch_bwd_dq_pipe,
-                                  attn::launch_bwd_dkdv_pipe};
-constexpr attn::AttnKernels kPipeXi{attn::launch_fwd_pipe, attn::launch_bwd_dq_pipe,
-                                    attn::launch_bwd_dkdv_xi};
-constexpr attn::AttnKernels kTma{attn::launch_fwd_tma, attn::launch_bwd_dq_pipe,
-                                 attn::launch_bwd_dkdv_xi};
-constexpr attn::AttnKernels kTmaKv{attn::launch_fwd_tma, attn::launch_bwd_dq_pipe,
-                                   attn::launch_bwd_dkdv_tma};
-constexpr attn::AttnKernels kTmaAll{attn::launch_fwd_tma, attn::launch_bwd_dq_tma,
-                                    attn::launch_bwd_dkdv_tma};
+constexpr attn::AttnKernels kSm90Tma{attn::launch_fwd_tma, attn::launch_bwd_dq_tma,
+                                     attn::launch_bwd_dkdv_tma};
 
 // The op table of kernel set K: the one host side above over K's kernels.
 template <const attn::AttnKernels& K>
@@ -386,12 +367,10 @@ constexpr GatedAttentionTable table_of() {
   return {[](const GatedAttentionFwd& a) { forward_with(a, K); },
           [](const GatedAttentionBwd& a) { backward_with(a, K); }};
 }
-const GatedAttentionTable kTables[] = {table_of<kMmaSync>(), table_of<kPipe>(),
-                                       table_of<kPipeXi>(),  table_of<kTma>(),
-                                       table_of<kTmaKv>(),   table_of<kTmaAll>()};
+const GatedAttentionTable kTables[] = {table_of<kMmaSync>(), table_of<kSm90Tma>()};
 
-// The implementations: the Hopper ones (wgmma) by priority, "cuda.flash" the fallback the
-// resolver takes when none of them can run or passes its probe.
+// The implementations: the Hopper one (wgmma) first, "cuda.flash" the fallback the resolver takes
+// when it cannot run or does not pass its probe.
 struct Variant {
   const char* name;
   int priority;
@@ -400,11 +379,7 @@ struct Variant {
   const GatedAttentionTable* table;
 };
 const Variant kVariants[] = {{"cuda.flash", 10, false, &kMmaSync, &kTables[0]},
-                             {"cuda.pipe", 30, true, &kPipe, &kTables[1]},
-                             {"cuda.pipe_xi", 35, true, &kPipeXi, &kTables[2]},
-                             {"cuda.tma", 33, true, &kTma, &kTables[3]},
-                             {"cuda.tma_kv", 38, true, &kTmaKv, &kTables[4]},
-                             {"cuda.tma_all", 39, true, &kTmaAll, &kTables[5]}};
+                             {"cuda.sm90_tma", 39, true, &kSm90Tma, &kTables[1]}};
 
 const attn::AttnKernels& kernels_of(std::string_view impl) {
   for (const Variant& v : kVariants)

@@ -1,7 +1,7 @@
 // Host launchers of the gated-attention attention kernels, defined in cuda_fwd.cu, cuda_bwd.cu
-// (mma.sync) and sm90_pipe_{fwd,dq,dkdv}.cu (wgmma), kept in their own translation units: the
-// three head-dim instantiations of each are the slow part of the build. `hd_class` is the kernels'
-// padded head dim: 64, 128 or 256.
+// (mma.sync) and sm90_tma_{fwd,dq,dkdv}.cu (wgmma with TMA), kept in their own translation units:
+// the three head-dim instantiations of each are the slow part of the build. `hd_class` is the
+// kernels' padded head dim: 64, 128 or 256.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -17,11 +17,6 @@ void launch_fwd(const FwdParams& p, int hd_class, unsigned blocks, cudaStream_t 
 void launch_bwd_dq(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
 void launch_bwd_dkdv(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
 
-void launch_fwd_pipe(const FwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
-void launch_bwd_dq_pipe(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
-void launch_bwd_dkdv_pipe(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
-// The dk/dv kernel pipelined across items (sm90_pipe.cuh, XI).
-void launch_bwd_dkdv_xi(const BwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
 // The forward with a TMA producer warp and mbarriers (sm90_tma.cuh).
 void launch_fwd_tma(const FwdParams& p, int hd_class, unsigned blocks, cudaStream_t stream);
 // The dk/dv kernel with a TMA producer warp and mbarriers (sm90_tma.cuh).

@@ -1,5 +1,5 @@
-// The launcher shared by the attention kernels' translation units (cuda_fwd.cu, cuda_bwd.cu,
-// sm90_pipe_{fwd,dq,dkdv}.cu, and sm90_tma_{fwd,dq,dkdv}.cu through sm90_tma_host.cuh): instantiate
+// The launcher shared by the attention kernels' translation units (cuda_fwd.cu, cuda_bwd.cu, and
+// sm90_tma_{fwd,dq,dkdv}.cu through sm90_tma_host.cuh): instantiate
 // a kernel template for the head-dim classes 64, 128 and 256 and launch the instantiation asked
 // for. Included by those units only.
 #pragma once

@@ -1,12 +1,12 @@
-// Gated attention on Hopper, "cuda.tma" / "cuda.tma_kv" / "cuda.tma_all": the three attention
-// kernels of sm90_pipe.cuh (forward, dk/dv, dq) with their tiles brought in by a producer warp
+// Gated attention on Hopper, "cuda.sm90_tma": the three attention kernels (forward, dk/dv, dq) on
+// the wgmma products of sm90_pipe.cuh, with their tiles brought in by a producer warp
 // through TMA (cp.async.bulk.tensor) into slots guarded by mbarriers, FlashAttention-3's warp
 // specialization (Shah et al. 2024, §3.1; the roles and the full / empty barrier pairs follow
 // CUTLASS's PipelineTmaAsync, include/cutlass/pipeline/sm90_pipeline.hpp, read, not copied). The
 // two consumer warpgroups never meet at a block barrier: each waits on the "full" mbarrier of the
 // tile it needs and signals the "empty" one of a tile it has finished reading, so they drift
 // freely, and no consumer thread spends issue slots or registers on copies. The products, masking,
-// order of accumulation and epilogues are sm90_pipe.cuh's, line for line.
+// order of accumulation and epilogues are sm90_pipe.cuh's.
 //
 // TMA and the wgmma tiles: a tensor map over [T, H, hd] (dims {hd, H, T}, box {64, 1, R},
 // CU_TENSOR_MAP_SWIZZLE_128B) writes R rows of 128 bytes with the 16-byte chunk j of row r at
@@ -16,7 +16,7 @@
 // zero-filled by the TMA unit; rows past a document's end but inside T are the next document's
 // (a tensor map cannot end at a document): keys there are masked by the causal mask (key > every
 // query of the document), so their P is exactly 0 and P·V adds exact zeros, and query rows there
-// are computed but never written. Every output row is therefore bit-identical to cuda.pipe_xi's
+// are computed but never written. Every output row is therefore bit-identical to cuda.flash's
 // (same products in the same order; the tests and bench/cuda_bench_attn_kernels check it).
 #pragma once
 
@@ -113,14 +113,14 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 }
 
 template <int HD>
-constexpr size_t fwd_tma_smem_bytes() {  // the cuda.pipe tiles + 9 mbarriers
+constexpr size_t fwd_tma_smem_bytes() {  // the sm90_pipe.cuh tiles + 9 mbarriers
   return fwd_pipe_smem_bytes<HD>() + 9 * sizeof(uint64_t);
 }
 static_assert(fwd_tma_smem_bytes<256>() <= 227 * 1024, "forward (TMA) shared memory");
 
-// Forward, warp-specialized. Same block-to-tile map, products, order of accumulation, masking
-// and epilogue as attn_fwd_pipe_kernel (sm90_pipe.cuh); what differs is who loads and how the
-// tiles are handed over:
+// Forward, warp-specialized. Block-to-tile map, products (fwd_tile_products, online_softmax_tile),
+// order of accumulation, masking and epilogue as the mma.sync forward's (cuda_fwd.cuh); what
+// differs is who loads and how the tiles are handed over:
 //   producer (warp 8, one lane; warps 9-11 only give their registers up): Q, K_0, then per step i:
 //   K_{i+1} into slot (i+1) % 2 once the
 //     consumers released K_{i-1}, V_i into slot i % 2 once they released V_{i-2};
@@ -214,7 +214,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     float alpha[2];
     online_softmax_tile<BN>(x, p.scale_log2, k0 + BN - 1 > q0, k0, c, t0, t1, m_run, l_run, alpha);
 
-    wgmma_wait<0>();  // O += P_{jt-1} V_{jt-1} is done (unconditional: see sm90_pipe.cuh)
+    // O += P_{jt-1} V_{jt-1} is done. Unconditional (a no-op at jt = 0): behind `if (jt > 0)`
+    // ptxas cannot tell that no group is pending on the other path and serializes every wgmma of
+    // the kernel (C7513).
+    wgmma_wait<0>();
     reg_fence(acc);
     reg_fence_u(pa);
     if (jt > 0 && lane == 0) mbar_arrive(empty_v + ((jt + 1) & 1));  // done with V_{jt-1}
@@ -230,7 +233,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         acc, pa, reinterpret_cast<const unsigned char*>(sV + ((nk - 1) & 1) * BN * HD));
   }
 
-  // Epilogue: normalise, gate, write the rows inside the document (attn_fwd_pipe_kernel's).
+  // Epilogue: normalise, gate, write the rows inside the document.
   fwd_epilogue<HD>(
       p, [&](int nt, int e) { return acc[4 * nt + e]; }, m_run, l_run, t0, t1, q_end, h, c);
 }
@@ -248,13 +251,15 @@ constexpr size_t dkdv_tma_smem_bytes() {  // K, V; Q, dA [2]; Pᵀ fp32 [2][64 x
 }
 static_assert(dkdv_tma_smem_bytes<256>() <= 227 * 1024, "dk/dv (TMA) shared memory");
 
-// dk/dv, warp-specialized: attn_bwd_dkdv_pipe_kernel<HD, true> (sm90_pipe.cuh: items, products,
-// Pᵀ hand-over, cross-item overlap, epilogue, all unchanged) with the producer warp loading
+// dk/dv, warp-specialized: the items of cuda_bwd.cuh's dk/dv kernel, with sm90_pipe.cuh's products
+// (dkdv_first/second_product), Pᵀ hand-over and epilogue, each warpgroup issuing the first product
+// of item it+1 before it waits for the second of item it (FlashAttention-3's intra-warpgroup
+// overlap, Shah et al. 2024, §3.2, across items), with the producer warp loading
 // K and V once and, per item, Q and dA (TMA) and lse · log2e and D (all 32 lanes, plain loads) into
-// slot it % 2, and the block barriers B1 / B2 replaced by mbarriers: each consumer warp waits for
+// slot it % 2, and mbarriers in place of block barriers: each consumer warp waits for
 // the "full" barrier of item it+1 before its first product and arrives on the "empty" barrier of
 // item it's slot once its second product of item it is done. The slot turns over only when all
-// eight warps are past item it, which also orders what B1 used to: Pᵀ is double-buffered by item
+// eight warps are past item it, which also orders the Pᵀ hand-over: Pᵀ is double-buffered by item
 // parity (sP[it % 2], named barrier 1 + it % 2), and warpgroup 0 rewrites sP[it % 2] for item it+2
 // only after that item's tiles arrived, i.e. after warpgroup 1 released item it, whose Pᵀ it read
 // before its second product.
@@ -389,14 +394,15 @@ struct DqMaps {
 };
 
 template <int HD>
-constexpr size_t dq_tma_smem_bytes() {  // the cuda.pipe tiles + 7 mbarriers
+constexpr size_t dq_tma_smem_bytes() {  // the sm90_pipe.cuh tiles + 7 mbarriers
   return dq_pipe_smem_bytes<HD>() + 7 * sizeof(uint64_t);
 }
 static_assert(dq_tma_smem_bytes<256>() <= 227 * 1024, "dq (TMA) shared memory");
 
-// dq, warp-specialized: attn_bwd_dq_pipe_kernel (sm90_pipe.cuh: products, masking, order of
-// accumulation, epilogue unchanged) with the producer warp loading Q and dA once, K_j into slot
-// j % 2 and V_j into the one V slot, and mbarriers in place of the block barriers:
+// dq, warp-specialized: cuda_bwd.cuh's dq kernel on sm90_pipe.cuh's products (dq_tile_update;
+// masking, order of accumulation, epilogue unchanged) at 64 keys a step, with the producer warp
+// loading Q and dA once, K_j into slot j % 2 and V_j into the one V slot, and mbarriers in place of
+// the block barriers:
 //   producer (warp 8, one lane): Q, dA, K_0, V_0, then per step i: K_{i+1} once the consumers
 //     released K_{i-1}, V_{i+1} once they released V_i;
 //   consumers, step jt: wait K_jt, S = Q K_jtᵀ; wait V_jt, dP = dA V_jtᵀ; both done: release V_jt;

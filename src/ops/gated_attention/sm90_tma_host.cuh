@@ -24,7 +24,7 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
     GDN_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000,
                                                     cudaEnableDefault, &status));
     GDN_CHECK(status == cudaDriverEntryPointSuccess && f != nullptr,
-              "gated_attention (cuda.tma): the driver has no cuTensorMapEncodeTiled");
+              "gated_attention (cuda.sm90_tma): the driver has no cuTensorMapEncodeTiled");
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
   }();
   return fn;
@@ -45,10 +45,11 @@ CUtensorMap head_map(const bf16_t* base, int T, int heads, int hd, int rows, int
       &m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16_t*>(base), dims, strides, box,
       elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  GDN_CHECK(r == CUDA_SUCCESS,
-            "gated_attention (cuda.tma): cuTensorMapEncodeTiled failed ({}) for T = {}, {} heads "
-            "x {}",
-            static_cast<int>(r), T, heads, hd);
+  GDN_CHECK(
+      r == CUDA_SUCCESS,
+      "gated_attention (cuda.sm90_tma): cuTensorMapEncodeTiled failed ({}) for T = {}, {} heads "
+      "x {}",
+      static_cast<int>(r), T, heads, hd);
   return m;
 }
 

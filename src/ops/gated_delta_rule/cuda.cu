@@ -9,8 +9,8 @@
 //   backward: [index] [l2norm] prep (+ T) and dvloc (one grid) -> state_fwd -> state_bwd (dHt,
 //             dVt, dh0) -> dqkw (dq, dk summed over a key head's value heads, dW, dg part) ->
 //             wy (dv, dbeta, dg, dk +=) -> l2norm backward (dq, dk)
-// generic (cuda_kernels.h; any dims up to 256, unaligned tensors; every shape with
-//   GDN_GDR_GENERIC=1): WMMA kernels
+// generic (cuda_kernels.h, "cuda.chunk64_generic"; any dims up to 256, unaligned tensors; every
+//   shape with GDN_OP_GATED_DELTA_RULE=cuda.chunk64_generic): WMMA kernels
 //   forward:  [index] [l2norm] prep (W, U) -> state_fwd (H, V', hT) -> output (o)
 //   backward: [index] [l2norm] prep -> state_fwd -> dvloc -> state_bwd (dH, dV', dh0) -> dqk
 //             (dq_h, dk_h, dg part) -> wy (dv, dbeta, dg, dk_h +=) -> reduce (dq, dk)
@@ -260,7 +260,7 @@ FastFwd run_fast_fwd(const gdr::Dims& d, const FastFwdScratch& f, char* base, co
 }
 
 // `saved`'s W, T and gamma from the fast route's prep (no U), for the forwards whose own chain
-// does not leave them there (the generic and the fused routes), where a fast backward could read
+// does not leave them there (the generic route), where a fast backward could read
 // them (op.h).
 void save_factors(const gdr::Dims& d, const Prologue& p, const GatedDeltaRuleFwd& a,
                   const Saved& sv, cudaStream_t s) {
@@ -451,70 +451,16 @@ std::string supports_fast(const OpQuery& q) {
   return "";
 }
 
-// --- the fused forward route (GDN_FUSED_FWD=1)
-// ------------------------------------------------------------------------
-// Why this GPU cannot run the fused forward at these head dims ("" when it can): mma.sync on bf16
-// and cp.async need compute capability 8.0, and the kernel's shared memory (about 172 KiB at
-// dk = 128) must fit the device's per-block limit (an A100's 163 KiB does not at dk = 128).
-std::string fused_unsupported_on_device(int KP) {
-  const cudaDeviceProp& p = cuda::Context::get().props();
-  if (p.major < 8)
-    return fmt::format(
-        "the fused forward needs compute capability 8.0 (bf16 mma.sync, cp.async); this GPU is "
-        "{}.{}",
-        p.major, p.minor);
-  gdr::Dims d{};
-  d.KP = KP;
-  const size_t smem = gdr::fused_fwd_smem(d);
-  if (smem > p.sharedMemPerBlockOptin)
-    return fmt::format(
-        "the fused forward needs {} bytes of shared memory per block at dk = {}; this GPU allows "
-        "{}",
-        smem, KP, p.sharedMemPerBlockOptin);
-  return "";
-}
-
-// The resolver's capability check: the fast route's classes, on a device that runs the kernel.
-std::string supports_fused(const OpQuery& q) {
-  if (std::string why = supports_fast(q); !why.empty()) return why;
-  return fused_unsupported_on_device(gdr::pad16(static_cast<int>(q.dim("dk", 128))));
-}
-
-// One call of the fused route, for the classes supports_fused accepts.
-void forward_fused(const GatedDeltaRuleFwd& a) {
-  const gdr::Dims d = fwd_dims(a);
-  GDN_CHECK(gdr::fused_path(d),
-            "gated_delta_rule (cuda.fused_fwd): a call outside its shape class (dk = {}, dv = {})",
-            d.dk, d.dv);
-  cuda::Context& ctx = cuda::Context::get();
-  const Saved sv = saved_view(a.saved, d);
-  ScratchPlan sp;
-  const PrologueScratch ps = plan_prologue(sp, d);
-  char* base = static_cast<char*>(ctx.scratch(sp.total()));
-  cudaStream_t s = ctx.stream();
-  const Prologue p = run_prologue(d, ps, base, a.q, a.k, a.cu_seqlens, s);
-  gdr::fused_fwd(d, p.ix, p.qn, p.kn, bf(a.v), a.g.ptr<float>(), a.beta.ptr<float>(),
-                 f32_or_null(a.h0), bf_out(a.o), f32_out_or_null(a.hT), sv.Ht, sv.Vt, s);
-  // The fused kernel keeps its T and W on chip; the fast prep writes `saved`'s (op.h).
-  if (sv) save_factors(d, p, a, sv, s);
-}
-
-// The same backward: both forwards save the same tensors (op.h), so it does not depend on the
-// route.
-const GatedDeltaRuleTable kFusedTable{forward_fused, backward};
-
 }  // namespace
 
-// Three candidates per shape class (op.h): the fast route, the generic one (any class, and the
-// fallback when the fast one fails its probe), and the fused forward, below both (GDN_OP_ picks
-// it).
+// Two candidates per shape class (op.h): the fast route, and the generic one (any class, and the
+// fallback when the fast one fails its probe). The fused forward (one kernel per document and
+// value head over all its chunks) measured slower and is gone (docs/PERF.md).
 GDN_REGISTER(gated_delta_rule_cuda) {
   Registry::global().add_impl(
       {"gated_delta_rule", "cuda.chunk64", Backend::Cuda, 20, supports_fast, &kTable});
   Registry::global().add_impl(
       {"gated_delta_rule", "cuda.chunk64_generic", Backend::Cuda, 10, nullptr, &kGenericTable});
-  Registry::global().add_impl(
-      {"gated_delta_rule", "cuda.fused_fwd", Backend::Cuda, 5, supports_fused, &kFusedTable});
 }
 
 }  // namespace gdn::ops

@@ -62,7 +62,7 @@ void gdr_set_state_split(int ks);
 int gdr_state_split_for(int64_t N, int64_t Hv, int64_t dv);
 // Whether the fast route's forward runs its output beside the state pass (cuda_fast.h:
 // fast_state_output) for a batch of T tokens in N documents with these heads and head dims (dk, dv
-// multiples of 8 up to 128), under the current knobs (GDN_GDR_TRAIL, the split override).
+// multiples of 8 up to 128), under the split override (gdr_set_state_split).
 bool gdr_trailing_output_for(int64_t T, int64_t N, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv);
 
 }  // namespace gdn::ops

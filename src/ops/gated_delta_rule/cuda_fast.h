@@ -57,10 +57,9 @@ constexpr size_t state_red_bytes(int ks) {
 // its deepest ring. Automatic: 16 value columns per block when ks > 1 and twice blocks32 still fits
 // the SMs (else 32); the deepest ring (ns_max, then fewer) that keeps all of the grid's blocks
 // resident at once, then snapshots through shared memory (ks > 1, whole-row pieces: KP / 8 divides
-// 32) and dV'_loc through the ring as long as they fit too; the dk partials summed scattered over
-// the warps. GDN_GDR_STATE_STAGES / _COLS / _SNAP / _EXCHANGE force one choice (A/B; every choice
-// gives bitwise the same results). leave: shared memory per SM to keep free for a block of another
-// kernel running beside the pass (the trailing output, fast_state_output).
+// 32) and dV'_loc through the ring as long as they fit too (every choice gives bitwise the same
+// results; the others measured slower: docs/PERF.md). leave: shared memory per SM to keep free for
+// a block of another kernel running beside the pass (the trailing output, fast_state_output).
 StatePipe state_pipe(const Dims& d, int ks, int64_t blocks32, int ns_max,
                      size_t (*smem)(const Dims&, int, const StatePipe&), size_t leave = 0);
 
@@ -69,14 +68,13 @@ StatePipe state_pipe(const Dims& d, int ks, int64_t blocks32, int ns_max,
 // warps of its column slice vwarp (of nvw slices) of their partials, added in the order
 // p = 0 .. KS-1 so that the KS warps end bitwise equal. Every thread of the block must call it (a
 // block barrier); red is rewritten only after the block's next barrier (the caller's loop head).
-// scatter false: every warp adds all KS partials of all 8 tiles. scatter true: warp kq adds those
-// of the tiles kq, kq + KS, .. into slot p = 0 (only it touches them), and after a barrier of the
-// slice's KS warps (named barrier 1 + vwarp) every warp reads the 8 sums: a quarter of the shared
-// loads and additions at KS = 4 for a second, narrower barrier. Same additions in the same order:
-// the two give bitwise the same x.
+// Scattered: warp kq adds those of the tiles kq, kq + KS, .. into slot p = 0 (only it touches
+// them), and after a barrier of the slice's KS warps (named barrier 1 + vwarp) every warp reads
+// the 8 sums: a quarter of the shared loads and additions at KS = 4 (than every warp adding all KS
+// partials of all 8 tiles) for a second, narrower barrier.
 template <int KS>
 __device__ __forceinline__ void state_exchange_sum(float (&x)[8][4], float4* red, int kq, int vwarp,
-                                                   int nvw, int lane, bool scatter) {
+                                                   int nvw, int lane) {
 #pragma unroll
   for (int i = 0; i < 8; ++i)
     red[((kq * nvw + vwarp) * 8 + i) * 32 + lane] = make_float4(x[i][0], x[i][1], x[i][2], x[i][3]);
@@ -93,30 +91,19 @@ __device__ __forceinline__ void state_exchange_sum(float (&x)[8][4], float4* red
     }
     return a;
   };
-  if (scatter) {
 #pragma unroll
-    for (int j = 0; j < 8 / KS; ++j) {
-      const int i = kq + j * KS;
-      red[(vwarp * 8 + i) * 32 + lane] = sum_tile(i);
-    }
-    asm volatile("bar.sync %0, %1;\n" ::"r"(1 + vwarp), "r"(32 * KS) : "memory");
+  for (int j = 0; j < 8 / KS; ++j) {
+    const int i = kq + j * KS;
+    red[(vwarp * 8 + i) * 32 + lane] = sum_tile(i);
+  }
+  asm volatile("bar.sync %0, %1;\n" ::"r"(1 + vwarp), "r"(32 * KS) : "memory");
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float4 a = red[(vwarp * 8 + i) * 32 + lane];
-      x[i][0] = a.x;
-      x[i][1] = a.y;
-      x[i][2] = a.z;
-      x[i][3] = a.w;
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float4 a = sum_tile(i);
-      x[i][0] = a.x;
-      x[i][1] = a.y;
-      x[i][2] = a.z;
-      x[i][3] = a.w;
-    }
+  for (int i = 0; i < 8; ++i) {
+    const float4 a = red[(vwarp * 8 + i) * 32 + lane];
+    x[i][0] = a.x;
+    x[i][1] = a.y;
+    x[i][2] = a.z;
+    x[i][3] = a.w;
   }
 }
 #endif
@@ -133,8 +120,7 @@ void fast_prep(const Dims& d, const IndexView& ix, const bf16_t* kn, const bf16_
 void fast_prep_dvloc(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
                      const bf16_t* v, const float* g, const float* beta, const bf16_t* dout,
                      bf16_t* W, bf16_t* U, float* gam, bf16_t* Tinv, float* dvlocT, cudaStream_t s);
-// dvlocT alone (the backward given `saved`, whose W, T and gam the forward's prep wrote; and
-// GDN_GDR_PREP_DVLOC=sequence after fast_prep).
+// dvlocT alone (the backward given `saved`, whose W, T and gam the forward's prep wrote).
 void fast_dvloc(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
                 const float* g, const bf16_t* dout, float* dvlocT, cudaStream_t s);
 // Sequential over each document's chunks: Ht, Vt and (when not null) hT.
@@ -147,24 +133,12 @@ void fast_output(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf1
 // The forward's state pass and output: fast_state_fwd then fast_output, or, when the pass has no
 // more blocks than the GPU has SMs and a block of each fits an SM together (registers, shared
 // memory), the output beside the pass, each chunk's output as soon as the pass has published that
-// chunk (cuda_fast_fwd.cu: the trailing output; GDN_GDR_TRAIL=off forces the sequence for A/B).
+// chunk (cuda_fast_fwd.cu: the trailing output).
 // Bitwise the same o, Ht, Vt and hT either way. prog: fast_trail_prog_bytes of scratch.
 void fast_state_output(const Dims& d, const IndexView& ix, const bf16_t* W, const bf16_t* qn,
                        const bf16_t* kn, const bf16_t* U, const float* gam, const float* h0,
                        bf16_t* Ht, bf16_t* Vt, float* hT, bf16_t* o, int* prog, cudaStream_t s);
 size_t fast_trail_prog_bytes(const Dims& d);
-
-// --- the fused forward (cuda_fused_fwd.cu, GDN_FUSED_FWD=1) ---
-// Whether the fused forward takes these dims: the fast path's (d.vec must be set first).
-inline bool fused_path(const Dims& d) { return fast_path(d); }
-// Dynamic shared memory of the fused forward's kernel for these dims (about 172 KiB at dk = 128).
-size_t fused_fwd_smem(const Dims& d);
-// One block per (document, value head, 32 value columns), sequential over the document's chunks
-// with the state in registers: o, hT (when not null) and, when Ht and Vt are not null, the
-// chunk-start snapshots and V' in the op's `saved` layout (the decomposed state pass's Ht, Vt).
-void fused_fwd(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_t* kn,
-               const bf16_t* v, const float* g, const float* beta, const float* h0, bf16_t* o,
-               float* hT, bf16_t* Ht, bf16_t* Vt, cudaStream_t s);
 
 // --- backward ---
 // Reverse over each document's chunks: dHt (chunk-end state gradients), dVt (dV') and dh0.

@@ -34,7 +34,6 @@
 #include <climits>
 
 #include "gdn/backend/cuda_check.h"
-#include "gdn/core/env.h"
 #include "gdn/core/error.h"
 #include "ops/gated_delta_rule/cuda_fast.h"
 #include "ops/gated_delta_rule/cuda_mma.cuh"
@@ -334,7 +333,7 @@ __global__ void __launch_bounds__(kStateThreads* KS)
         mma(y[2 * np + 1], sa[kbl], bb[2], bb[3]);
       }
     }
-    if constexpr (KS > 1) state_exchange_sum<KS>(y, red, kq, vwarp, nvw, lane, pp.xs != 0);
+    if constexpr (KS > 1) state_exchange_sum<KS>(y, red, kq, vwarp, nvw, lane);
     if (snap)  // dH_c, written before the exchange's barrier
       store_rows(dHc + static_cast<int64_t>(col0) * d.dk, d.dk, Hs, ldk, cvalid, kcol, pk);
 #pragma unroll
@@ -438,13 +437,14 @@ __global__ void __launch_bounds__(kStateThreads* KS)
 
 // --- dqkw
 // ------------------------------------------------------------------------------------------
-// NW warps a block (8 or 16, GDN_GDR_DQKW_WARPS): warp (mt, nh) = (warp & 3, warp >> 2) owns rows
-// 16 mt.. of the chunk and the nh-th of NW / 4 column slices: 64 / (NW / 4) score columns, 128 /
-// (NW / 4) key columns. The shared memory (about 170 KB at dk = dv = 128) allows one block a
-// multiprocessor, so 8 warps left the SM two warps a scheduler, mostly waiting on fixed-latency
-// dependencies (ncu at T 32768, Hv 32: 34% issue, 2.35 ms; PERF.md run 25); 16 warps give it four.
-// Every dq, dk and dW element is the same sum in the same order for either NW; the dg part
-// differs in rounding only (its per-warp row dots and warp sums are grouped by NW).
+// NW = kDqkwWarps = 16 warps a block: warp (mt, nh) = (warp & 3, warp >> 2) owns rows 16 mt.. of
+// the chunk and the nh-th of NW / 4 column slices: 64 / (NW / 4) score columns, 128 / (NW / 4) key
+// columns. The shared memory (about 170 KB at dk = dv = 128) allows one block a multiprocessor, so
+// 8 warps left the SM two warps a scheduler, mostly waiting on fixed-latency dependencies
+// (measured: docs/PERF.md); 16 warps give it four. Every dq, dk and dW element is the same sum in
+// the same order for any NW; the dg part's rounding depends on NW (its per-warp row dots and warp
+// sums are grouped by NW).
+constexpr int kDqkwWarps = 16;
 size_t dqkw_smem(const Dims& d, int nw) {
   return 2 * tile_bytes_bf16(kC, d.KP) + tile_bytes_bf16(kC, d.VP) + 2 * tile_bytes_bf16(d.VP, kC) +
          2 * tile_bytes_bf16(d.VP, d.KP) + tile_bytes_bf16(kC, kC) + kF32Tile + 2 * kVec256 +
@@ -899,7 +899,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     // The dk lines this warp adds to at the end (add_acc_f32), towards L2 now, a few products
     // ahead: within the register budget the compiler issues those loads one at a time between the
     // stores, each waiting for its line (ncu at T 32768: long scoreboard, the largest stall of this
-    // kernel; PERF.md run 25). One line a lane: rows g8 and g8 + 8, the two 32-column halves.
+    // kernel; docs/PERF.md). One line a lane: rows g8 and g8 + 8, the two 32-column halves.
     // Only the first head: later heads add to lines the block has just written.
     if (hh == 0) {
       const int r = 16 * mt + g8 + 8 * (t4 >> 1), cc = col0 + 32 * (t4 & 1);
@@ -1062,19 +1062,12 @@ void fast_dqkw(const Dims& d, const IndexView& ix, const bf16_t* qn, const bf16_
                const bf16_t* dHt, const float* gam, float* dqk, float* dkk, bf16_t* dW, float* dgp,
                cudaStream_t s) {
   if (d.nt_max == 0) return;
-  const int64_t nw = env::get_int("GDN_GDR_DQKW_WARPS");
-  GDN_CHECK(nw == 8 || nw == 16, "GDN_GDR_DQKW_WARPS={} is not 8 or 16", nw);
-  const size_t smem = dqkw_smem(d, static_cast<int>(nw));
+  const size_t smem = dqkw_smem(d, kDqkwWarps);
   const dim3 grid(grid_x(d.nt_max, "gdr_fast_dqkw_kernel"), static_cast<unsigned>(d.Hk));
-  auto launch = [&](auto kernel, int threads) {
-    allow_smem(reinterpret_cast<const void*>(kernel), smem, "gdr_fast_dqkw_kernel", d.dk, d.dv);
-    kernel<<<grid, threads, smem, s>>>(d, ix, qn, kn, dout, Vt, dVt, Ht, dHt, gam, dqk, dkk, dW,
-                                       dgp);
-  };
-  if (nw == 16)
-    launch(&gdr_fast_dqkw_kernel<16>, 16 * 32);
-  else
-    launch(&gdr_fast_dqkw_kernel<8>, 8 * 32);
+  const auto kernel = &gdr_fast_dqkw_kernel<kDqkwWarps>;
+  allow_smem(reinterpret_cast<const void*>(kernel), smem, "gdr_fast_dqkw_kernel", d.dk, d.dv);
+  kernel<<<grid, kDqkwWarps * 32, smem, s>>>(d, ix, qn, kn, dout, Vt, dVt, Ht, dHt, gam, dqk, dkk,
+                                             dW, dgp);
   GDN_CUDA_LAUNCH_CHECK("gdr_fast_dqkw_kernel");
 }
 

@@ -30,7 +30,6 @@
 #include "backend/cuda/memory_bound.cuh"
 #include "gdn/backend/cuda_check.h"
 #include "gdn/backend/cuda_context.h"
-#include "gdn/core/env.h"
 #include "gdn/core/error.h"
 #include "ops/gated_delta_rule/cuda.h"
 #include "ops/gated_delta_rule/cuda_fast.h"
@@ -521,7 +520,7 @@ __global__ void __launch_bounds__(kStateThreads* KS)
         mma(x[2 * np + 1], sa[kbl], bb[2], bb[3]);
       }
     }
-    if constexpr (KS > 1) state_exchange_sum<KS>(x, red, kq, vwarp, nvw, lane, pp.xs != 0);
+    if constexpr (KS > 1) state_exchange_sum<KS>(x, red, kq, vwarp, nvw, lane);
     if (snap)  // H_c, written before the exchange's barrier
       store_rows(Hc + static_cast<int64_t>(col0) * d.dk, d.dk, Hs, ldk, cvalid, kcol, pk);
       // V'^T = U^T - X (U^T's A fragments are exactly the positions of x's C fragments).
@@ -735,41 +734,28 @@ int state_split(int64_t blocks) {
 
 StatePipe state_pipe(const Dims& d, int ks, int64_t blocks32, int ns_max,
                      size_t (*smem)(const Dims&, int, const StatePipe&), size_t leave) {
-  const int64_t f_ns = env::get_int("GDN_GDR_STATE_STAGES");
-  const int64_t f_cols = env::get_int("GDN_GDR_STATE_COLS");
-  const std::string f_snap = env::get_string("GDN_GDR_STATE_SNAP");
-  const std::string f_xs = env::get_string("GDN_GDR_STATE_EXCHANGE");
-  GDN_CHECK(f_ns == 0 || (f_ns >= 2 && f_ns <= 4),
-            "GDN_GDR_STATE_STAGES={} is not one of 0 (automatic), 2, 3, 4", f_ns);
-  GDN_CHECK(f_cols == 0 || f_cols == 16 || f_cols == 32,
-            "GDN_GDR_STATE_COLS={} is not one of 0 (automatic), 16, 32", f_cols);
   const int per_row = d.KP / 8;  // 16-byte pieces of a dk row: whole-row pieces need per_row | 32
   const bool rows_ok = 32 % per_row == 0;
   const cudaDeviceProp& props = cuda::Context::get().props();
   // 16-column blocks (twice the blocks, half the warps each) when the doubled grid still fits the
   // SMs with a dk split: one document at Hv = 16 (64 -> 128 blocks on 132 SMs) ran 8% faster
   // forward and backward on an H200; past one wave they cost a second one.
-  const bool cols16 =
-      f_cols == 16 ||
-      (f_cols == 0 && ks > 1 && 2 * blocks32 <= static_cast<int64_t>(props.multiProcessorCount));
-  StatePipe pp{2, cols16 ? 1 : 2, 0, 1, f_xs == "all" ? 0 : 1};
-  pp.snap = ks > 1 && f_snap != "off" && rows_ok ? 1 : 0;
-  // Shared memory per block: the opt-in cap, and (automatic ring depth) the share of an SM that
-  // lets all of the grid's blocks be resident at once (ceil(blocks / SMs) per SM), so that a deeper
+  const bool cols16 = ks > 1 && 2 * blocks32 <= static_cast<int64_t>(props.multiProcessorCount);
+  StatePipe pp{2, cols16 ? 1 : 2, 0, 1};
+  pp.snap = ks > 1 && rows_ok ? 1 : 0;
+  // Shared memory per block: the opt-in cap, and the share of an SM that lets all of the grid's
+  // blocks be resident at once (ceil(blocks / SMs) per SM), so that a deeper
   // ring never costs a second wave; the old shape (2 buffers, direct snapshots, dV'_loc in
   // registers) is the floor.
   const int nvb32 = (d.VP + 31) / 32, nvbw = (d.VP + 16 * pp.nvw - 1) / (16 * pp.nvw);
   const int64_t blocks = blocks32 / nvb32 * nvbw;
   const int64_t per_sm = std::max<int64_t>(
       1, (blocks + props.multiProcessorCount - 1) / std::max(1, props.multiProcessorCount));
-  size_t cap = static_cast<size_t>(props.sharedMemPerBlockOptin);
-  if (f_ns == 0) {
-    const size_t sm = static_cast<size_t>(props.sharedMemPerMultiprocessor);
-    cap = std::min(cap, (sm > leave ? sm - leave : 0) / static_cast<size_t>(per_sm) -
-                            static_cast<size_t>(props.reservedSharedMemPerBlock));
-  }
-  int ns = std::min(f_ns != 0 ? static_cast<int>(f_ns) : ns_max, ns_max);
-  for (;; --ns) {
+  const size_t sm = static_cast<size_t>(props.sharedMemPerMultiprocessor);
+  const size_t cap = std::min(static_cast<size_t>(props.sharedMemPerBlockOptin),
+                              (sm > leave ? sm - leave : 0) / static_cast<size_t>(per_sm) -
+                                  static_cast<size_t>(props.reservedSharedMemPerBlock));
+  for (int ns = ns_max;; --ns) {
     pp.ns = ns;
     if (ns <= 2 || smem(d, ks, pp) <= cap) break;
   }
@@ -796,14 +782,6 @@ void fast_prep_dvloc(const Dims& d, const IndexView& ix, const bf16_t* qn, const
                      bf16_t* W, bf16_t* U, float* gam, bf16_t* Tinv, float* dvlocT,
                      cudaStream_t s) {
   if (d.nt_max == 0) return;
-  const std::string mode = env::get_string("GDN_GDR_PREP_DVLOC");
-  GDN_CHECK(mode == "interleave" || mode == "sequence",
-            "GDN_GDR_PREP_DVLOC={} is not one of interleave, sequence", mode);
-  if (mode == "sequence") {
-    fast_prep(d, ix, kn, v, g, beta, W, U, gam, Tinv, s);
-    fast_dvloc(d, ix, qn, kn, g, dout, dvlocT, s);
-    return;
-  }
   const size_t smem = std::max(prep_smem(d, U != nullptr), dvloc_smem(d));
   allow_smem(reinterpret_cast<const void*>(&gdr_fast_prep_dvloc_kernel), smem,
              "gdr_fast_prep_dvloc_kernel", d.dk, d.dv);
@@ -922,15 +900,12 @@ namespace {
 
 // The state pass's plan for fast_state_output, and whether the output runs beside it.
 bool plan_trail(const Dims& d, bool have_prog, StateFwdPlan* plan) {
-  const std::string knob = env::get_string("GDN_GDR_TRAIL");
-  GDN_CHECK(knob.empty() || knob == "auto" || knob == "off",
-            "GDN_GDR_TRAIL={} is not one of auto, off", knob);
   const cudaDeviceProp& props = cuda::Context::get().props();
   const size_t out_smem = output_smem(d);
   const size_t reserved = static_cast<size_t>(props.reservedSharedMemPerBlock);
   // Only while the pass's blocks (one per SM: ks > 1) leave SMs idle, the output grid's
   // (Hv, chunks) shape fits, and a block of each fits an SM together.
-  bool trail = knob != "off" && have_prog && d.nt_max > 0 && d.nt_max <= 65535 &&
+  bool trail = have_prog && d.nt_max > 0 && d.nt_max <= 65535 &&
                state_split(static_cast<int64_t>(d.N) * ((d.VP + kVB - 1) / kVB) * d.Hv) > 1;
   *plan = plan_state_fwd(d, trail ? out_smem + reserved : 0);
   if (trail) {

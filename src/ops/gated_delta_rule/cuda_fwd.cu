@@ -69,9 +69,9 @@ __global__ void __launch_bounds__(kL2Threads)
 // The same for dk = 128 with 8-byte aligned rows: lane l owns columns 4 l .. 4 l + 3 (8-byte loads
 // and stores) of kL2Rows consecutive rows of the warp, all of whose loads are issued before the
 // first sum. The one-warp-per-row kernel above loaded 2 bytes a lane at a time, one row in flight
-// per warp: 180 us at T 32768, Hk 16 on the H200 for 537 MB (3.0 TB/s; PERF.md run 25; this one
-// 128 us, run 26). rstd is lane4_l2_rstd, which the fast backward's reduce kernel also uses when it
-// recomputes rstd from the raw rows: forward and backward see the same rstd.
+// per warp, measurably slower (docs/PERF.md). rstd is lane4_l2_rstd, which the fast backward's
+// reduce kernel also uses when it recomputes rstd from the raw rows: forward and backward see the
+// same rstd.
 constexpr int kL2Rows = 4;
 
 __global__ void __launch_bounds__(kL2Threads)

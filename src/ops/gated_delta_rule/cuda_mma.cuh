@@ -230,7 +230,7 @@ __device__ __forceinline__ void row_dot_bf16(const float (&acc)[NT][4], const bf
 // D[i][j] = exp(gamma_i - gamma_j) on j <= i, 0 above (gamma = gm, the chunk-local cumsum of g);
 // column blocks past mt are masked out entirely, so their products are skipped. qa holds this
 // warp's Q rows as A fragments over the nkb k-blocks; Ks is the chunk's K tile (row-major, ld ldk).
-// Shared by the decomposed route's output kernel and the fused forward.
+// Used by the decomposed route's output kernel.
 __device__ __forceinline__ void masked_qk_a(uint32_t (&pa)[4][4], const uint32_t (&qa)[8][4],
                                             const bf16_t* Ks, int ldk, const float* gm, int mt,
                                             int nkb) {

@@ -24,7 +24,6 @@ struct StatePipe {
   int snap;  // 1: snapshots through shared memory and 16-byte stores (needs a block barrier
              //    between the fragment writes and the copy-out: KS > 1)
   int dls;   // backward: 1 stages dV'_loc through the ring, 0 loads it into registers a chunk ahead
-  int xs;    // KS > 1: 1 sums the dk partials scattered over the KS warps (state_exchange_sum)
 };
 
 // This thread's pieces of a tile of 16-byte rows pieces `per_row` wide: column piece c (in

@@ -1,6 +1,5 @@
 // The blocked unit lower triangular inverse of the gated delta rule's fast CUDA kernels (the
-// forward's prep in cuda_fast_fwd.cu and the fused forward in cuda_fused_fwd.cu share it, so that
-// both invert (I + M) with the same operations in the same order). Included from .cu files only.
+// forward's prep in cuda_fast_fwd.cu). Included from .cu files only.
 #pragma once
 
 #include "ops/gated_delta_rule/cuda_common.cuh"

@@ -118,20 +118,6 @@
 //     §3.7). dg is assembled as on the cpu. Device cu_seqlens are never read on the host: the
 //     kernels clamp them into [0, T] and make them non-decreasing (cuda.h, which also exposes the
 //     chunk index so that a micro-batch builds it once for all its layers).
-//   cuda.fused_fwd (cuda_fused_fwd.cu): a third candidate, below the other two (slower on an H200:
-//     docs/PERF.md run 16), chosen with GDN_OP_GATED_DELTA_RULE=cuda.fused_fwd. Its forward is one
-//     kernel per (document, value head, 32 value columns) that walks the document's chunks in order
-//     with the running state in fp32 registers and computes per chunk gamma, K K^T, T, W and U, V',
-//     the output and the state update on mma.sync (classes with dk, dv <= 128, multiples of 8,
-//     16-byte aligned tensors, compute capability 8.0 and about 172 KiB of shared memory per block
-//     at dk = 128: its capability check). It writes exactly what the decomposed forward writes (o,
-//     hT, and `saved` in the layout above) and its backward IS cuda.chunk64's, so the backward does
-//     not depend on the route. Its `saved` may differ from the decomposed route's in the last bits
-//     (V' = U - W S is summed over dk in another order than the decomposed state pass's split), so
-//     the bitwise promise above for a backward given `saved` is the decomposed forward's; the
-//     fused one's agrees within the tolerance (at dk = dv = 128 the tests saw the two routes' o, hT
-//     and `saved` come out bitwise equal: a last-bit fp32 difference rarely survives the bf16
-//     rounding of V' and of the snapshots).
 // Determinism: cpu is bitwise deterministic and independent of the thread count (each (document,
 // head) pair is computed by one thread in a fixed order; the sums over the r value heads of a key
 // head run afterwards in head order; BLAS runs single-threaded inside the op). cuda is bitwise

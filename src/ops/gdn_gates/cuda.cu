@@ -2,8 +2,8 @@
 // fp32 arithmetic with the accurate expf / log1pf (op.h has the contract).
 //
 // Forward: 4 consecutive (token, head) elements a thread (8-byte loads of a and b, 16-byte stores
-// of g and beta) when every pointer allows it, else one element a thread (one kernel). At
-// [8192, 32] on the H200 the 4-element kernel took 5.0-5.1 us against 5.3-5.6 (PERF.md run 49).
+// of g and beta) when every pointer allows it, else one element a thread (one kernel; measured:
+// docs/PERF.md).
 // Backward: blocks of 32 heads x 8 token lanes over tiles of kTileT tokens. Each thread writes da
 // and db of its elements and keeps its sums of dg * g and da in fp32 registers; the 8 token lanes
 // are summed in lane order through shared memory into one partial per (tile, head), and

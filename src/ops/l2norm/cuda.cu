@@ -85,10 +85,8 @@ __global__ void __launch_bounds__(kBlock) l2norm_fwd_kernel(const bf16_t* __rest
 
 // The forward at D = 128 with 16-byte packs (the GDN shape, dk = 128): half a warp a row, one pack
 // a thread, so that every warp instruction covers two whole rows (512 contiguous bytes), 16 rows a
-// block. At [8192 * 16, 128] on the H200 it ran at 0.746-0.759 of the copy rate against
-// 0.740-0.747 for l2norm_fwd_kernel<8> (tpr 8, two packs a thread), five rounds interleaved in one
-// call, and at the rate of a plain copy kernel of the same layout (y = x: 0.747-0.749), PERF.md
-// run 52.
+// block. Slightly faster than l2norm_fwd_kernel<8> (tpr 8, two packs a thread) and at the rate of
+// a plain copy kernel of the same layout (measured: docs/PERF.md).
 __global__ void __launch_bounds__(kBlock)
     l2norm_fwd_d128_kernel(const bf16_t* __restrict__ x, bf16_t* __restrict__ y,
                            float* __restrict__ rstd, int64_t R, float eps) {

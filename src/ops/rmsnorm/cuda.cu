@@ -136,9 +136,9 @@ __global__ void __launch_bounds__(kBlock)
 // and the row group's width fixed at compile time, so the index arithmetic folds into constants,
 // the loads are unconditional (a pack past the row reads pack 0 and is not used) and the kernel
 // fits in 32 registers: 8 blocks of 256 threads resident per multiprocessor, against 5 for
-// rmsnorm_fwd_kernel (48 registers, 4 packs a thread). Measured 3-4% faster at [8192, 2048] and
-// 1-2% at [8192, 4096] (PERF.md run 11); at [65536, 128] whole-warp rows lose (0.41 against
-// 0.57 of the copy rate), so narrower rows keep rmsnorm_fwd_kernel. The sums are added in
+// rmsnorm_fwd_kernel (48 registers, 4 packs a thread). Faster at [8192, 2048] and [8192, 4096],
+// slower with whole-warp rows at [65536, 128] (measured: docs/PERF.md), so narrower rows keep
+// rmsnorm_fwd_kernel. The sums are added in
 // rmsnorm_fwd_kernel's order (each thread's packs in order, the warp butterfly from offset 16
 // down, then the row's warps in order), so at the same tpr and packs a thread the bits agree.
 template <int kTpr>

@@ -1,8 +1,7 @@
-// Embedding on CUDA, second version ("cuda.v2"; "cuda.v2r", the same with 64 tokens ranked per
-// block; "cuda.v2ry", v2r prefetching only the dy rows; "cuda.v2re", the default, v2ry with
-// evict-first dW rows: see the registration; all four bitwise equal): the forward of
-// cuda.sorted_windows and a backward rebuilt around where that one spends its time (op.h has the
-// contract; cuda.cu keeps the first version for A/B timing).
+// Embedding on CUDA, "cuda.ranked_windows": the forward of cuda.sorted_windows and a backward
+// rebuilt around where that one spends its time: the ids ranked by counting in one kernel instead
+// of sorted in one block, dW summed over windows of sorted positions with evict-first dW rows
+// (op.h has the contract; cuda.cu keeps cuda.sorted_windows, the implementation for any device).
 //
 // Where cuda.sorted_windows' backward loses time (T = 8192 uniform ids over V = 248320, D = 4096:
 // 127.7 us against 78 us of bytes at copy bandwidth):
@@ -41,12 +40,11 @@
 //     heads, in window order, to dW (no waiting on other blocks, no third launch).
 // Every dW element thus receives its terms in an order fixed by the ids alone: bitwise
 // reproducible. The window size is a kernel argument (16; windows of 8 and 32 measured the same or
-// slower on the H200, PERF.md run 10): it changes the rounding, not the determinism.
+// slower: docs/PERF.md): it changes the rounding, not the determinism.
 // With a plan (op.h), step 1 runs in the forward instead, on a side stream beside the gather, into
 // the plan; the backward is then step 2 alone, and step 2 sets each combine counter back to zero
-// as the segment's last block takes it, so the plan serves any number of backwards. H200, T 8192,
-// V 248320, D 4096 (PERF.md run 48): backward 100.8 -> 94.4 us (uniform ids), 93.3 -> 85.2
-// (skewed); forward 38.5 -> 40.3.
+// as the segment's last block takes it, so the plan serves any number of backwards (measured:
+// docs/PERF.md).
 // Bytes moved (the floor): dy, ids, and the touched dW rows read and written; plus ~20 bytes per
 // token of ranks and the partials of spanning segments.
 #include <cub/device/device_radix_sort.cuh>
@@ -72,8 +70,8 @@ namespace {
 using cuda::bf16_t;
 
 constexpr int kRankThreads = 1024;
-constexpr int kRankTokens = 256;     // tokens ranked per block (8 per warp), cuda.v2
-constexpr int kRankTokensFine = 64;  // cuda.v2r: 2 per warp, 4 x the blocks
+constexpr int kRankTokens = 256;     // tokens ranked per block (8 per warp) beside the gather
+constexpr int kRankTokensFine = 64;  // in the backward: 2 per warp, 4 x the blocks
 constexpr int kRankIdBatch = 8;      // ids loaded per thread before their first use
 constexpr int kRankBinBits = 12;     // at most 4096 buckets
 constexpr int kRankMaxT = 16384;     // beyond: cub::DeviceRadixSort
@@ -84,7 +82,7 @@ constexpr int kDwThreads = 128;
 constexpr int kGroups = 2;   // column groups per thread, kDwThreads * V apart
 constexpr int kBatch = 2;    // positions whose loads are issued together
 constexpr int kMaxWin = 64;  // window sizes accepted (shared-memory staging arrays)
-// The window (16; windows of 8 and 32 measured the same or slower, PERF.md run 10) and the
+// The window (16; windows of 8 and 32 measured the same or slower: docs/PERF.md) and the
 // narrowest column chunk (V = 1) are the plan's (op.h).
 constexpr int kPlanWin = static_cast<int>(EmbeddingPlanLayout::kWin);
 static_assert(kPlanWin >= 4 && kPlanWin % 4 == 0 && kPlanWin <= kMaxWin,
@@ -119,9 +117,9 @@ __device__ __forceinline__ void zero_counters(const Ranked& r) {
 // grid ceil(T / per_block), kRankThreads threads, (2 T + 2 nbins + 1) * 4 bytes of dynamic
 // shared memory. Buckets: key >> shift, nbins = (vocab >> shift) + 1 <= kRankMaxBins.
 // `per_block`: tokens ranked per block (grid ceil(T / per_block)). Every block repeats the O(T)
-// bucketing; the ranking is O(per_block). At T = 8192 the kernel took 11.4 us with 256 (ncu, mem6's
-// first device run: 32 blocks, each busy ~19k cycles), so cuda.v2r spreads the ranking over 4 x
-// the blocks (64 tokens, 2 per warp).
+// bucketing; the ranking is O(per_block). At T = 8192, 256 tokens a block leave 32 blocks each
+// busy ~19k cycles, so the backward spreads the ranking over 4 x the blocks (64 tokens, 2 per
+// warp); the forward's ranking, beside the gather, keeps 256.
 template <class Id>
 __global__ void __launch_bounds__(kRankThreads)
     emb2_rank_kernel(const Id* __restrict__ ids,  // [T]
@@ -324,14 +322,12 @@ __device__ __forceinline__ void store_f(float* p, const float (&f)[V]) {
   }
 }
 
-// dW rows with evict-first loads and stores (ld.global.cs / st.global.cs; kEf, cuda.v2re): each
-// row is read and written once, by one thread, so L2 need not keep it at the expense of lines
-// still to be read. Coherent loads (not .nc), as load_f's.
-template <int V, bool kEf>
+// dW rows with evict-first loads and stores (ld.global.cs / st.global.cs): each row is read and
+// written once, by one thread, so L2 need not keep it at the expense of lines still to be read.
+// Coherent loads (not .nc), as load_f's.
+template <int V>
 __device__ __forceinline__ void load_dw(const float* p, float (&f)[V]) {
-  if constexpr (!kEf) {
-    load_f<V>(p, f);
-  } else if constexpr (V == 4) {
+  if constexpr (V == 4) {
     const float4 a = __ldcs(reinterpret_cast<const float4*>(p));
     f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w;
   } else {
@@ -339,11 +335,9 @@ __device__ __forceinline__ void load_dw(const float* p, float (&f)[V]) {
   }
 }
 
-template <int V, bool kEf>
+template <int V>
 __device__ __forceinline__ void store_dw(float* p, const float (&f)[V]) {
-  if constexpr (!kEf) {
-    store_f<V>(p, f);
-  } else if constexpr (V == 4) {
+  if constexpr (V == 4) {
     __stcs(reinterpret_cast<float4*>(p), make_float4(f[0], f[1], f[2], f[3]));
   } else {
     __stcs(p, f[0]);
@@ -401,16 +395,11 @@ __device__ __forceinline__ void combine(const DwArgs& a, uint32_t k, int w0, int
 
 // One item: window w (sorted positions [s, e)), column chunk `chunk`. Every thread of the block
 // calls it (it holds barriers); `st` is the staged window.
-// kPf: what each thread prefetches towards L2 while it loads a batch (1: the next batch's dy and
-// dW rows, cuda.v2 / cuda.v2r; -1: its dy rows only, cuda.v2ry, the default). The kernel runs at
-// ~85% of the L2's throughput (ncu, mem7) and every prefetch is one more L2 request: measured on
-// the H200 (uniform / skewed ids, us, one process), 3 batches ahead 127 / 113 against cuda.v2r's
-// 105 / 98 (device run 1); no prefetch 102.6, 102.0 / 97.5, 96.8, the dy rows only 101.6, 102.3
-// / 96.1, 96.0 against 103.5, 103.7 / 96.4, 97.0 (device run 2). Also run 2: a per-thread
-// cp.async ring of 4 positions in shared memory instead of register batches and prefetch, 102.7,
-// 102.6 / 96.7, 97.5 (not kept); 32 tokens ranked per block instead of 64, 107.9, 106.7 / 99.7,
-// 99.5.
-template <int V, int kPf = 1, bool kEf = false>
+// While it loads a batch, each thread prefetches the next batch's dy rows (not its dW rows)
+// towards L2: the kernel runs at ~85% of the L2's throughput and every prefetch is one more L2
+// request (the dW rows too, deeper prefetch, no prefetch and a cp.async ring measured slower:
+// docs/PERF.md).
+template <int V>
 __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w, int chunk,
                                         int* s_last) {
   const int D = a.D;
@@ -458,25 +447,18 @@ __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w,
         for (int g = 0; g < kGroups; ++g) {
           if (has[g]) {
             d[j][g] = load_dy<V>(a.dy + t * D + c[g]);
-            if (direct) load_dw<V, kEf>(a.dw + static_cast<int64_t>(k) * D + c[g], cur[j][g]);
+            if (direct) load_dw<V>(a.dw + static_cast<int64_t>(k) * D + c[g], cur[j][g]);
           }
         }
       }
     }
-    // The next batch's rows (kPf = -1: its dy rows only) towards L2 meanwhile: more bytes in
-    // flight per thread for no registers (the loads above hold 96 bytes per thread, 1024 threads
-    // per multiprocessor).
+    // The next batch's dy rows towards L2 meanwhile: more bytes in flight per thread for no
+    // registers (the loads above hold 96 bytes per thread, 1024 threads per multiprocessor).
     auto prefetch = [&](int i) {
       const int64_t t = st.tok[i];
-      const uint32_t k = st.key[i];
-      const bool direct = kPf > 0 && ends_run(i) && slot_of(k) < 0;
 #pragma unroll
-      for (int g = 0; g < kGroups; ++g) {
-        if (has[g]) {
-          prefetch_l2(a.dy + t * D + c[g]);
-          if (direct) prefetch_l2(a.dw + static_cast<int64_t>(k) * D + c[g]);
-        }
-      }
+      for (int g = 0; g < kGroups; ++g)
+        if (has[g]) prefetch_l2(a.dy + t * D + c[g]);
     };
 #pragma unroll
     for (int j = 0; j < kBatch; ++j)
@@ -497,7 +479,7 @@ __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w,
             if (slot < 0) {
 #pragma unroll
               for (int v = 0; v < V; ++v) cur[j][g][v] += acc[g][v];
-              store_dw<V, kEf>(a.dw + static_cast<int64_t>(k) * D + c[g], cur[j][g]);
+              store_dw<V>(a.dw + static_cast<int64_t>(k) * D + c[g], cur[j][g]);
             } else {
               store_f<V>(part + static_cast<int64_t>(slot) * D + c[g], acc[g]);
             }
@@ -543,7 +525,7 @@ __device__ __forceinline__ void dw_item(const DwArgs& a, const Stage& st, int w,
 }
 
 // Persistent grid over items (window-major: item = w * chunks + chunk); kDwThreads threads.
-template <int V, int kPf = 1, bool kEf = false>
+template <int V>
 __global__ void __launch_bounds__(kDwThreads, 8) emb2_dw_kernel(const DwArgs a) {
   pdl_wait();  // step 1's ranks and zeroed counters
   __shared__ Stage stage[2];
@@ -573,7 +555,7 @@ __global__ void __launch_bounds__(kDwThreads, 8) emb2_dw_kernel(const DwArgs a) 
     const int next = item + static_cast<int>(gridDim.x);
     if (next < nitems) stage_window(next, stage[buf ^ 1]);
     const int w = item / a.chunks;
-    dw_item<V, kPf, kEf>(a, stage[buf], w, item - w * a.chunks, s_last);
+    dw_item<V>(a, stage[buf], w, item - w * a.chunks, s_last);
     cuda::cp_async_wait<0>();
     __syncthreads();
   }
@@ -712,14 +694,14 @@ struct SideStream {
 // The forward: cuda.sorted_windows' gather (this implementation changes the backward only). With
 // a plan, step 1 runs on the side stream at the same time: the gather is bound by device memory,
 // the ranking by latency inside 32 blocks (kRankTokens a block at T = 8192), so its ~10 us hide
-// under the gather's ~38 (numbers: PERF.md).
+// under the gather's ~38 (measured: docs/PERF.md).
 void forward(const EmbeddingFwd& a) {
   static const EmbeddingTable* t = [] {
     for (const ImplDesc* i : Registry::global().impls("embedding", Backend::Cuda))
       if (i->name == "cuda.sorted_windows") return static_cast<const EmbeddingTable*>(i->table);
     return static_cast<const EmbeddingTable*>(nullptr);
   }();
-  GDN_CHECK(t != nullptr, "embedding (cuda.v2): cuda.sorted_windows is not registered");
+  GDN_CHECK(t != nullptr, "embedding (cuda.ranked_windows): cuda.sorted_windows is not registered");
   const int64_t T = a.ids.size(0), vocab = a.w.size(0), D = a.w.size(1);
   if (!a.plan.defined() || T == 0 || D == 0) {  // (a backward with T or D = 0 reads no plan)
     t->forward(a);
@@ -742,20 +724,18 @@ void forward(const EmbeddingFwd& a) {
   GDN_CUDA_CHECK(cudaStreamWaitEvent(s, side.join, 0));
 }
 
-template <int V, int kPf, bool kEf>
+template <int V>
 void launch_dw(const DwArgs& args, cudaStream_t s) {
   int per_sm = 0;
-  GDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, emb2_dw_kernel<V, kPf, kEf>,
-                                                               kDwThreads, 0));
+  GDN_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, emb2_dw_kernel<V>, kDwThreads, 0));
   const int64_t items = static_cast<int64_t>(args.nwin) * args.chunks;
   const auto grid = static_cast<unsigned>(std::min<int64_t>(
       items, static_cast<int64_t>(cuda::Context::get().sm_count()) * std::max(per_sm, 1)));
-  cuda::launch_pdl(emb2_dw_kernel<V, kPf, kEf>, dim3(grid), dim3(kDwThreads), s, args);
+  cuda::launch_pdl(emb2_dw_kernel<V>, dim3(grid), dim3(kDwThreads), s, args);
   GDN_CUDA_LAUNCH_CHECK("emb2_dw_kernel");
 }
 
-// kPerBlock: tokens ranked per block without a plan; kPf, kEf: dw_item.
-template <int kPerBlock, int kPf = 1, bool kEf = false>
 void backward(const EmbeddingBwd& a) {
   const int64_t T = a.ids.size(0), vocab = a.dw.size(0), D = a.dy.size(1);
   if (T == 0 || D == 0) return;  // dW += 0
@@ -785,7 +765,7 @@ void backward(const EmbeddingBwd& a) {
     r = ranked_at(reinterpret_cast<uint32_t*>(a.plan.ptr<int32_t>()), l);
   } else {
     r = ranked_at(reinterpret_cast<uint32_t*>(base + part_bytes), l);
-    rank_ids(a.ids, r, vocab, k, base + part_bytes + plan_bytes, kPerBlock, s);
+    rank_ids(a.ids, r, vocab, k, base + part_bytes + plan_bytes, kRankTokensFine, s);
   }
 
   DwArgs args{r.keys,
@@ -802,43 +782,22 @@ void backward(const EmbeddingBwd& a) {
               chunks,
               static_cast<uint32_t>(vocab)};
   if (V == 4) {
-    launch_dw<4, kPf, kEf>(args, s);
+    launch_dw<4>(args, s);
   } else {
-    launch_dw<1, kPf, kEf>(args, s);
+    launch_dw<1>(args, s);
   }
 }
 
-const EmbeddingTable kTable16{forward, backward<kRankTokens>};
-const EmbeddingTable kTable16Fine{forward, backward<kRankTokensFine>};
-const EmbeddingTable kTable16FineDyPf{forward, backward<kRankTokensFine, -1>};
-const EmbeddingTable kTableEf{forward, backward<kRankTokensFine, -1, true>};
+const EmbeddingTable kTable{forward, backward};
 
 }  // namespace
 
-// cuda.v2r (window 16, 64 tokens ranked per block) was the default before cuda.v2ry: on the H200 at
-// T = 8192, V = 248320, D = 4096 it took 105.9 / 104.1 us (uniform ids) and 97.9 / 96.9 us (skewed)
-// against cuda.v2's 108.7 / 107.6 and 104.0 / 104.3 in the same run (mem6's second device run; rank
-// kernel 8.6 us against 11.4). cuda.v2 (256 tokens a block) and cuda.sorted_windows (priority 10)
-// stay for A/B timing: GDN_OP_EMBEDDING=<name>.
-GDN_REGISTER(embedding_cuda_v2) {
-  Registry::global().add_impl({"embedding", "cuda.v2", Backend::Cuda, 20, nullptr, &kTable16});
-  Registry::global().add_impl({"embedding", "cuda.v2r", Backend::Cuda, 21, nullptr, &kTable16Fine});
-  // The default since mem7: the next batch's dy rows prefetched, not its dW rows (numbers at
-  // dw_item): uniform ids 101.6 / 102.3 us against cuda.v2r's 103.5 / 103.7 in the same process
-  // (0.766 / 0.761 of copy), skewed 96.1 / 96.0 against 96.4 / 97.0 (0.688).
+// Above cuda.sorted_windows (priority 10) for every shape (formerly "cuda.v2re"; its siblings
+// cuda.v2, cuda.v2r and cuda.v2ry, which differed in the tokens ranked per block, the prefetch and
+// the dW stores, measured slower: docs/PERF.md).
+GDN_REGISTER(embedding_cuda_ranked_windows) {
   Registry::global().add_impl(
-      {"embedding", "cuda.v2ry", Backend::Cuda, 22, nullptr, &kTable16FineDyPf});
-  // The default since mem8: cuda.v2ry with evict-first dW rows. H200, T 8192, V 248320, D 4096,
-  // us, one process each, 3 rounds: run 1 uniform ids 101.5-101.7 against cuda.v2ry's 102.3-102.7
-  // (0.765-0.767 of copy against 0.759-0.761), skewed 93.9-94.8 against 95.0-95.4 (0.697-0.704
-  // against 0.693-0.696); run 2 uniform 101.0-101.3 against 101.7-102.1 (0.773-0.775 against
-  // 0.767-0.770), skewed 94.3-94.7 against 95.1-95.5 (0.702-0.705 against 0.697-0.699).
-  // Measured and dropped: dy's first 25 / 38 MB prefetched into L2 by the rank kernel
-  // (cp.async.bulk.prefetch, with evict-first dW rows), uniform / skewed 114.1-117.4 /
-  // 106.2-107.8 us, also without the dW kernel's own dy prefetch 111.6-112.3 / 103.2-103.8 (run
-  // 1); the dW items dealt by an atomic counter one item ahead instead of b, b + grid, ...
-  // 107.8-108.9 / 99.5-100.4, the same in reverse item order 104.6-104.7 / 98.6-98.9 (run 2).
-  Registry::global().add_impl({"embedding", "cuda.v2re", Backend::Cuda, 23, nullptr, &kTableEf});
+      {"embedding", "cuda.ranked_windows", Backend::Cuda, 23, nullptr, &kTable});
 }
 
 }  // namespace gdn::ops

@@ -1,6 +1,8 @@
-// Causal conv1d on CUDA, "cuda.v2": bf16 x / weight / bias / states / y / dy / dx, fp32 dweight /
-// dbias, fp32 arithmetic (op.h has the contract). Covers W <= 4 with C % 8 == 0 and 16-byte
-// aligned activations (x, y, dy, dx); any other call runs "cuda.tiled" (cuda.cu) unchanged.
+// Causal conv1d on CUDA, "cuda.sliding_window": bf16 x / weight / bias / states / y / dy / dx,
+// fp32 dweight / dbias, fp32 arithmetic (op.h has the contract). Covers the shape classes W <= 4
+// with C % 8 == 0 and every tensor 16-byte aligned; `supports` rejects every other class (the
+// resolver then picks "cuda.tiled", cuda.cu). Both kernels slide the W-tap window in registers
+// along the tokens of their run or segment, 8 channels (one 16-byte pack) a lane.
 //
 // Why a second kernel: cuda.tiled is limited by instruction issue, not memory (a binary search of
 // cu_seqlens per token per tile, per-token document tests, 4 channels a lane over 16-token runs
@@ -31,13 +33,9 @@
 // read from a device cu_seqlens are clamped (start in [0, t], end in [t+1, T]) before they address
 // memory, so a garbage cu_seqlens gives garbage values but no out-of-range access.
 //
-// Forward: its own kernel, not the streaming design (a streamed forward measured 105 us against
-// cuda.tiled's 87, PERF.md run 10): one thread per (run of R = 8 tokens, 8 channels) issues its
-// R + W-1 16-byte row loads before the first use, as the elementwise kernels do, and computes from
-// registers (see conv2_fwd_kernel). H200, [8192, 8192], W 4, SiLU, 1 / 4 / 16 documents, one run:
-// 84.0 / 84.7 / 85.2 us against cuda.tiled's 87.1 / 91.4 / 100.9 (R = 16: 90.4, at 255 registers).
-// cuda.v2sw (the default) and cuda.v2st5 stage those rows through shared memory instead
-// (conv2_fwd_staged_kernel): 70-75 us, 0.85-0.90 of copy.
+// Forward: its own kernel, not the streaming design (a streamed forward measured slower than
+// cuda.tiled's; measured: docs/PERF.md): a block's token tile is staged through shared memory and
+// each thread computes a run of R = 16 tokens of 8 channels from it (conv2_fwd_staged_kernel).
 // Backward: per token t' of [a, min(b + S, T)) the warp recomputes z and u = dy * silu'(z) from the
 // window (Dao's causal-conv1d recomputes z the same way), adds u * ext taps to its dweight / dbias
 // register sums for t' < b, and emits dx[t' - S] = sum_j w[j] u[t' - j] once u of its W taps is
@@ -65,7 +63,7 @@
 
 namespace gdn::ops {
 
-// The per-warp rings of the v2 kernels (dynamic shared memory).
+// The tiles and per-warp rings of the kernels below (dynamic shared memory).
 extern __shared__ __align__(16) unsigned char conv2_smem[];
 
 namespace {
@@ -107,16 +105,10 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[kV]) {
                     cuda::pack2(f[6], f[7]));
 }
 
-// A 16-byte store of an output that is not read again: kStream, st.global.cs (evict-first; measured
-// on the H200 at [8192, 8192]: the forward at 16 tokens a thread took 90.4 us with plain stores,
-// 84.6 with these); plain otherwise.
-template <bool kStream>
+// A 16-byte store of an output that is not read again (y, dx): st.global.cs, evict-first, so that
+// it need not displace x and dy from L2 (faster than plain stores; measured: docs/PERF.md).
 __device__ __forceinline__ void put16(bf16_t* p, const uint4& v) {
-  if constexpr (kStream) {
-    __stcs(reinterpret_cast<uint4*>(p), v);
-  } else {
-    *reinterpret_cast<uint4*>(p) = v;
-  }
+  __stcs(reinterpret_cast<uint4*>(p), v);
 }
 
 // The document of the warp's current token: index, first token, one past its last token.
@@ -256,14 +248,6 @@ __device__ __forceinline__ void shift(float (&r)[W][kV]) {
 
 // --- forward -----------------------------------------------------------------------------------
 
-constexpr int kFwdThreads = 128;
-// Blocks a multiprocessor: R = 16 takes up to 255 registers at W = 4 (two blocks, 256 threads,
-// 78 KB of loads in flight; a 128-register bound spills 2 KB), R = 8 up to 168 (three blocks).
-template <int R>
-constexpr int fwd_min_blocks() {
-  return R >= 16 ? 2 : 3;
-}
-
 // The lane's 8 channels of weight [C, W] (W 16-byte pieces from channel c: c % 8 == 0 and weight
 // 16-byte aligned) and bias (one 16-byte piece, bias 16-byte aligned) as fp32.
 template <int W>
@@ -293,10 +277,9 @@ __device__ __forceinline__ void load_weights_vec(const bf16_t* __restrict__ w,
 // The R outputs of one run, tokens t0 .. t0 + R - 1 of channels c .. c + 7, from its rows
 // row(r) = x[t0 - S + r] (r < R + S; rows before the document never read): the loop without
 // tests when the run lies inside document d, else the general one (document edges, the end of T,
-// taps from the initial state). kEdgeUnroll: the general loop's unroll (R where row() reads
-// registers, whose indices must be constants; 1 where it reads shared memory). Both forward
-// kernels call it: same operations in the same order.
-template <int W, int R, bool kSilu, bool kStream, int kEdgeUnroll, class Row>
+// taps from the initial state; not unrolled: unrolled, W = 4 spilled). Same arithmetic, in the
+// same order, as cuda.tiled (preact, sigmoid): y is bit-identical to it.
+template <int W, int R, bool kSilu, class Row>
 __device__ __forceinline__ void conv2_fwd_run(Row row, const float (&wr)[W][kV],
                                               const float (&br)[kV], Doc& d,
                                               const int32_t* __restrict__ cu, int N,
@@ -309,7 +292,7 @@ __device__ __forceinline__ void conv2_fwd_run(Row row, const float (&wr)[W][kV],
 #pragma unroll
       for (int v = 0; v < kV; ++v) z[v] *= sigmoid(z[v]);
     }
-    put16<kStream>(y + t * C + c, pack8(z));
+    put16(y + t * C + c, pack8(z));
   };
   if (t0 - S >= d.s && t0 + R <= d.e) {  // d.e <= T
     float win[W][kV];
@@ -324,7 +307,7 @@ __device__ __forceinline__ void conv2_fwd_run(Row row, const float (&wr)[W][kV],
       shift<W>(win);
     }
   } else {
-#pragma unroll kEdgeUnroll
+#pragma unroll 1
     for (int i = 0; i < R; ++i) {
       const int64_t t = t0 + i;
       if (t >= T) break;
@@ -346,69 +329,25 @@ __device__ __forceinline__ void conv2_fwd_run(Row row, const float (&wr)[W][kV],
   }
 }
 
-// Forward, one thread per (run of R tokens, 8 channels): the thread issues all R + W-1 of its
-// 16-byte row loads (rows t0 - S .. t0 + R - 1 of its channels) before the first use, the way the
-// elementwise kernels reach the copy rate (swiglu: 0.99), then computes its R outputs from
-// registers. Consecutive threads own consecutive channel packs of one run, so a warp reads 512
-// contiguous bytes per row; the W-1 halo rows of a run are the previous run's last rows, loaded
-// moments earlier by the neighbouring blocks (L2 hits: DRAM traffic stays x once + y once). A run
-// inside one document (the common case) takes the loop without tests; a run that meets a document
-// start, the end of T, or a state takes the general loop (the document walked from a binary search
-// at t0; taps before the document start read the initial state or zeros, never a row). Same
-// arithmetic, in the same order, as cuda.tiled (preact, sigmoid): y is bit-identical to it.
-template <int W, int R, bool kSilu, bool kStream>
-__global__ void __launch_bounds__(kFwdThreads, fwd_min_blocks<R>())
-    conv2_fwd_kernel(const bf16_t* __restrict__ x,     // [T, C]
-                     const bf16_t* __restrict__ w,     // [C, W]
-                     const bf16_t* __restrict__ bias,  // [C] or null
-                     const int32_t* __restrict__ cu,   // [N+1] or null
-                     const bf16_t* __restrict__ init,  // [N, C, W-1] or null
-                     bf16_t* __restrict__ y,           // [T, C]
-                     int64_t T, int64_t C, int N, int64_t packs, int64_t nruns) {
-  constexpr int S = W - 1;
-  const int64_t idx = static_cast<int64_t>(blockIdx.x) * kFwdThreads + threadIdx.x;
-  const int64_t run = idx / packs;
-  if (run >= nruns) return;
-  const int64_t c = (idx - run * packs) * kV;
-  const int64_t t0 = run * R;
-  uint4 buf[R + S];  // rows t0 - S + r
-#pragma unroll
-  for (int r = 0; r < R + S; ++r) {
-    const int64_t p = t0 - S + r;
-    buf[r] = p >= 0 && p < T ? __ldg(reinterpret_cast<const uint4*>(x + p * C + c))
-                             : make_uint4(0u, 0u, 0u, 0u);
-  }
-  float wr[W][kV], br[kV];
-  load_weights_vec<W>(w, bias, c, wr, br);
-  Doc d = find_doc(cu, N, T, t0);  // t0 < T
-  conv2_fwd_run<W, R, kSilu, kStream, R>([&](int r) { return buf[r]; }, wr, br, d, cu, N, init, y,
-                                         T, C, c, t0);
-}
-
-// Staged forward ("cuda.v2st5", "cuda.v2sw"): the rows of a block's token tile go through shared
-// memory (cp.async), not registers. Why: conv2_fwd_kernel holds its R + W-1 rows in registers
-// (44 of its ~160), so a multiprocessor keeps only three blocks, 384 threads and ~67 KB of loads in
-// flight, and 3 of every 11 rows it loads are the previous run's (L2 hits, but requests); swiglu,
-// 256 KB in flight a multiprocessor, reaches 0.99 of copy against this kernel's 0.74-0.76. Here
-// a block of kStWarps warps owns kStWarps * R consecutive tokens of one 256-channel column: lane l
-// of warp q copies its 16 bytes of rows tb + q R .. tb + q R + R-1 into the tile, warp 0 also the
-// W-1 rows before tb, then (weights and document loaded meanwhile) one barrier, and each thread
-// computes its R outputs from the tile exactly as conv2_fwd_kernel does from its registers (the
-// tile row of token p is p - tb + W-1: thread (q, l) reads rows q R .. q R + R + W-2, its old
-// buf[]). Registers no longer grow with R: at R = 16 and five blocks a multiprocessor (<= 96
-// registers, no spills; 34 KB of tile a block) 640 threads keep 164 KB in flight against
-// cuda.v2's ~67 KB, and the halo is loaded once per kStWarps R = 64 tokens. Same arithmetic in the
-// same order: y is bit-identical to cuda.v2's (tested). Stores evict-first. The general
-// (document-edge) loop is not unrolled: unrolled, W = 4 spilled.
+// Forward: the rows of a block's token tile go through shared memory (cp.async), not registers.
+// Why: a thread that holds its R + W-1 rows in registers leaves a multiprocessor few blocks and
+// few loads in flight (measured: docs/PERF.md). Here a block of kStWarps warps owns kStWarps * R
+// consecutive tokens of one 256-channel column: lane l of warp q copies its 16 bytes of rows
+// tb + q R .. tb + q R + R-1 into the tile, warp 0 also the W-1 rows before tb, then (weights and
+// document loaded meanwhile) one barrier, and each thread computes its R outputs from the tile
+// (the tile row of token p is p - tb + W-1: thread (q, l) reads rows q R .. q R + R + W-2).
+// Registers do not grow with R: at R = 16 and five blocks a multiprocessor (<= 96 registers, no
+// spills; 34 KB of tile a block) 640 threads keep 164 KB in flight, and the halo is loaded once
+// per kStWarps R = 64 tokens. Stores evict-first.
 constexpr int kStWarps = 4;
 template <int W, int R>
 constexpr size_t st_smem() {
   return static_cast<size_t>(kStWarps * R + W - 1) * kRowU4 * 16;
 }
 
-// MB: blocks a multiprocessor (the launch bounds; 4 measured no faster than 5). kWarpSearch: the
-// document of the warp's first token by find_doc_warp (else find_doc).
-template <int W, int R, int MB, bool kWarpSearch, bool kSilu>
+// MB: blocks a multiprocessor (the launch bounds; 4 measured no faster than 5). The document of
+// the warp's first token by find_doc_warp.
+template <int W, int R, int MB, bool kSilu>
 __global__ void __launch_bounds__(kStWarps * 32, MB)
     conv2_fwd_staged_kernel(const bf16_t* __restrict__ x,     // [T, C]
                             const bf16_t* __restrict__ w,     // [C, W]
@@ -456,14 +395,14 @@ __global__ void __launch_bounds__(kStWarps * 32, MB)
     }
   }
   const int64_t tq = std::min<int64_t>(t0, T - 1);  // warp-uniform
-  Doc d = kWarpSearch ? find_doc_warp(cu, N, T, tq) : find_doc(cu, N, T, tq);
+  Doc d = find_doc_warp(cu, N, T, tq);
   cuda::cp_async_wait<0>();
   __syncthreads();
   if (!active || t0 >= T) return;
   const uint4* rows = &tile[warp * R][lane];  // rows[r * kRowU4]: token t0 - S + r
   // The edge loop not unrolled (rare: a document edge, the end of T, a state): fewer registers.
-  conv2_fwd_run<W, R, kSilu, true, 1>([&](int r) { return rows[r * kRowU4]; }, wr, br, d, cu, N,
-                                      init, y, T, C, c, t0);
+  conv2_fwd_run<W, R, kSilu>([&](int r) { return rows[r * kRowU4]; }, wr, br, d, cu, N, init, y, T,
+                             C, c, t0);
 }
 
 // --- backward ----------------------------------------------------------------------------------
@@ -471,7 +410,7 @@ __global__ void __launch_bounds__(kStWarps * 32, MB)
 // grid (G, channel columns), kBwdWarps warps a block; warp q = blockIdx.x * kBwdWarps + warp of a
 // column owns tokens [T q / P, T (q+1) / P), P = G kBwdWarps. Writes dx rows
 // [a, b) of its segment and its block's dweight / dbias partial row set partial[blockIdx.x].
-template <int W, bool kSilu, bool kStream>
+template <int W, bool kSilu>
 __global__ void __launch_bounds__(kBwdWarps * 32, kBwdMinBlocks)
     conv2_bwd_kernel(const bf16_t* __restrict__ x,     // [T, C]
                      const bf16_t* __restrict__ w,     // [C, W]
@@ -550,7 +489,7 @@ __global__ void __launch_bounds__(kBwdWarps * 32, kBwdMinBlocks)
         for (int j = i + 1; j < W; ++j)  // u(t + S - j) inside the document: t + S - j < e
 #pragma unroll
           for (int v = 0; v < kV; ++v) o[v] = fmaf(wr[j][v], uw[i + S - j][v], o[v]);
-        if (active) put16<kStream>(dx + t * C + c, pack8(o));
+        if (active) put16(dx + t * C + c, pack8(o));
       }
     };
 
@@ -586,7 +525,7 @@ __global__ void __launch_bounds__(kBwdWarps * 32, kBwdMinBlocks)
         for (int j = 0; j < W; ++j)
 #pragma unroll
           for (int v = 0; v < kV; ++v) o[v] = fmaf(wr[j][v], uw[S - j][v], o[v]);
-        if (active) put16<kStream>(dx + (tp - S) * C + c, pack8(o));
+        if (active) put16(dx + (tp - S) * C + c, pack8(o));
       }
       shift<W>(win);
       shift<W>(uw);
@@ -659,7 +598,7 @@ __global__ void __launch_bounds__(kBwdWarps * 32, kBwdMinBlocks)
 bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data()) % 16 == 0; }
 
 // The calls this kernel covers: W <= 4, C % 8 == 0 (whole 16-byte packs per lane), 16-byte
-// aligned activations, at most 65535 channel columns.
+// aligned tensors, at most 65535 channel columns: the classes `supports` accepts.
 bool covered(const Tensor& x, const Tensor& weight, const Tensor& a, const Tensor& b,
              const Tensor& c) {
   const int64_t C = x.size(1);
@@ -669,23 +608,12 @@ bool covered(const Tensor& x, const Tensor& weight, const Tensor& a, const Tenso
   return ok;
 }
 
-// The old implementation, for a call outside the classes this one covers that reaches it anyway
-// (the default class of `ops run`, tests that call a named implementation).
-const CausalConv1dTable& tiled() {
-  static const CausalConv1dTable* t = [] {
-    for (const ImplDesc* i : Registry::global().impls("causal_conv1d", Backend::Cuda))
-      if (i->name == "cuda.tiled") return static_cast<const CausalConv1dTable*>(i->table);
-    return static_cast<const CausalConv1dTable*>(nullptr);
-  }();
-  GDN_CHECK(t != nullptr, "causal_conv1d (cuda.v2): the fallback cuda.tiled is not registered");
-  return *t;
-}
-
 // The shape classes this kernel covers (op.cpp's class_of: W, C and "vec", every tensor read as
-// 16-byte pieces aligned): the resolver picks cuda.tiled for the others.
+// 16-byte pieces aligned): the resolver picks cuda.tiled for every other class, the default one
+// (no dims: `ops run`, whose probe runs 13 channels) included.
 std::string supports(const OpQuery& q) {
   const int64_t W = q.dim("W", -1), C = q.dim("C", -1);
-  if (W < 0 || C < 0) return "";  // the default class (`ops run`): calls outside go to tiled
+  if (W < 0 || C < 0) return "needs the call's width and channels (shape class)";
   if (W > kMaxW) return fmt::format("W = {} above {}", W, kMaxW);
   if (q.dim("vec", 0) == 0) return "channels not whole 16-byte packs or tensors not aligned";
   if ((C + kCB - 1) / kCB > 65535) return fmt::format("C = {}: too many channel columns", C);
@@ -699,7 +627,7 @@ struct Shape : ConvDims {
 
 Shape shape_of(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens) {
   Shape k;
-  static_cast<ConvDims&>(k) = conv_dims(x, weight, cu_seqlens, "cuda.v2");
+  static_cast<ConvDims&>(k) = conv_dims(x, weight, cu_seqlens, "cuda.sliding_window");
   k.ncb = (k.C + kCB - 1) / kCB;
   return k;
 }
@@ -713,80 +641,51 @@ int64_t blocks_per_column(const void* kernel, int warps, size_t smem, const Shap
   return std::clamp<int64_t>(fit / k.ncb, 1, std::min<int64_t>(useful, 65535));
 }
 
-// What the forwards below share: calls it does not cover go to cuda.tiled (weight and bias must
-// be 16-byte aligned too: they are read as 16-byte pieces); then, per width W, main(W as an
-// integral constant, shape, pointers, stream) launches the kernel over the tokens, and the final
-// states follow.
-template <class Main>
-void forward_with(const CausalConv1dFwd& a, Main main) {
-  if (!covered(a.x, a.weight, a.y, a.weight, a.bias)) {
-    tiled().forward(a);
-    return;
-  }
+// Forward through the staged kernel: R tokens a thread, MB blocks a multiprocessor (a call outside
+// the classes `supports` accepts is a resolver bug, not a fallback; weight and bias are read as
+// 16-byte pieces too); then the final states.
+template <int R, int MB>
+void forward_staged(const CausalConv1dFwd& a) {
+  GDN_CHECK(covered(a.x, a.weight, a.y, a.weight, a.bias),
+            "causal_conv1d (cuda.sliding_window): a call outside its shape class (W = {}, C = {})",
+            a.weight.size(1), a.x.size(1));
   const Shape k = shape_of(a.x, a.weight, a.cu_seqlens);
   if (k.C == 0) return;
   const ConvFwdPtrs p = conv_fwd_ptrs(a);
   cudaStream_t s = cuda::stream();
-  with_width<kMaxW>(k.W, "cuda.v2", [&](auto wc) {
-    if (k.T > 0) main(wc, k, p, s);
-    launch_final_state<decltype(wc)::value>(p, k, s);
-  });
-}
-
-// Forward through the register-streamed kernel above.
-template <int R, bool kStream>
-void forward_runs(const CausalConv1dFwd& a) {
-  forward_with(a, [&](auto wc, const Shape& k, const ConvFwdPtrs& p, cudaStream_t s) {
+  with_width<kMaxW>(k.W, "cuda.sliding_window", [&](auto wc) {
     constexpr int W = decltype(wc)::value;
-    const int64_t packs = k.C / kV, nruns = (k.T + R - 1) / R;
-    const int64_t blocks = (nruns * packs + kFwdThreads - 1) / kFwdThreads;
-    GDN_CHECK(blocks <= INT_MAX, "causal_conv1d (cuda.v2): [{}, {}] is too large", k.T, k.C);
-    auto launch = [&](auto kernel) {
-      kernel<<<static_cast<unsigned>(blocks), kFwdThreads, 0, s>>>(
-          p.x, p.w, p.bias, k.cu, p.init, p.y, k.T, k.C, static_cast<int>(k.N), packs, nruns);
-      GDN_CUDA_LAUNCH_CHECK("conv2_fwd_kernel");
-    };
-    if (a.silu)
-      launch(conv2_fwd_kernel<W, R, true, kStream>);
-    else
-      launch(conv2_fwd_kernel<W, R, false, kStream>);
+    if (k.T > 0) {
+      const int64_t tiles = (k.T + kStWarps * R - 1) / (kStWarps * R);
+      const int64_t blocks = tiles * k.ncb;
+      GDN_CHECK(blocks <= INT_MAX, "causal_conv1d (cuda.sliding_window): [{}, {}] is too large",
+                k.T, k.C);
+      auto launch = [&](auto kernel) {
+        // The residency the launch bounds promise (MB blocks of up to 51 KB) needs more than the
+        // default carveout and, past 48 KB, the opt-in; set on every call, per device (cheap:
+        // driver attributes).
+        constexpr size_t smem = st_smem<W, R>();
+        GDN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                            cudaSharedmemCarveoutMaxShared));
+        GDN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem)));
+        kernel<<<static_cast<unsigned>(blocks), kStWarps * 32, smem, s>>>(
+            p.x, p.w, p.bias, k.cu, p.init, p.y, k.T, k.C, static_cast<int>(k.N), k.ncb);
+        GDN_CUDA_LAUNCH_CHECK("conv2_fwd_staged_kernel");
+      };
+      if (a.silu)
+        launch(conv2_fwd_staged_kernel<W, R, MB, true>);
+      else
+        launch(conv2_fwd_staged_kernel<W, R, MB, false>);
+    }
+    launch_final_state<W>(p, k, s);
   });
 }
 
-// Forward through the staged kernel.
-template <int R, int MB, bool kWarpSearch>
-void forward_staged(const CausalConv1dFwd& a) {
-  forward_with(a, [&](auto wc, const Shape& k, const ConvFwdPtrs& p, cudaStream_t s) {
-    constexpr int W = decltype(wc)::value;
-    const int64_t tiles = (k.T + kStWarps * R - 1) / (kStWarps * R);
-    const int64_t blocks = tiles * k.ncb;
-    GDN_CHECK(blocks <= INT_MAX, "causal_conv1d (cuda.v2st): [{}, {}] is too large", k.T, k.C);
-    auto launch = [&](auto kernel) {
-      // The residency the launch bounds promise (four blocks of up to 51 KB) needs more than
-      // the default carveout and, past 48 KB, the opt-in; set on every call, per device (cheap:
-      // driver attributes).
-      constexpr size_t smem = st_smem<W, R>();
-      GDN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                          cudaSharedmemCarveoutMaxShared));
-      GDN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(smem)));
-      kernel<<<static_cast<unsigned>(blocks), kStWarps * 32, smem, s>>>(
-          p.x, p.w, p.bias, k.cu, p.init, p.y, k.T, k.C, static_cast<int>(k.N), k.ncb);
-      GDN_CUDA_LAUNCH_CHECK("conv2_fwd_staged_kernel");
-    };
-    if (a.silu)
-      launch(conv2_fwd_staged_kernel<W, R, MB, kWarpSearch, true>);
-    else
-      launch(conv2_fwd_staged_kernel<W, R, MB, kWarpSearch, false>);
-  });
-}
-
-template <bool kStream>
-void backward_impl(const CausalConv1dBwd& a) {
-  if (!covered(a.x, a.weight, a.dy, a.dx, Tensor())) {
-    tiled().backward(a);
-    return;
-  }
+void backward(const CausalConv1dBwd& a) {
+  GDN_CHECK(covered(a.x, a.weight, a.dy, a.dx, Tensor()),
+            "causal_conv1d (cuda.sliding_window): a call outside its shape class (W = {}, C = {})",
+            a.weight.size(1), a.x.size(1));
   const Shape k = shape_of(a.x, a.weight, a.cu_seqlens);
   if (k.C == 0) return;
   const ConvBwdPtrs p = conv_bwd_ptrs(a);
@@ -795,7 +694,7 @@ void backward_impl(const CausalConv1dBwd& a) {
   const int N = static_cast<int>(k.N);
   cuda::Context& ctx = cuda::Context::get();
   cudaStream_t s = ctx.stream();
-  with_width<kMaxW>(k.W, "cuda.v2", [&](auto wc) {
+  with_width<kMaxW>(k.W, "cuda.sliding_window", [&](auto wc) {
     constexpr int W = decltype(wc)::value;
     if (k.T > 0) {
       auto launch = [&](auto kernel) {
@@ -810,45 +709,25 @@ void backward_impl(const CausalConv1dBwd& a) {
         launch_dw_reduce<W>(p, k, partial, G, s);
       };
       if (a.silu)
-        launch(conv2_bwd_kernel<W, true, kStream>);
+        launch(conv2_bwd_kernel<W, true>);
       else
-        launch(conv2_bwd_kernel<W, false, kStream>);
+        launch(conv2_bwd_kernel<W, false>);
     }
     launch_dinit<W>(p, k, a.silu, s);
   });
 }
 
-const CausalConv1dTable kTable{forward_runs<8, false>, backward_impl<false>};
-// cuda.v2cs, the default: the same kernels with evict-first (st.global.cs) stores of y and dx (an
-// output nobody rereads soon need not displace x and dy from L2). Measured on an H200
-// (docs/PERF.md run 14, same call, [8192, 8192] W 4, 1 / 4 / 16 documents): forward 82.3 / 82.8 /
-// 84.0 us against cuda.v2's 84.2 / 84.5 / 85.1, backward 122.3 / 121.6 / 121.4 against 127.3 /
-// 126.6 / 126.8. cuda.v2 (plain stores) stays for A/B.
-const CausalConv1dTable kTableCs{forward_runs<8, true>, backward_impl<true>};
-
-// Staged forwards (cuda.v2cs's backward), 16 tokens a thread, five blocks a multiprocessor.
-// Measured on the H200 ([8192, 8192] W 4 SiLU, 1 / 4 / 16 documents, one process, 3 rounds, us):
-// cuda.v2st5 70.2-70.4 / 71.4-71.7 / 76.1-76.5 (0.896 / 0.881 / 0.825 of copy) against cuda.v2cs's
-// 82.8-83.4 / 82.7-83.0 / 83.5-83.7 (0.755-0.762 / 0.759-0.762 / 0.753-0.754); dropped after that
-// run: four blocks (<= 128 registers) 70.1-70.4 / 71.7-71.8 / 76.8-77.1, 24 tokens a thread at
-// four blocks 71.1-71.5 / 73.0-73.2 / 79.3-79.5. cuda.v2sw, the default: cuda.v2st5 with the warp's
-// document found by find_doc_warp; second run (one process, 3 rounds): 70.3-70.7 / 71.5-71.9 /
-// 74.5-74.8 (0.897-0.903 / 0.882-0.887 / 0.848-0.852) against cuda.v2st5's 70.5-70.7 / 71.5-72.2
-// / 76.5-76.6 (0.828-0.830 at 16 documents) and cuda.v2cs's 83.8-84.7 / 83.4-83.6 / 84.2-84.7
-// (0.749-0.760). Backward unchanged (cuda.v2cs's): 122.6 / 121.8 / 121.4 (0.777-0.785).
-const CausalConv1dTable kTableSt5{forward_staged<16, 5, false>, backward_impl<true>};
-const CausalConv1dTable kTableSw{forward_staged<16, 5, true>, backward_impl<true>};
+// 16 tokens a thread and five blocks a multiprocessor in the forward (four blocks, and 24 tokens,
+// measured slower: docs/PERF.md).
+const CausalConv1dTable kTable{forward_staged<16, 5>, backward};
 
 }  // namespace
 
-GDN_REGISTER(causal_conv1d_cuda_v2) {
-  Registry::global().add_impl({"causal_conv1d", "cuda.v2", Backend::Cuda, 20, supports, &kTable});
+// Above cuda.tiled (priority 10) in the classes `supports` accepts (formerly "cuda.v2sw"; its
+// siblings cuda.v2, cuda.v2cs and cuda.v2st5 measured slower: docs/PERF.md).
+GDN_REGISTER(causal_conv1d_cuda_sliding_window) {
   Registry::global().add_impl(
-      {"causal_conv1d", "cuda.v2cs", Backend::Cuda, 25, supports, &kTableCs});
-  Registry::global().add_impl(
-      {"causal_conv1d", "cuda.v2st5", Backend::Cuda, 26, supports, &kTableSt5});
-  Registry::global().add_impl(
-      {"causal_conv1d", "cuda.v2sw", Backend::Cuda, 27, supports, &kTableSw});
+      {"causal_conv1d", "cuda.sliding_window", Backend::Cuda, 27, supports, &kTable});
 }
 
 }  // namespace gdn::ops

@@ -1,12 +1,12 @@
-// RMSNorm backward on CUDA with Hopper bulk copies ("cuda.bulk", and "cuda.bulkp2", the default:
-// see the registration): the same contract as cuda.rowwise (op.h; bf16 x/w/dy/dx, fp32 rstd and
-// dw), a different memory pipeline.
+// RMSNorm backward on CUDA with Hopper bulk copies ("cuda.sm90_bulk", the default for the shape
+// classes it covers: see `supports`): the same contract as cuda.rowwise (op.h; bf16 x/w/dy/dx,
+// fp32 rstd and dw), a different memory pipeline. The forward is cuda.rowwise's.
 //
-// Why: cuda.rowwise's backward reaches 0.66 of the copy rate at [8192, 4096] (PERF.md run 10),
-// with its loads issued by every thread into registers; a cp.async-staged version with deep
-// per-thread rings was slower still (0.59) because one block per multiprocessor worked on one row
-// at a time with a block barrier per row. Here a whole row of x and of dy arrives in shared memory
-// by two bulk copies (cp.async.bulk, one elected thread, completion counted in bytes on an
+// Why: cuda.rowwise's backward stays well below the copy rate at [8192, 4096] (measured:
+// docs/PERF.md), with its loads issued by every thread into registers; a cp.async-staged version
+// with deep per-thread rings was slower still because one block per multiprocessor worked on one
+// row at a time with a block barrier per row. Here a whole row of x and of dy arrives in shared
+// memory by two bulk copies (cp.async.bulk, one elected thread, completion counted in bytes on an
 // mbarrier), several rows are in process per multiprocessor at once, each by its own row group
 // with only a group-local barrier, and the ring keeps up to `stages` rows per group in flight.
 //
@@ -43,27 +43,22 @@
 // dx with 16-byte global stores and dw += dy * xhat in registers.
 // dw: at the end each group writes its sums to shared memory (the ring, now idle), the block adds
 // the groups in group order into one fp32 partial row per block, and column_sum_add_kernel
-// (memory_bound.cuh; cuda.bulkp2: its 32-slice form through launch_column_sum_add_pdl, launched as
-// a programmatic dependent that waits on the multiprocessors this kernel's blocks leave) sums the
+// (memory_bound.cuh: its 32-slice form through launch_column_sum_add_pdl, launched as a
+// programmatic dependent that waits on the multiprocessors this kernel's blocks leave) sums the
 // partial rows in a fixed order into dw. No float atomics: the result depends only on the shapes
 // and the device's multiprocessor count.
 //
-// Where the time goes (ncu, mem7, [8192, 4096], cuda.bulk): the kernel 52.4 us at 3.45 TB/s of
-// DRAM traffic (72% of peak; ~20 MB of dx still dirty in L2 when it ends, written back during
-// what follows), the dw sum 2.4 us, the rest launch gaps: 63-65 us per call in the benchmark.
-//
 // Covered: D % 8 == 0 (a row is a whole number of 16-byte units, so every row starts 16-byte
 // aligned), 16-byte aligned x, w, dy, dx, and kMinD <= D <= kMaxD (= 8 * kP * 256); the ring must
-// hold at least two stages. Anything else, and the forward (cuda.rowwise's reaches 0.83), runs
-// cuda.rowwise unchanged.
+// hold at least two stages. `supports` rejects every other shape class (the resolver then picks
+// cuda.rowwise); the forward is cuda.rowwise's, unchanged.
 //
 // Resources at D = 4096 (H200, 227 KB of shared memory per block): 128 threads per row, 4 rows in
-// process per multiprocessor, 3 stages of 16 KB per group (192 KB ring + 16 KB fp32 gw + 2 KB
-// static; up to 12 rows = 192 KB requested ahead per multiprocessor: after a row's group barrier
-// its slot is refilled, so 3 rows per group are in flight or waiting while one is computed),
-// 512 threads at 128 registers, no spills (nvcc 13.0, -Xptxas -v). Every width covered gets 3 to
-// 6 stages (G * 4 D is 32-64 KB); cuda.bulkp2 uses 2 (8 rows = 128 KB ahead per multiprocessor,
-// 17 MB for the grid instead of 25 MB), measured ~0.5 us faster at [8192, 4096].
+// process per multiprocessor, 2 stages of 16 KB per group (128 KB ring + 16 KB fp32 gw + 2 KB
+// static; 8 rows = 128 KB requested ahead per multiprocessor: after a row's group barrier its
+// slot is refilled), 512 threads at 128 registers, no spills (nvcc 13.0, -Xptxas -v). Every width
+// covered would fit 3 to 6 stages (G * 4 D is 32-64 KB); 2 measured faster (docs/PERF.md). The
+// first rows are requested before the w load, and the dw sum is a programmatic dependent.
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -91,10 +86,7 @@ constexpr int kMaxWarpsPerGroup = kMaxTpr / 32;
 constexpr int kMaxStages = 8;
 constexpr int kMinD = 1024;              // narrower rows: cuda.rowwise (not measured here)
 constexpr int kMaxD = 8 * kP * kMaxTpr;  // 8192
-// Flags of cuda.bulkp2 (mem7): the first rows requested before the w load (kernel), at most 2
-// ring stages (host side).
-constexpr int kEarly = 2;
-constexpr int kTwoStages = 4;
+constexpr int kRingStages = 2;           // ring stages per group (at most: see stages_for)
 
 // Sum of v over the caller's row group, bit-identical in every thread of the group. Groups of one
 // warp reduce by the xor butterfly (each partner adds the same two numbers). Wider groups: warp
@@ -132,7 +124,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                             const bf16_t* __restrict__ dy,   // [R, D]
                             bf16_t* __restrict__ dx,         // [R, D]
                             float* __restrict__ partial,     // [gridDim.x, D] dw partial rows
-                            int64_t R, int D, int tpr, int stages, float shift, int flags) {
+                            int64_t R, int D, int tpr, int stages, float shift) {
   // Dynamic shared memory: the ring [G][stages][2][D] bf16, then gw as float4 [2][D / 8].
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ uint64_t full[kMaxGroups * kMaxStages];  // [G][stages] mbarriers
@@ -144,11 +136,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int npacks = D / 8;
   const uint32_t row_bytes = static_cast<uint32_t>(D) * 2u;
   // This group's rows: first + i * step, i < n (its "iterations"), so that at any time the grid's
-  // groups work on nearby rows. mem7 measured the alternatives on the H200 at [8192, 4096]:
-  // contiguous per-block row ranges (62-63 rows each) 5% slower (the multiprocessors then stream
-  // from 132 regions at once); the group order g * gridDim.x + b, which spreads the last partial
-  // sweep (272 of 528 rows) over all blocks instead of the first 68, 0.3-0.6 us faster, as fast
-  // as two ring stages but not tried together with them (device run 2).
+  // groups work on nearby rows (contiguous per-block row ranges measured slower: the
+  // multiprocessors then stream from 132 regions at once; docs/PERF.md).
   const int64_t step = static_cast<int64_t>(gridDim.x) * G;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * G + g;
   const int64_t n = first < R ? (R - first + step - 1) / step : 0;
@@ -173,10 +162,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     cuda::cp_async_bulk_g2s(slot + D, dy + off, row_bytes, &bars[s]);
   };
   const bool producer = lane == 0;
-  // kEarly: the first rows are requested before w is read (the ring and sgw are disjoint), so the
-  // w round trip overlaps the first rows' instead of preceding them.
-  const bool early = (flags & kEarly) != 0;
-  if (producer && early)
+  // The first rows are requested before w is read (the ring and sgw are disjoint), so the w round
+  // trip overlaps the first rows' instead of preceding them.
+  if (producer)
     for (int i = 0; i < n && i < stages; ++i) request(i, i);
 
   // gw = w or 1 + w (formed in fp32) of pack c: sgw[c] (elements 0-3) and sgw[npacks + c] (4-7),
@@ -190,8 +178,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     sgw[npacks + c] = make_float4(shift + f[4], shift + f[5], shift + f[6], shift + f[7]);
   }
   __syncthreads();  // sgw complete
-  if (producer && !early)
-    for (int i = 0; i < n && i < stages; ++i) request(i, i);
 
   // This thread's dw sums (its columns are fixed over the rows).
   float acc[kP][8];
@@ -279,14 +265,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // --- host side ---------------------------------------------------------------------------------
 
-// cuda.rowwise (cuda.cu): the forward, and the backward of the calls this kernel does not cover.
+// cuda.rowwise (cuda.cu): the forward.
 const RmsNormTable& rowwise() {
   static const RmsNormTable* t = [] {
     for (const ImplDesc* i : Registry::global().impls("rmsnorm", Backend::Cuda))
       if (i->name == "cuda.rowwise") return static_cast<const RmsNormTable*>(i->table);
     return static_cast<const RmsNormTable*>(nullptr);
   }();
-  GDN_CHECK(t != nullptr, "rmsnorm (cuda.bulk): the fallback cuda.rowwise is not registered");
+  GDN_CHECK(t != nullptr, "rmsnorm (cuda.sm90_bulk): cuda.rowwise is not registered");
   return *t;
 }
 
@@ -336,16 +322,13 @@ bool covered(const RmsNormBwd& a) {
 
 void forward(const RmsNormFwd& a) { rowwise().forward(a); }
 
-// kPdl: the dw sum as a programmatic dependent (launch_column_sum_add_pdl, memory_bound.cuh)
-// instead of a plain second launch; kFlags: kEarly (kernel) and kTwoStages.
-template <bool kPdl, int kFlags>
+// The backward of the shape classes `supports` accepts (a call outside them is a resolver bug,
+// not a fallback); the dw sum as a programmatic dependent (launch_column_sum_add_pdl,
+// memory_bound.cuh).
 void backward(const RmsNormBwd& a) {
   const int64_t R = a.x.size(0), D = a.x.size(1);
   if (R == 0 || D == 0) return;  // dw += 0
-  if (!covered(a)) {
-    rowwise().backward(a);
-    return;
-  }
+  GDN_CHECK(covered(a), "rmsnorm (cuda.sm90_bulk): a call outside its shape class (D = {})", D);
   const bf16_t* x = reinterpret_cast<const bf16_t*>(a.x.ptr<bf16>());    // [R, D]
   const bf16_t* w = reinterpret_cast<const bf16_t*>(a.w.ptr<bf16>());    // [D]
   const float* rstd = a.rstd.ptr<float>();                               // [R]
@@ -353,8 +336,7 @@ void backward(const RmsNormBwd& a) {
   bf16_t* dx = reinterpret_cast<bf16_t*>(a.dx.ptr<bf16>());              // [R, D]
   float* dw = a.dw.ptr<float>();                                         // [D]
   const int tpr = tpr_for(D), G = kThreads / tpr;
-  const int stages =
-      (kFlags & kTwoStages) != 0 ? std::min(2, stages_for(D, tpr)) : stages_for(D, tpr);
+  const int stages = std::min(kRingStages, stages_for(D, tpr));
   const size_t smem = (static_cast<size_t>(stages) * G + 1) * 4 * static_cast<size_t>(D);
   cuda::Context& ctx = cuda::Context::get();
   static const int per_sm = [] {
@@ -363,51 +345,40 @@ void backward(const RmsNormBwd& a) {
                                                                  kThreads, smem_budget()));
     return b;
   }();
-  GDN_CHECK(per_sm >= 1, "rmsnorm (cuda.bulk): the backward kernel does not fit a multiprocessor");
+  GDN_CHECK(per_sm >= 1,
+            "rmsnorm (cuda.sm90_bulk): the backward kernel does not fit a multiprocessor");
   const int grid = static_cast<int>(std::min<int64_t>(
       (R + G - 1) / G, static_cast<int64_t>(ctx.sm_count()) * std::max(per_sm, 1)));
   float* partial = static_cast<float*>(  // [grid, D]
       ctx.scratch(static_cast<size_t>(grid) * static_cast<size_t>(D) * sizeof(float)));
   const float shift = a.zero_centred ? 1.f : 0.f;
   cudaStream_t s = ctx.stream();
-  rmsnorm_bulk_bwd_kernel<<<grid, kThreads, smem, s>>>(
-      x, w, rstd, dy, dx, partial, R, static_cast<int>(D), tpr, stages, shift, kFlags);
+  rmsnorm_bulk_bwd_kernel<<<grid, kThreads, smem, s>>>(x, w, rstd, dy, dx, partial, R,
+                                                       static_cast<int>(D), tpr, stages, shift);
   GDN_CUDA_LAUNCH_CHECK("rmsnorm_bulk_bwd_kernel");
-  if constexpr (kPdl) {
-    cuda::launch_column_sum_add_pdl(partial, dw, grid, static_cast<int>(D), s);
-  } else {
-    cuda::column_sum_add_kernel<><<<static_cast<unsigned>((D + 31) / 32), 256, 0, s>>>(
-        partial, dw, grid, static_cast<int>(D));
-    GDN_CUDA_LAUNCH_CHECK("column_sum_add_kernel");
-  }
+  cuda::launch_column_sum_add_pdl(partial, dw, grid, static_cast<int>(D), s);
 }
 
 // The shape classes whose backward this kernel covers (op.cpp's class_of: D and "vec"): the
-// resolver picks cuda.rowwise for the others. The default class (no dims: `ops run`) keeps the
-// bulk kernel, whose backward still hands a call it does not cover to cuda.rowwise (above).
+// resolver picks cuda.rowwise for every other class, the default one (no dims: `ops run`, whose
+// probe runs D = 97) included.
 std::string supports(const OpQuery& q) {
   const int64_t D = q.dim("D", -1);
-  if (D < 0) return "";
+  if (D < 0) return "needs the call's row width (shape class)";
   if (q.dim("vec", 0) == 0 || D % 8 != 0) return "rows are not whole 16-byte vectors";
   if (D < kMinD || D > kMaxD) return fmt::format("D = {} outside {}..{}", D, kMinD, kMaxD);
   if (stages_for(D, tpr_for(D)) < 2) return fmt::format("D = {}: fewer than 2 ring stages fit", D);
   return "";
 }
 
-const RmsNormTable kTable{forward, backward<false, 0>};
-const RmsNormTable kTableP2{forward, backward<true, kEarly | kTwoStages>};
+const RmsNormTable kTable{forward, backward};
 
 }  // namespace
 
-GDN_REGISTER(rmsnorm_cuda_bulk) {
-  Registry::global().add_impl({"rmsnorm", "cuda.bulk", Backend::Cuda, 20, supports, &kTable});
-  // The default since mem7: the dw sum as a programmatic dependent, the first rows requested
-  // before the w load, at most 2 ring stages. Device run 2 (H200, `cuda_bench_ops --iters 30
-  // --filter rmsnorm.bwd --rounds 3 --impls ...`, one process), [8192, 4096] plain / zero-centred,
-  // us: cuda.bulk 66.8 64.1 64.1 / 64.4 64.0 62.8; cuda.bulkp2 62.8 62.1 61.5 / 61.9 61.9 61.2
-  // (0.753-0.773 of the copy rate); [8192, 2048] 38.5-39.2 -> 36.8-37.2. Steps measured alone in
-  // the same process: the PDL dw sum 0-2 us, the early requests ~1 us, 2 stages ~0.5 us.
-  Registry::global().add_impl({"rmsnorm", "cuda.bulkp2", Backend::Cuda, 22, supports, &kTableP2});
+// Above cuda.rowwise (priority 10) in the classes `supports` accepts (measured: docs/PERF.md;
+// formerly "cuda.bulkp2").
+GDN_REGISTER(rmsnorm_cuda_sm90_bulk) {
+  Registry::global().add_impl({"rmsnorm", "cuda.sm90_bulk", Backend::Cuda, 22, supports, &kTable});
 }
 
 }  // namespace gdn::ops
