@@ -1,7 +1,8 @@
 // Real text through `prepare`: a tokenizer.json (the committed Qwen3.5-style fixture, 2,048 ids,
 // made by scripts/make_tokenizer_fixture.py), gzip and zstd inputs, output identical for any
 // thread count, shard merge, int32 ids above 65,535, clear errors for bad input, the trainer's
-// vocabulary check, and training end to end on prepared real text (the repository's docs).
+// vocabulary check, and training end to end on prepared real text (a frozen copy of the
+// repository's docs).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -28,7 +29,7 @@ namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 
 const std::string kTok = std::string(GDN_TEST_DATA_DIR) + "/tokenizer/qwen35_style_2k.json";
-const fs::path kDocs = fs::path(GDN_TEST_DATA_DIR) / ".." / ".." / "docs";
+const fs::path kCorpus = fs::path(GDN_TEST_DATA_DIR) / "text" / "docs_corpus.jsonl";
 
 fs::path temp_dir(const std::string& tag) {
   fs::path d = fs::temp_directory_path() / fmt::format("gdn_pt_{}_{}", ::getpid(), tag);
@@ -54,25 +55,15 @@ std::string error_of(const std::function<void()>& f) {
 }
 
 // Real English text as JSONL: every paragraph of the repository's docs is a document.
+// The paragraphs (over 40 characters) of the repository's docs as they stood on 2026-12-01, frozen
+// in tests/data/text/docs_corpus.jsonl (one {"text": ...} per line), so that the docs changing
+// never changes what these tests tokenize and train on.
 std::vector<std::string> doc_paragraphs(size_t max_docs) {
   std::vector<std::string> out;
-  std::vector<fs::path> files;
-  for (const auto& e : fs::directory_iterator(kDocs))
-    if (e.path().extension() == ".md") files.push_back(e.path());
-  std::sort(files.begin(), files.end());
-  for (const auto& f : files) {
-    std::istringstream in(slurp(f));
-    std::string line, para;
-    while (std::getline(in, line)) {
-      if (line.empty()) {
-        if (para.size() > 40) out.push_back(para);
-        para.clear();
-      } else {
-        para += (para.empty() ? "" : "\n") + line;
-      }
-      if (out.size() >= max_docs) return out;
-    }
-  }
+  std::istringstream in(slurp(kCorpus));
+  std::string line;
+  while (out.size() < max_docs && std::getline(in, line))
+    out.push_back(nlohmann::json::parse(line).at("text").get<std::string>());
   return out;
 }
 
