@@ -147,8 +147,10 @@ void save_checkpoint(CheckpointDir& cd, int64_t step, const model::Qwen35Config&
 
 TrainerState open_run(CheckpointDir& cd, const std::string& run_dir, const ConfigTree& cfg,
                       bool resume, const std::vector<model::ParamSpec>& specs,
-                      OptimizerState& state, std::vector<model::RawTensor>& untouched) {
+                      OptimizerState& state, std::vector<model::RawTensor>& untouched,
+                      bool writes) {
   if (!resume) {
+    if (!writes) return TrainerState{};
     // Never mix two runs in one directory (nor delete what an earlier run left there).
     GDN_CHECK_HINT(cd.list().empty(), "pass --resume to continue it, or choose another --run-dir",
                    "run directory '{}' already holds checkpoints of an earlier run", run_dir);
@@ -169,7 +171,7 @@ TrainerState open_run(CheckpointDir& cd, const std::string& run_dir, const Confi
   load_moments(*latest + "/optimizer.safetensors", state);
   const TrainerState st =
       parse_trainer_state(read_text_file(*latest + "/trainer.json"), *latest + "/trainer.json");
-  truncate_metrics(run_dir + "/metrics.jsonl", st.step);
+  if (writes) truncate_metrics(run_dir + "/metrics.jsonl", st.step);
   log::info("resuming from {} (step {})", *latest, st.step);
   return st;
 }

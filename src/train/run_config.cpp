@@ -161,6 +161,12 @@ void validate_train_config(const ConfigTree& cfg) {
   c.boolean("checkpoint.at_end");
   c.string("run.dir", true);
   c.boolean("resume.allow_changes");
+  // Data parallelism (data_parallel.h, docs/DISTRIBUTED.md). optimizer and full are accepted here
+  // and refused at start-up when the world size is > 1 (at 1 they run as replicate).
+  c.choice("dist.shard", {"replicate", "optimizer", "full"});
+  c.number("dist.timeout_s", 0, kInf, true, true, "a finite number of seconds > 0");
+  c.choice("dist.numa_bind", {"auto", "off"});
+  c.choice("dist.unshard_stream", {"comm", "compute"});
 
   if (c.problems().empty()) return;
   std::string msg =
