@@ -262,6 +262,12 @@ TrainerState parse_trainer_state(const std::string& text, const std::string& lab
               "{}: \"tokens_seen\" must be a finite number >= 0, got {}", label, v.dump());
     s.tokens_seen = v.get<double>();
   }
+  if (j.contains("world_size")) {
+    const auto& v = j["world_size"];
+    GDN_CHECK(v.is_number_integer() && v.get<int64_t>() >= 1,
+              "{}: \"world_size\" must be a positive integer, got {}", label, v.dump());
+    s.world_size = v.get<int64_t>();
+  }
   return s;
 }
 

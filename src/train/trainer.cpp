@@ -162,14 +162,15 @@ TrainerState Trainer::open_run_dir(OptimizerState& state) {
   TrainerState resumed;
   if (writes_run_dir()) {
     cd_->clean_temporaries();
-    resumed = open_run(*cd_, s_.run_dir, cfg_, opts_.resume, specs_, state, untouched_);
+    resumed =
+        open_run(*cd_, s_.run_dir, cfg_, opts_.resume, specs_, state, untouched_, dist_.world());
     write_file_atomic(s_.run_dir + "/config.json", cfg_.json().dump(2) + "\n");
     if (!opts_.quiet) log::info("effective configuration saved to {}/config.json", s_.run_dir);
   }
   if (dist_.distributed()) dist_.comm->barrier();
   if (!writes_run_dir())
     resumed = open_run(*cd_, s_.run_dir, cfg_, opts_.resume, specs_, state, untouched_,
-                       /*writes=*/false);
+                       dist_.world(), /*writes=*/false);
   return resumed;
 }
 
@@ -490,7 +491,7 @@ Trainer::Evaluation Trainer::evaluate() {
 
 void Trainer::checkpoint(int64_t steps_done) {
   if (!writes_run_dir()) return;  // rank 0 writes the (identical) replica's checkpoint
-  const TrainerState st{steps_done, res_.skipped_steps, tokens_total_};
+  const TrainerState st{steps_done, res_.skipped_steps, tokens_total_, dist_.world()};
   save_checkpoint(*cd_, steps_done, mcfg_, opt_->host_state(), untouched_,
                   trainer_state_json(st, s_.data_kind, s_.data_seed), cfg_.json());
 }
