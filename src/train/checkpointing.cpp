@@ -121,6 +121,7 @@ nlohmann::json trainer_state_json(const TrainerState& st, const std::string& dat
       {"step", st.step},
       {"skipped_steps", st.skipped_steps},
       {"tokens_seen", st.tokens_seen},
+      {"world_size", st.world_size},
       {"data", {{"kind", data_kind}, {"seed", data_seed}, {"next_step", st.step}}}};
 }
 
@@ -147,8 +148,10 @@ void save_checkpoint(CheckpointDir& cd, int64_t step, const model::Qwen35Config&
 
 TrainerState open_run(CheckpointDir& cd, const std::string& run_dir, const ConfigTree& cfg,
                       bool resume, const std::vector<model::ParamSpec>& specs,
-                      OptimizerState& state, std::vector<model::RawTensor>& untouched) {
+                      OptimizerState& state, std::vector<model::RawTensor>& untouched,
+                      int64_t world, bool writes) {
   if (!resume) {
+    if (!writes) return TrainerState{};
     // Never mix two runs in one directory (nor delete what an earlier run left there).
     GDN_CHECK_HINT(cd.list().empty(), "pass --resume to continue it, or choose another --run-dir",
                    "run directory '{}' already holds checkpoints of an earlier run", run_dir);
@@ -169,7 +172,18 @@ TrainerState open_run(CheckpointDir& cd, const std::string& run_dir, const Confi
   load_moments(*latest + "/optimizer.safetensors", state);
   const TrainerState st =
       parse_trainer_state(read_text_file(*latest + "/trainer.json"), *latest + "/trainer.json");
-  truncate_metrics(run_dir + "/metrics.jsonl", st.step);
+  if (st.world_size != world) {
+    GDN_CHECK_HINT(cfg.get_bool("resume.allow_changes"),
+                   fmt::format("start it with {} rank(s), or pass --set resume.allow_changes=true "
+                               "to continue with a global batch of another size",
+                               st.world_size),
+                   "--resume: {} was written by a run of {} rank(s), this one has {}: the step's "
+                   "batch (train.grad_accum x ranks) would change",
+                   *latest, st.world_size, world);
+    log::warn("--resume: {} was written by {} rank(s), continuing with {} (resume.allow_changes)",
+              *latest, st.world_size, world);
+  }
+  if (writes) truncate_metrics(run_dir + "/metrics.jsonl", st.step);
   log::info("resuming from {} (step {})", *latest, st.step);
   return st;
 }

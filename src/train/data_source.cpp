@@ -10,18 +10,31 @@ namespace gdn::train {
 
 namespace {
 
+// The global index of this rank's micro-batch `micro` of `step` (data_source.h).
+int64_t global_micro_batch(int64_t step, int64_t micro, int64_t accum, const DataShard& sh) {
+  GDN_CHECK(micro >= 0 && micro < accum, "micro-batch {} of a step of {}", micro, accum);
+  return (step * accum + micro) * sh.world + sh.rank;
+}
+
+void check_shard(const DataShard& sh) {
+  GDN_CHECK(sh.world >= 1 && sh.rank >= 0 && sh.rank < sh.world, "data shard: rank {} of {}",
+            sh.rank, sh.world);
+}
+
 class MqarSource final : public DataSource {
  public:
-  MqarSource(MqarConfig c, uint64_t seed, int64_t micro_tokens, int64_t accum)
-      : c_(c), seed_(seed), accum_(accum) {
+  MqarSource(MqarConfig c, uint64_t seed, int64_t micro_tokens, int64_t accum, DataShard shard)
+      : c_(c), seed_(seed), accum_(accum), shard_(shard) {
     validate(c_);
+    check_shard(shard_);
     per_batch_ = micro_tokens / c_.seq_len;
     GDN_CHECK_HINT(per_batch_ >= 1, "raise train.micro_batch_tokens or lower data.mqar.seq_len",
                    "train.micro_batch_tokens {} is smaller than one MQAR example ({} tokens)",
                    micro_tokens, c_.seq_len);
   }
   MicroBatch train_batch(int64_t step, int64_t micro) override {
-    return mqar_batch(c_, seed_, (step * accum_ + micro) * per_batch_, per_batch_);
+    return mqar_batch(c_, seed_, global_micro_batch(step, micro, accum_, shard_) * per_batch_,
+                      per_batch_);
   }
   std::vector<MicroBatch> eval_batches(int64_t count) override {
     std::vector<MicroBatch> out;
@@ -44,14 +57,22 @@ class MqarSource final : public DataSource {
  private:
   MqarConfig c_;
   uint64_t seed_;
-  int64_t accum_, per_batch_ = 1;
+  int64_t accum_;
+  DataShard shard_;
+  int64_t per_batch_ = 1;
 };
 
 class IndexedSource final : public DataSource {
  public:
   IndexedSource(const std::string& prefix, uint64_t seed, int64_t micro_tokens, int64_t accum,
-                double eval_fraction, int64_t vocab)
-      : ds_(prefix), seed_(seed), micro_tokens_(micro_tokens), accum_(accum), vocab_(vocab) {
+                double eval_fraction, int64_t vocab, DataShard shard)
+      : ds_(prefix),
+        seed_(seed),
+        micro_tokens_(micro_tokens),
+        accum_(accum),
+        vocab_(vocab),
+        shard_(shard) {
+    check_shard(shard_);
     auto lengths = ds_.document_lengths();
     const int64_t n = static_cast<int64_t>(lengths.size());
     GDN_CHECK(n >= 2, "dataset '{}' has {} documents; at least 2 are needed (train + eval)", prefix,
@@ -61,7 +82,7 @@ class IndexedSource final : public DataSource {
     eval_lengths_.assign(lengths.end() - n_eval_, lengths.end());
   }
   MicroBatch train_batch(int64_t step, int64_t micro) override {
-    int64_t g = step * accum_ + micro;
+    const int64_t g = global_micro_batch(step, micro, accum_, shard_);
     for (;;) {
       if (!plan_ || g - epoch_first_ < plan_->num_batches()) {
         if (!plan_) build_epoch(0, 0);
@@ -114,7 +135,9 @@ class IndexedSource final : public DataSource {
   }
   IndexedDataset ds_;
   uint64_t seed_;
-  int64_t micro_tokens_, accum_, vocab_, n_eval_ = 1;
+  int64_t micro_tokens_, accum_, vocab_;
+  DataShard shard_;
+  int64_t n_eval_ = 1;
   std::vector<int64_t> train_lengths_, eval_lengths_;
   std::unique_ptr<PackPlan> plan_;
   int64_t epoch_ = 0, epoch_first_ = 0;
@@ -123,14 +146,16 @@ class IndexedSource final : public DataSource {
 }  // namespace
 
 std::unique_ptr<DataSource> make_mqar_source(MqarConfig c, uint64_t seed, int64_t micro_tokens,
-                                             int64_t accum) {
-  return std::make_unique<MqarSource>(c, seed, micro_tokens, accum);
+                                             int64_t accum, DataShard shard) {
+  return std::make_unique<MqarSource>(c, seed, micro_tokens, accum, shard);
 }
 
 std::unique_ptr<DataSource> make_indexed_source(const std::string& prefix, uint64_t seed,
                                                 int64_t micro_tokens, int64_t accum,
-                                                double eval_fraction, int64_t vocab) {
-  return std::make_unique<IndexedSource>(prefix, seed, micro_tokens, accum, eval_fraction, vocab);
+                                                double eval_fraction, int64_t vocab,
+                                                DataShard shard) {
+  return std::make_unique<IndexedSource>(prefix, seed, micro_tokens, accum, eval_fraction, vocab,
+                                         shard);
 }
 
 }  // namespace gdn::train

@@ -161,6 +161,12 @@ void validate_train_config(const ConfigTree& cfg) {
   c.boolean("checkpoint.at_end");
   c.string("run.dir", true);
   c.boolean("resume.allow_changes");
+  // Data parallelism (data_parallel.h, docs/DISTRIBUTED.md). optimizer and full are accepted here
+  // and refused at start-up when the world size is > 1 (at 1 they run as replicate).
+  c.choice("dist.shard", {"replicate", "optimizer", "full"});
+  c.number("dist.timeout_s", 0, kInf, true, true, "a finite number of seconds > 0");
+  c.choice("dist.numa_bind", {"auto", "off"});
+  c.choice("dist.unshard_stream", {"comm", "compute"});
 
   if (c.problems().empty()) return;
   std::string msg =
@@ -255,6 +261,12 @@ TrainerState parse_trainer_state(const std::string& text, const std::string& lab
     GDN_CHECK(v.is_number() && std::isfinite(v.get<double>()) && v.get<double>() >= 0,
               "{}: \"tokens_seen\" must be a finite number >= 0, got {}", label, v.dump());
     s.tokens_seen = v.get<double>();
+  }
+  if (j.contains("world_size")) {
+    const auto& v = j["world_size"];
+    GDN_CHECK(v.is_number_integer() && v.get<int64_t>() >= 1,
+              "{}: \"world_size\" must be a positive integer, got {}", label, v.dump());
+    s.world_size = v.get<int64_t>();
   }
   return s;
 }

@@ -50,6 +50,10 @@ struct TrainerState {
   int64_t step = 0;
   int64_t skipped_steps = 0;
   double tokens_seen = 0;
+  // Ranks of the data-parallel run that wrote it (absent in older checkpoints: 1). The step's
+  // batch is grad_accum x world_size micro-batches, so a resume at another world size is refused
+  // like a changed train.grad_accum (unless resume.allow_changes).
+  int64_t world_size = 1;
 };
 // Parses and checks trainer.json's text; `label` names the file in errors.
 TrainerState parse_trainer_state(const std::string& text, const std::string& label);

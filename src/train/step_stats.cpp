@@ -24,12 +24,19 @@ std::string first_nonfinite(const model::Qwen35Model& m) {
 
 class HostStats final : public StepStatsReader {
  public:
+  explicit HostStats(dist::Comm* comm) : comm_(comm) {}
   bool deferred() const override { return false; }
   void add_micro_batch(int64_t, const model::StepStats& s, PendingStep& p) override {
     p.loss += s.loss;
     p.z_loss += s.z_loss;
   }
   GradCheck reduce(const model::Qwen35Model& m, PendingStep& p) override {
+    if (comm_ != nullptr) {  // each rank's losses are already over the global denominator
+      double sums[2] = {p.loss, p.z_loss};
+      comm_->all_reduce(sums, sums, 2, DType::F64, dist::ReduceOp::Sum);
+      p.loss = sums[0];
+      p.z_loss = sums[1];
+    }
     if (p.nonfinite.empty()) {
       ProfileRange pr("grad_norm");
       p.grad_norm = ops::grad_global_norm(m.grads());
@@ -44,6 +51,9 @@ class HostStats final : public StepStatsReader {
     return first_nonfinite(m);
   }
   double window_seconds(const PendingStep&) const override { return -1; }
+
+ private:
+  dist::Comm* comm_;
 };
 
 // The device keeps the step's losses and sum of squares in small tensors (the update reads them
@@ -51,8 +61,8 @@ class HostStats final : public StepStatsReader {
 // reads slot s one step later, when the next step's copies go to the other slot.
 class DeviceStats final : public StepStatsReader {
  public:
-  explicit DeviceStats(int64_t accum)
-      : accum_(accum), loss_bytes_(static_cast<size_t>(accum) * sizeof(float)) {
+  DeviceStats(int64_t accum, dist::Comm* comm)
+      : accum_(accum), comm_(comm), loss_bytes_(static_cast<size_t>(accum) * sizeof(float)) {
     loss_ = OwnedTensor::empty(DType::F32, {accum}, Device::CUDA);
     z_ = OwnedTensor::empty(DType::F32, {accum}, Device::CUDA);
     sumsq_ = OwnedTensor::empty(DType::F64, {1}, Device::CUDA);
@@ -74,6 +84,11 @@ class DeviceStats final : public StepStatsReader {
     if (!p.nonfinite.empty()) {  // a host-side check threw: make the device skip the update
       const float nan = std::numeric_limits<float>::quiet_NaN();
       copy_bytes(loss_.ptr<float>(), Device::CUDA, &nan, Device::CPU, sizeof(float));
+    }
+    if (comm_ != nullptr) {  // micro-batch k's losses summed over the ranks, in stream order
+      comm_->all_reduce(loss_.ptr<float>(), loss_.ptr<float>(), accum_, DType::F32,
+                        dist::ReduceOp::Sum);
+      comm_->all_reduce(z_.ptr<float>(), z_.ptr<float>(), accum_, DType::F32, dist::ReduceOp::Sum);
     }
     {
       ProfileRange pr("grad_norm");
@@ -133,6 +148,7 @@ class DeviceStats final : public StepStatsReader {
     StreamFence fence;
   };
   const int64_t accum_;
+  dist::Comm* const comm_;
   const size_t loss_bytes_;
   OwnedTensor loss_, z_, sumsq_;  // device: [accum] F32, [accum] F32, [1] F64
   std::array<Staged, 2> staged_;
@@ -142,10 +158,12 @@ class DeviceStats final : public StepStatsReader {
 
 }  // namespace
 
-std::unique_ptr<StepStatsReader> make_host_stats() { return std::make_unique<HostStats>(); }
+std::unique_ptr<StepStatsReader> make_host_stats(dist::Comm* comm) {
+  return std::make_unique<HostStats>(comm);
+}
 
-std::unique_ptr<StepStatsReader> make_device_stats(int64_t accum) {
-  return std::make_unique<DeviceStats>(accum);
+std::unique_ptr<StepStatsReader> make_device_stats(int64_t accum, dist::Comm* comm) {
+  return std::make_unique<DeviceStats>(accum, comm);
 }
 
 }  // namespace gdn::train

@@ -12,6 +12,7 @@
 #include <memory>
 #include <string>
 
+#include "dist/comm.h"
 #include "gdn/core/tensor.h"
 #include "model/qwen35.h"
 #include "train/optimizer.h"
@@ -39,8 +40,10 @@ class StepStatsReader {
   // Micro-batch k's statistics from the model's step (which computed them on the host when
   // !deferred(): model::StepOptions::host_stats).
   virtual void add_micro_batch(int64_t k, const model::StepStats& s, PendingStep& p) = 0;
-  // After the micro-batches: the gradient norm (host) or its sum of squares (device), and what
-  // the update needs to clip or skip.
+  // After the micro-batches (and the gradients' sum over the ranks): the gradient norm (host) or
+  // its sum of squares (device), and what the update needs to clip or skip. With a communicator
+  // the step's losses are summed over the ranks first: every rank then sees the global loss, and
+  // all skip a step that is not finite on any of them.
   virtual GradCheck reduce(const model::Qwen35Model& m, PendingStep& p) = 0;
   // After the update: the step's numbers on their way to the host; `ends_window`: it is a logging
   // step, whose progress line ends a tokens/s window.
@@ -53,9 +56,11 @@ class StepStatsReader {
   virtual double window_seconds(const PendingStep& p) const = 0;
 };
 
-// The cpu and ref backends.
-std::unique_ptr<StepStatsReader> make_host_stats();
-// cuda: two staging slots for `accum` micro-batches per step, and the timing ring.
-std::unique_ptr<StepStatsReader> make_device_stats(int64_t accum);
+// The cpu and ref backends. `comm`: null at world size 1, else the ranks of a replicated run
+// (host buffers).
+std::unique_ptr<StepStatsReader> make_host_stats(dist::Comm* comm = nullptr);
+// cuda: two staging slots for `accum` micro-batches per step, and the timing ring. `comm`: as
+// above (device buffers, NCCL on the compute stream).
+std::unique_ptr<StepStatsReader> make_device_stats(int64_t accum, dist::Comm* comm = nullptr);
 
 }  // namespace gdn::train

@@ -34,7 +34,9 @@ nlohmann::json default_train_config() {
     "log": {"every": 10},
     "checkpoint": {"every": 200, "keep": 2, "at_end": true},
     "run": {"dir": "runs/default"},
-    "resume": {"allow_changes": false}
+    "resume": {"allow_changes": false},
+    "dist": {"shard": "replicate", "timeout_s": 300.0, "numa_bind": "auto",
+             "unshard_stream": "comm"}
   })");
 }
 
@@ -52,7 +54,7 @@ Backend choose_backend(const std::string& device) {
 }
 
 std::unique_ptr<DataSource> make_data(const ConfigTree& cfg, const model::Qwen35Config& mcfg,
-                                      int64_t micro_tokens, int64_t accum) {
+                                      int64_t micro_tokens, int64_t accum, DataShard shard) {
   const std::string kind = cfg.get_string("data.kind");
   const uint64_t seed = static_cast<uint64_t>(cfg.get_int("data.seed"));
   if (kind == "mqar") {
@@ -61,11 +63,11 @@ std::unique_ptr<DataSource> make_data(const ConfigTree& cfg, const model::Qwen35
     GDN_CHECK(mq.vocab_size <= mcfg.vocab_size,
               "data.mqar.vocab_size {} exceeds the model vocabulary {}", mq.vocab_size,
               mcfg.vocab_size);
-    return make_mqar_source(mq, seed, micro_tokens, accum);
+    return make_mqar_source(mq, seed, micro_tokens, accum, shard);
   }
   if (kind == "indexed")
     return make_indexed_source(cfg.get_string("data.path"), seed, micro_tokens, accum,
-                               cfg.get_double("data.eval_fraction"), mcfg.vocab_size);
+                               cfg.get_double("data.eval_fraction"), mcfg.vocab_size, shard);
   GDN_FAIL_HINT("use mqar (built-in task) or indexed (a `gdntrain prepare` dataset)",
                 "data.kind '{}' is not a data source", kind);
 }
@@ -104,9 +106,18 @@ Trainer::Trainer(const ConfigTree& cfg, const TrainOptions& opt)
   // the start has passed every check, so a rejected start leaves the directory as it was.
   validate_train_config(cfg_);
   s_.run_dir = cfg_.get_string("run.dir");
-  if (!opts_.quiet) log::info("effective configuration:\n{}", cfg_.json().dump(2));
   s_.backend = choose_backend(cfg_.get_string("train.device"));
   s_.on_device = s_.backend == Backend::Cuda;
+  // Before any other work: the rank prefix, dist.shard checked against the world size, the
+  // communicator (NCCL picks this rank's GPU before the model touches it). Rank 0 alone talks.
+  dist_ = start_distributed(dist_config_from(cfg_), !s_.on_device);
+  sync_ = std::make_unique<GradSync>(dist_.comm.get());
+  if (dist_.rank() != 0) opts_.quiet = true;
+  if (!opts_.quiet) log::info("effective configuration:\n{}", cfg_.json().dump(2));
+  if (!opts_.quiet && dist_.distributed())
+    log::info("data parallel: {}, dist.shard = {}, {} ranks x {} micro-batches of {} tokens a step",
+              dist::describe(dist_.launch), cfg_.get_string("dist.shard"), dist_.world(),
+              cfg_.get_int("train.grad_accum"), cfg_.get_int("train.micro_batch_tokens"));
   OptimizerState state;  // host stores (cpu: the live ones; cuda: made only where needed)
   // On cuda a fresh run initialises the fp32 master weights on the device (the same Philox
   // draws, rng.h); the host stores are then made only when a checkpoint is written.
@@ -117,13 +128,8 @@ Trainer::Trainer(const ConfigTree& cfg, const TrainOptions& opt)
   init_model();
   const double t_model = since_launch();
 
-  cd_.emplace(s_.run_dir + "/checkpoints", static_cast<int>(cfg_.get_int("checkpoint.keep")));
-  cd_->clean_temporaries();
-  const TrainerState resumed =
-      open_run(*cd_, s_.run_dir, cfg_, opts_.resume, specs_, state, untouched_);
+  const TrainerState resumed = open_run_dir(state);
   start_step_ = next_step_ = resumed.step;
-  write_file_atomic(s_.run_dir + "/config.json", cfg_.json().dump(2) + "\n");
-  if (!opts_.quiet) log::info("effective configuration saved to {}/config.json", s_.run_dir);
   // The optimizer works where the gradients are (optimizer.h).
   const OptimizerConfig oc = optimizer_config_from(cfg_);
   if (s_.on_device) {
@@ -133,7 +139,7 @@ Trainer::Trainer(const ConfigTree& cfg, const TrainOptions& opt)
   } else {
     opt_ = make_host_optimizer(*model_, specs_, std::move(state), oc);
   }
-  metrics_.emplace(s_.run_dir + "/metrics.jsonl");
+  if (writes_run_dir()) metrics_.emplace(s_.run_dir + "/metrics.jsonl");
   log_start(t_params, t_model);
 
   res_.skipped_steps = resumed.skipped_steps;
@@ -144,7 +150,28 @@ Trainer::Trainer(const ConfigTree& cfg, const TrainOptions& opt)
             start_step_ + 1);
   GDN_CHECK(opts_.profile_step <= s_.steps, "--profile-step {} is past the last step {}",
             opts_.profile_step, s_.steps);
-  stats_ = s_.on_device ? make_device_stats(s_.accum) : make_host_stats();
+  stats_ = s_.on_device ? make_device_stats(s_.accum, dist_.comm.get())
+                        : make_host_stats(dist_.comm.get());
+}
+
+// Fresh or resumed (checkpointing.h); RUN_DIR/config.json is written once the start has passed
+// every check. In a data-parallel run rank 0 alone writes; the others read (a resume's
+// checkpoint) only after it is done.
+TrainerState Trainer::open_run_dir(OptimizerState& state) {
+  cd_.emplace(s_.run_dir + "/checkpoints", static_cast<int>(cfg_.get_int("checkpoint.keep")));
+  TrainerState resumed;
+  if (writes_run_dir()) {
+    cd_->clean_temporaries();
+    resumed =
+        open_run(*cd_, s_.run_dir, cfg_, opts_.resume, specs_, state, untouched_, dist_.world());
+    write_file_atomic(s_.run_dir + "/config.json", cfg_.json().dump(2) + "\n");
+    if (!opts_.quiet) log::info("effective configuration saved to {}/config.json", s_.run_dir);
+  }
+  if (dist_.distributed()) dist_.comm->barrier();
+  if (!writes_run_dir())
+    resumed = open_run(*cd_, s_.run_dir, cfg_, opts_.resume, specs_, state, untouched_,
+                       dist_.world(), /*writes=*/false);
+  return resumed;
 }
 
 Trainer::~Trainer() {
@@ -180,7 +207,7 @@ void Trainer::init_model() {
             "train.steps, train.grad_accum and train.micro_batch_tokens must be positive");
   s_.data_kind = cfg_.get_string("data.kind");
   s_.data_seed = static_cast<uint64_t>(cfg_.get_int("data.seed"));
-  data_ = make_data(cfg_, mcfg_, s_.micro_tokens, s_.accum);
+  data_ = make_data(cfg_, mcfg_, s_.micro_tokens, s_.accum, DataShard{dist_.rank(), dist_.world()});
   // One micro-batch per step: its gradients can live in activation memory the backward has
   // consumed (qwen35.h, GradMemory); with several they must accumulate in an arena of their own.
   model_ = std::make_unique<model::Qwen35Model>(mcfg_, s_.backend, data_->max_tokens(),
@@ -239,7 +266,7 @@ double Trainer::since_launch() const {
 TrainResult Trainer::run() {
   while (next_step_ < s_.steps && !stopped_) step();
   if (!stopped_) finish_pending();
-  metrics_->close();
+  if (metrics_) metrics_->close();
   log_final();
   return res_;
 }
@@ -252,6 +279,9 @@ bool Trainer::step() {
     begin_profile();
   }
   PendingStep cur = forward_backward(step);
+  // Data parallel: the gradients summed over the ranks (nothing at world size 1); every rank
+  // then computes the same norm and makes the same update.
+  sync_->all_reduce_grads(*model_);
   const GradCheck check = stats_->reduce(*model_, cur);
   // The previous step's host side, while the device works on this one; before the update, so
   // that its Adam step count knows whether that step was skipped.
@@ -283,6 +313,15 @@ PendingStep Trainer::forward_backward(int64_t step) {
     cur.tokens += mbs.back().num_tokens();
   }
   for (const MicroBatch& mb : mbs) cur.flops += step_flops(mcfg_, mb);
+  if (sync_->active()) {
+    // The loss is a mean over the global step's targets: every rank divides by the same count,
+    // and the step's tokens and FLOPs are the whole job's. Exact in doubles below 2^53.
+    double sums[3] = {static_cast<double>(denom), static_cast<double>(cur.tokens), cur.flops};
+    sync_->sum_host(sums);
+    denom = static_cast<int64_t>(sums[0]);
+    cur.tokens = static_cast<int64_t>(sums[1]);
+    cur.flops = sums[2];
+  }
   try {
     for (size_t k = 0; k < mbs.size(); ++k) {
       model::StepOptions so;
@@ -326,7 +365,8 @@ bool Trainer::finish(PendingStep& q) {
       {"step", q.step + 1},           {"loss", q.loss},     {"z_loss", q.z_loss},
       {"grad_norm", q.grad_norm},     {"lr", q.lr},         {"tokens", q.tokens},
       {"tokens_seen", tokens_total_}, {"skipped", !finite}, {"elapsed_s", elapsed}};
-  const bool do_eval = evals_at(q.step);
+  // The replicas are identical: rank 0 alone evaluates (and records it).
+  const bool do_eval = evals_at(q.step) && writes_run_dir();
   if (do_eval) {
     const Evaluation e = evaluate();
     rec["eval_loss"] = e.loss;
@@ -335,7 +375,7 @@ bool Trainer::finish(PendingStep& q) {
     res_.eval_accuracy = e.accuracy;
   }
   if (logs_at(q.step)) log_progress(q, rec, now, do_eval);
-  metrics_->write(rec);
+  if (metrics_) metrics_->write(rec);
   if (checkpoints_at(q.step)) checkpoint(q.step + 1);
   return stops_at(q.step);
 }
@@ -374,7 +414,9 @@ void Trainer::log_progress(const PendingStep& q, nlohmann::json& rec, Clock::tim
       device_s > 0 ? device_s : std::chrono::duration<double>(now - window_t0_).count();
   const double tps = window > 0 ? window_tokens_ / window : 0;
   rec["tokens_per_s"] = tps;
-  if (s_.on_device) rec["mfu"] = window > 0 ? window_flops_ / window / kPeakFlops : 0.0;
+  // MFU per GPU: the window's FLOPs are the whole job's.
+  if (s_.on_device)
+    rec["mfu"] = window > 0 ? window_flops_ / dist_.world() / window / kPeakFlops : 0.0;
   if (!opts_.quiet) {
     const int64_t step = q.step;
     const double eta = (step + 1 > start_step_)
@@ -448,7 +490,8 @@ Trainer::Evaluation Trainer::evaluate() {
 }
 
 void Trainer::checkpoint(int64_t steps_done) {
-  const TrainerState st{steps_done, res_.skipped_steps, tokens_total_};
+  if (!writes_run_dir()) return;  // rank 0 writes the (identical) replica's checkpoint
+  const TrainerState st{steps_done, res_.skipped_steps, tokens_total_, dist_.world()};
   save_checkpoint(*cd_, steps_done, mcfg_, opt_->host_state(), untouched_,
                   trainer_state_json(st, s_.data_kind, s_.data_seed), cfg_.json());
 }
@@ -476,7 +519,7 @@ void Trainer::end_profile(int64_t step, int64_t tokens) {
   res_.profile = prof_->rows();
   res_.profile_step_ms = wall_ms;
   prof_.reset();
-  write_profile(s_.run_dir, step + 1, res_.profile, wall_ms, tokens);
+  if (writes_run_dir()) write_profile(s_.run_dir, step + 1, res_.profile, wall_ms, tokens);
   if (!opts_.quiet)
     log::info("profile of step {} ({} tokens, {} backend; {}, synchronised step):\n{}", step + 1,
               tokens, backend_name(s_.backend),

@@ -27,7 +27,9 @@
 #include "model/weights.h"
 #include "train/checkpoint_dir.h"
 #include "train/config_tree.h"
+#include "train/data_parallel.h"
 #include "train/metrics.h"
+#include "train/run_config.h"
 #include "train/schedule.h"
 #include "train/step_stats.h"
 
@@ -70,6 +72,11 @@ struct TrainOptions {
 // step: the micro-batches' forward and backward, the update, and the host side of a step (skip
 // accounting, metrics, progress line, evaluation, checkpoint), which on the device is that of the
 // previous step (step_stats.h). run() steps until train.steps or --stop-after.
+//
+// Under a launcher with world size > 1 (data_parallel.h, docs/DISTRIBUTED.md) every rank runs
+// this loop on its own slice of each step's micro-batches, and GradSync sums the gradients between
+// the backward and the update; rank 0 alone prints progress and writes RUN_DIR (config.json,
+// metrics.jsonl, checkpoints, profiles), the others wait for it where they read RUN_DIR.
 class Trainer {
  public:
   Trainer(const ConfigTree& cfg, const TrainOptions& opt);
@@ -102,6 +109,8 @@ class Trainer {
   };
   void init_weights(OptimizerState& state, bool device_init);
   void init_model();
+  TrainerState open_run_dir(OptimizerState& state);
+  bool writes_run_dir() const { return dist_.rank() == 0; }
   void log_start(double t_params, double t_model) const;
   PendingStep forward_backward(int64_t step);
   bool finish_pending();
@@ -121,8 +130,10 @@ class Trainer {
   bool checkpoints_at(int64_t step) const;
 
   const ConfigTree cfg_;
-  const TrainOptions opts_;
+  TrainOptions opts_;  // quiet on every rank but 0
   Settings s_;
+  DistContext dist_;  // world size 1 without a launcher: no communicator
+  std::unique_ptr<GradSync> sync_;
   Clock::time_point t_launch_;
   double before_run_ = 0;  // seconds from the process start to the trainer's
   model::Qwen35Config mcfg_;

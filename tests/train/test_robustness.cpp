@@ -306,9 +306,12 @@ TEST(Robustness, TrainerStateIsChecked) {
   EXPECT_EQ(parse_trainer_state(R"({"step": 4, "skipped_steps": 1, "tokens_seen": 512})", "t")
                 .skipped_steps,
             1);
+  EXPECT_EQ(parse_trainer_state(R"({"step": 4})", "t").world_size, 1);  // older checkpoints
+  EXPECT_EQ(parse_trainer_state(R"({"step": 4, "world_size": 8})", "t").world_size, 8);
   for (const char* bad :
        {"", "[]", R"({"step": "4"})", R"({"step": -1})", R"({"step": 2, "skipped_steps": 3})",
-        R"({"step": 2, "tokens_seen": "x"})", R"({"step": 2, "skipped_steps": 1.5})"}) {
+        R"({"step": 2, "tokens_seen": "x"})", R"({"step": 2, "skipped_steps": 1.5})",
+        R"({"step": 2, "world_size": 0})", R"({"step": 2, "world_size": "2"})"}) {
     const std::string e = error_of([&] { parse_trainer_state(bad, "trainer.json"); });
     EXPECT_NE(e.find("trainer.json"), std::string::npos) << bad << ": " << e;
   }
