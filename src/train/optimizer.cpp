@@ -42,15 +42,21 @@ class HostOptimizer final : public Optimizer {
       : model_(model), specs_(specs), state_(std::move(state)), oc_(oc) {
     state_.ensure(specs_);
     model_.load_params(state_.master);
+    // The fp64 reference backend's gradients are F64; the fp32 update reads an F32 copy of them.
+    const bool f64_grads = model_.backend() == Backend::Ref;
+    if (f64_grads) grad32_ = model::ParamStore(specs_);
     for (size_t i = 0; i < specs_.size(); ++i)
-      params_.push_back({state_.master.tensor(i), model_.grad(i), state_.m.tensor(i),
-                         state_.v.tensor(i), Tensor(), decays(specs_[i].name), specs_[i].name});
+      params_.push_back({state_.master.tensor(i), f64_grads ? grad32_.tensor(i) : model_.grad(i),
+                         state_.m.tensor(i), state_.v.tensor(i), Tensor(), decays(specs_[i].name),
+                         specs_[i].name});
   }
 
   void step(double lr, int64_t t, const GradCheck& check) override {
     if (!std::isfinite(check.loss) || !std::isfinite(check.grad_norm)) return;  // skipped
     const ops::AdamWHyper h = hyper_at(oc_, lr, t, ops::clip_scale(check.grad_norm, oc_.clip));
     ProfileRange pr("optimizer");
+    if (grad32_.size() != 0)
+      for (size_t i = 0; i < specs_.size(); ++i) model_.read_grad(i, grad32_.tensor(i));
     ops::adamw_step(params_, h);
     model_.load_params(state_.master);
   }
@@ -63,6 +69,7 @@ class HostOptimizer final : public Optimizer {
   const std::vector<model::ParamSpec> specs_;  // params_ names point into it
   OptimizerState state_;
   const OptimizerConfig oc_;
+  model::ParamStore grad32_;  // Backend::Ref only: the gradients rounded to F32 for the update
   std::vector<ops::AdamWParam> params_;
 };
 

@@ -384,5 +384,26 @@ TEST(Trainer, CliRefusesNonPositiveCounts) {
   fs::remove_all(a);
 }
 
+// train.device = ref (fp64 model, the check backend) trains: its F64 gradients reach the fp32
+// update through an F32 copy, and its losses follow the cpu backend's (fp32) to fp32 precision.
+TEST(Trainer, TrainsOnTheRefBackendLikeTheCpuOne) {
+  TrainOptions quiet;
+  quiet.quiet = true;
+  std::vector<TrainResult> runs;
+  for (const char* dev : {"ref", "cpu"}) {
+    fs::path d = temp_dir(fmt::format("dev_{}", dev));
+    auto c = small_config(d, 4);
+    c.set(fmt::format("train.device=\"{}\"", dev));
+    c.set("checkpoint.at_end=false");
+    runs.push_back(run_training(c, quiet));
+    fs::remove_all(d);
+  }
+  ASSERT_EQ(runs[0].losses.size(), 4u);
+  ASSERT_EQ(runs[1].losses.size(), 4u);
+  EXPECT_EQ(runs[0].skipped_steps, 0);
+  for (size_t i = 0; i < 4; ++i)
+    EXPECT_NEAR(runs[0].losses[i], runs[1].losses[i], 1e-4 * runs[1].losses[i]) << "step " << i + 1;
+}
+
 }  // namespace
 }  // namespace gdn::train
