@@ -1,6 +1,7 @@
 // The per-process CUDA context (ARCHITECTURE.md §5, §7): the device, its properties, the one
 // compute stream every kernel and library call is issued on, a cuBLASLt handle and its workspace,
-// and a grow-only scratch buffer for kernels' temporaries. Created on first use (the first device
+// and the scratch() of kernels' temporaries (a bound, planned op workspace, or else a grow-only
+// buffer). Created on first use (the first device
 // allocation, copy or kernel) and deliberately never destroyed: tearing down a stream or a cuBLASLt
 // handle from a static destructor after the CUDA runtime has unloaded crashes, and the driver frees
 // everything at exit anyway.
@@ -39,11 +40,30 @@ class Context {
   void* workspace() const { return workspace_; }
   size_t workspace_bytes() const { return workspace_bytes_; }
 
-  // At least `bytes` of device memory for one op's temporaries (e.g. per-block partial sums).
-  // Stream-ordered: valid for work enqueued on stream() until the next scratch() call. Grows
-  // (synchronising the stream first) and never shrinks, so a training step allocates nothing once
-  // its first step has run.
-  void* scratch(size_t bytes);
+  // At least `bytes` of device memory for one op's temporaries (e.g. per-block partial sums);
+  // `op` names the requesting op in errors. Stream-ordered: valid for work enqueued on stream()
+  // until the next scratch() call.
+  //  - While a workspace is bound (bind_workspace; the model binds its planned "op workspace"
+  //    region for a step, ARCHITECTURE.md §7) it returns that region, and a request larger than it
+  //    throws gdn::Error naming `op` and both sizes (check_op_workspace of
+  //    gdn/backend/op_workspace.h): never a grow.
+  //  - While nothing is bound (unit tests, `ops run`, probes, benchmarks, and for now the
+  //    optimizer) it keeps the grow-only behaviour: grows (synchronising the stream first) and
+  //    never shrinks, so a training step allocates nothing once its first step has run.
+  void* scratch(size_t bytes, const char* op = nullptr);
+
+  // Binds [ptr, ptr + bytes) as the op workspace that scratch() hands out, until unbound. The
+  // region is the caller's (nothing is freed); binding replaces an earlier binding (use
+  // ScopedWorkspace to restore it). A 0-byte region (ptr may then be null) is a binding too: every
+  // non-zero request is then an error.
+  void bind_workspace(void* ptr, size_t bytes);
+  void unbind_workspace();
+  bool workspace_bound() const { return bound_; }
+
+  // Test hook: the largest `bytes` any scratch() call asked for since the last reset (bound or
+  // not), so that GPU tests can check an op's requests against its declared bound.
+  size_t peak_scratch_request() const { return peak_request_; }
+  void reset_peak_scratch_request() { peak_request_ = 0; }
 
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;
@@ -59,6 +79,25 @@ class Context {
   std::mutex scratch_mu_;
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
+  friend class ScopedWorkspace;
+  bool bound_ = false;
+  void* bound_ptr_ = nullptr;
+  size_t bound_bytes_ = 0;
+  size_t peak_request_ = 0;
+};
+
+// Binds a planned op workspace for a scope and restores the previous binding (or none) on exit.
+class ScopedWorkspace {
+ public:
+  ScopedWorkspace(void* ptr, size_t bytes);
+  ~ScopedWorkspace();
+  ScopedWorkspace(const ScopedWorkspace&) = delete;
+  ScopedWorkspace& operator=(const ScopedWorkspace&) = delete;
+
+ private:
+  bool prev_bound_ = false;
+  void* prev_ = nullptr;
+  size_t prev_bytes_ = 0;
 };
 
 // Shorthand for the compute stream.

@@ -7,6 +7,7 @@
 
 #include "gdn/backend/cuda_check.h"
 #include "gdn/backend/cuda_context.h"
+#include "gdn/backend/op_workspace.h"
 #include "gdn/core/arena.h"
 #include "gdn/core/log.h"
 #include "gdn/core/profile.h"
@@ -222,8 +223,13 @@ Context::Context() {
              format_bytes(static_cast<double>(props_.totalGlobalMem)));
 }
 
-void* Context::scratch(size_t bytes) {
+void* Context::scratch(size_t bytes, const char* op) {
   std::lock_guard lock(scratch_mu_);
+  peak_request_ = std::max(peak_request_, bytes);
+  if (bound_) {
+    check_op_workspace(op, bytes, bound_bytes_);
+    return bound_ptr_;
+  }
   if (bytes <= scratch_bytes_) return scratch_;
   // Earlier work on the stream may still read the old buffer.
   note_drain();
@@ -236,6 +242,38 @@ void* Context::scratch(size_t bytes) {
   GDN_CUDA_CHECK(cudaMalloc(&scratch_, want));
   scratch_bytes_ = want;
   return scratch_;
+}
+
+void Context::bind_workspace(void* ptr, size_t bytes) {
+  GDN_CHECK(ptr != nullptr || bytes == 0, "bind_workspace: a null region of {} bytes", bytes);
+  std::lock_guard lock(scratch_mu_);
+  bound_ = true;
+  bound_ptr_ = ptr;
+  bound_bytes_ = bytes;
+}
+
+void Context::unbind_workspace() {
+  std::lock_guard lock(scratch_mu_);
+  bound_ = false;
+  bound_ptr_ = nullptr;
+  bound_bytes_ = 0;
+}
+
+ScopedWorkspace::ScopedWorkspace(void* ptr, size_t bytes) {
+  Context& ctx = Context::get();
+  prev_bound_ = ctx.bound_;
+  prev_ = ctx.bound_ptr_;
+  prev_bytes_ = ctx.bound_bytes_;
+  ctx.bind_workspace(ptr, bytes);
+}
+
+ScopedWorkspace::~ScopedWorkspace() {
+  Context& ctx = Context::get();
+  if (prev_bound_) {
+    ctx.bind_workspace(prev_, prev_bytes_);
+  } else {
+    ctx.unbind_workspace();
+  }
 }
 
 }  // namespace gdn::cuda

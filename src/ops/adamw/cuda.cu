@@ -58,6 +58,7 @@ constexpr int64_t kUnit = int64_t{kThreads} * kGroups * 4;  // elements per bloc
 constexpr int kSumG = 8;
 constexpr int64_t kSumStep = int64_t{kThreads} * kSumG * 4;  // 8192
 constexpr int64_t kSumUnit = 4 * kSumStep;                   // 32768
+static_assert(kSumUnit == kAdamWSumUnit, "op.h's workspace functions use kAdamWSumUnit");
 
 // Up to kMaxTensors tensors of one launch; kPtrs pointers per tensor (adamw: p, g, m, v, p_bf16;
 // grad_sumsq: g; refresh: master, copy). Tensors with no element are never added, so first_unit
@@ -473,7 +474,7 @@ void step(const AdamWStep& s) {
   float* ctl = nullptr;
   const AdamWClip& c = s.clip;
   if (c.sumsq.defined()) {
-    ctl = static_cast<float*>(ctx.scratch(2 * sizeof(float)));
+    ctl = static_cast<float*>(ctx.scratch(kAdamWClipBytes, "adamw"));
     const bool lf = c.losses.defined();
     adamw_clip_kernel<<<1, 1, 0, stream>>>(c.sumsq.ptr<double>(), lf ? c.losses.data() : nullptr,
                                            lf ? static_cast<int>(c.losses.numel()) : 0,
@@ -501,15 +502,15 @@ void step(const AdamWStep& s) {
 // The sum of squares into *dst (device memory), on the compute stream.
 void sumsq_to(std::span<const Tensor> grads, double* dst) {
   int64_t total = 0;
-  for (const Tensor& g : grads) total += units_of(g.numel(), kSumUnit);
+  for (const Tensor& g : grads) total += adamw_sumsq_units(g.numel());
   cuda::Context& ctx = cuda::Context::get();
   cudaStream_t stream = ctx.stream();
   if (total == 0) {
     GDN_CUDA_CHECK(cudaMemsetAsync(dst, 0, sizeof(double), stream));
     return;
   }
-  double* partial = static_cast<double*>(  // [total]: the unit sums
-      ctx.scratch(static_cast<size_t>(total) * sizeof(double)));
+  double* partial = static_cast<double*>(  // [total]: the unit sums (and grad_sumsq's result)
+      ctx.scratch(adamw_sumsq_bytes(total), "adamw"));
   auto launch = [&](const TensorList<1>& l, int64_t units, int64_t first) {
     grad_sumsq_kernel<<<static_cast<unsigned>(units), kThreads, 0, stream>>>(l, partial + first);
     GDN_CUDA_LAUNCH_CHECK("grad_sumsq_kernel");
@@ -529,9 +530,8 @@ double grad_sumsq(std::span<const Tensor> grads) {
   cuda::Context& ctx = cuda::Context::get();
   // The result after the unit sums (scratch is reused by sumsq_to: one extra double at the end).
   int64_t total = 0;
-  for (const Tensor& g : grads) total += units_of(g.numel(), kSumUnit);
-  double* res =
-      static_cast<double*>(ctx.scratch(static_cast<size_t>(total + 1) * sizeof(double))) + total;
+  for (const Tensor& g : grads) total += adamw_sumsq_units(g.numel());
+  double* res = static_cast<double*>(ctx.scratch(adamw_sumsq_bytes(total), "adamw")) + total;
   sumsq_to(grads, res);
   // The contract returns a host double: the one synchronisation of the optimizer's calls.
   double result = 0.0;

@@ -54,6 +54,9 @@
 // per-element path.
 #pragma once
 
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
 #include <span>
 #include <string_view>
 
@@ -132,5 +135,25 @@ void adamw_refresh_bf16(std::span<const Bf16Copy> copies);
 
 // The dtype of p, g, m, v for a backend's activation dtype (F64 for ref, F32 otherwise).
 inline DType adamw_state_dtype(DType act) { return act == DType::F64 ? DType::F64 : DType::F32; }
+
+// CUDA workspace (gdn/backend/op_workspace.h). A step with a clip takes kAdamWClipBytes (its
+// control: 2 fp32); grad_sumsq / grad_sumsq_into take one fp64 partial sum per kAdamWSumUnit
+// elements of each gradient plus one for the result (adamw_sumsq_bytes of the gradients' units).
+// adamw_workspace_bytes bounds every request of the optimizer's calls over gradients of the given
+// element counts. The optimizer runs outside the model's planned step: until its caller binds a
+// region (cuda::Context::bind_workspace) it keeps the unbound, grow-only scratch.
+inline constexpr int64_t kAdamWSumUnit = 32768;
+inline constexpr size_t kAdamWClipBytes = 2 * sizeof(float);
+inline int64_t adamw_sumsq_units(int64_t numel) {
+  return (std::max<int64_t>(numel, 0) + kAdamWSumUnit - 1) / kAdamWSumUnit;
+}
+inline size_t adamw_sumsq_bytes(int64_t units) {
+  return static_cast<size_t>(units + 1) * sizeof(double);
+}
+inline size_t adamw_workspace_bytes(std::span<const int64_t> grad_numels) {
+  int64_t units = 0;
+  for (const int64_t n : grad_numels) units += adamw_sumsq_units(n);
+  return std::max(kAdamWClipBytes, adamw_sumsq_bytes(units));
+}
 
 }  // namespace gdn::ops

@@ -72,8 +72,9 @@ constexpr int kThreads = 128;          // 4 warps
 constexpr int kWarps = kThreads / 32;  // token groups of a tile
 constexpr int kCV = 4;                 // channels per lane (one 8-byte shared-memory read)
 constexpr int kBC = 32 * kCV;          // channels per tile (256 bytes of a row)
-constexpr int kTT = 16;                // tokens per warp
-constexpr int kBT = kWarps * kTT;      // tokens per tile
+static_assert(kBC <= kCausalConv1dMaxColumn, "op.h's workspace bound assumes wider columns");
+constexpr int kTT = 16;            // tokens per warp
+constexpr int kBT = kWarps * kTT;  // tokens per tile
 constexpr int kMaxS = static_cast<int>(kConvMaxWidth) - 1;
 constexpr int kDocSlots = kBT + kMaxS;  // tile tokens + the backward's u look-ahead
 
@@ -633,7 +634,7 @@ void backward(const CausalConv1dBwd& a) {
           resident_blocks(reinterpret_cast<const void*>(conv_bwd_kernel<W>), kThreads, bwd_smem(W));
       const int64_t G = std::clamp<int64_t>(fit / k.ncb, 1, k.ntiles);
       float* partial = static_cast<float*>(  // [G, W+1, C]
-          ctx.scratch(static_cast<size_t>(G * (W + 1) * k.C) * sizeof(float)));
+          ctx.scratch(causal_conv1d_partial_bytes(G, W, k.C), "causal_conv1d"));
       const dim3 grid(static_cast<unsigned>(G), static_cast<unsigned>(k.ncb));
       conv_bwd_kernel<W><<<grid, kThreads, bwd_smem(W), s>>>(x, w, bias, k.cu, init, dy, dfin, dx,
                                                              partial, k.T, k.C, N, k.ntiles, a.silu,

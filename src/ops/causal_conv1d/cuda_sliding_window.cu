@@ -70,9 +70,10 @@ namespace {
 
 constexpr int kV = 8;         // channels per lane: one 16-byte pack of a row
 constexpr int kCB = 32 * kV;  // channels per warp (and per block column): 512 bytes of a row
-constexpr int kK = 8;         // rows per stage (one cp.async commit group)
-constexpr int kMaxW = 4;      // widths this kernel covers (W > 4 runs cuda.tiled)
-constexpr int kMinSeg = 64;   // shortest segment a warp is given (halo and setup amortise)
+static_assert(kCB <= kCausalConv1dMaxColumn, "op.h's workspace bound assumes wider columns");
+constexpr int kK = 8;        // rows per stage (one cp.async commit group)
+constexpr int kMaxW = 4;     // widths this kernel covers (W > 4 runs cuda.tiled)
+constexpr int kMinSeg = 64;  // shortest segment a warp is given (halo and setup amortise)
 
 // Backward: 2 warps a block, 3 stages of (x, dy) a warp (2 in flight while one is computed,
 // 16 KB a warp), 24 KB a warp; 4 blocks (8 warps, 2 per scheduler) a multiprocessor, <= 255
@@ -701,7 +702,8 @@ void backward(const CausalConv1dBwd& a) {
         const int64_t G =
             blocks_per_column(reinterpret_cast<const void*>(kernel), kBwdWarps, bwd_smem(), k);
         float* partial = static_cast<float*>(  // [G, W+1, C]
-            ctx.scratch(static_cast<size_t>(G * (W + 1) * k.C) * sizeof(float)));
+            ctx.scratch(causal_conv1d_partial_bytes(G, W, k.C),
+                        "causal_conv1d (cuda.sliding_window)"));
         const dim3 grid(static_cast<unsigned>(G), static_cast<unsigned>(k.ncb));
         kernel<<<grid, kBwdWarps * 32, bwd_smem(), s>>>(x, w, bias, k.cu, init, dy, dfin, dx,
                                                         partial, k.T, k.C, N);

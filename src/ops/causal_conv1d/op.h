@@ -53,8 +53,11 @@
 //   synchronise).
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
 #include <vector>
 
+#include "gdn/backend/op_workspace.h"
 #include "gdn/core/tensor.h"
 
 namespace gdn::ops {
@@ -111,6 +114,29 @@ inline std::vector<int64_t> causal_conv1d_bounds(const Tensor& cu_seqlens, int64
   if (!cu_seqlens.defined()) return {0, T};
   const int32_t* cu = cu_seqlens.ptr<int32_t>();  // [N+1]
   return std::vector<int64_t>(cu, cu + cu_seqlens.numel());
+}
+
+// CUDA workspace (gdn/backend/op_workspace.h). The backward of both CUDA implementations (cuda,
+// cuda.sliding_window) takes [G, W+1, C] fp32 partial sums of dweight and dbias, G = the blocks
+// per channel column (causal_conv1d_partial_bytes: the request for a G), and only when T > 0. G is
+// at most max(1, resident / ncb) with resident <= sm_count * max_blocks_per_sm and ncb =
+// ceil(C / column) >= ceil(C / kCausalConv1dMaxColumn) (each implementation static_asserts its
+// column width against it), and at most T (G <= its token tiles or segments). So
+// causal_conv1d_workspace_bytes bounds every request of a call of T tokens, width W and C channels
+// on a device of `sm_count` multiprocessors holding at most `max_blocks_per_sm` resident blocks
+// (cudaDeviceProp::multiProcessorCount, ::maxBlocksPerMultiProcessor). The forward takes none.
+inline constexpr int64_t kCausalConv1dMaxColumn = 256;  // channels per column, widest CUDA impl
+inline size_t causal_conv1d_partial_bytes(int64_t G, int64_t W, int64_t C) {
+  return static_cast<size_t>(G) * static_cast<size_t>(W + 1) * static_cast<size_t>(C) *
+         sizeof(float);
+}
+inline size_t causal_conv1d_workspace_bytes(int64_t T, int64_t W, int64_t C, int sm_count,
+                                            int max_blocks_per_sm) {
+  if (T <= 0 || C <= 0 || W < 0) return 0;
+  const int64_t ncb_min = (C + kCausalConv1dMaxColumn - 1) / kCausalConv1dMaxColumn;
+  const int64_t resident = persistent_grid_bound(INT64_MAX, sm_count, max_blocks_per_sm);
+  const int64_t G = std::min<int64_t>(std::max<int64_t>(resident / ncb_min, 1), T);
+  return causal_conv1d_partial_bytes(G, W, C);
 }
 
 }  // namespace gdn::ops

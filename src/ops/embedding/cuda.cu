@@ -350,7 +350,8 @@ void backward(const EmbeddingBwd& a) {
   const size_t ids_bytes = align256(static_cast<size_t>(n) * sizeof(uint32_t));
   const size_t part_bytes = static_cast<size_t>(nwin) * 2 * static_cast<size_t>(d) * sizeof(float);
   cuda::Context& ctx = cuda::Context::get();
-  char* base = static_cast<char*>(ctx.scratch(4 * ids_bytes + align256(cub_bytes) + part_bytes));
+  char* base = static_cast<char*>(
+      ctx.scratch(4 * ids_bytes + align256(cub_bytes) + part_bytes, "embedding"));
   uint32_t* keys_in = reinterpret_cast<uint32_t*>(base);               // [T]
   uint32_t* vals_in = reinterpret_cast<uint32_t*>(base + ids_bytes);   // [T]
   uint32_t* keys = reinterpret_cast<uint32_t*>(base + 2 * ids_bytes);  // [T] sorted

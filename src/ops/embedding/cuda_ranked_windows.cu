@@ -715,9 +715,9 @@ void forward(const EmbeddingFwd& a) {
   GDN_CUDA_CHECK(cudaEventRecord(side.fork, s));
   GDN_CUDA_CHECK(cudaStreamWaitEvent(side.s, side.fork, 0));
   const RankSetup k = rank_setup(T, vocab, side.s);
-  char* sort_base = k.sort_bytes() == 0
-                        ? nullptr
-                        : static_cast<char*>(cuda::Context::get().scratch(k.sort_bytes()));
+  char* sort_base = k.sort_bytes() == 0 ? nullptr
+                                        : static_cast<char*>(cuda::Context::get().scratch(
+                                              k.sort_bytes(), "embedding (cuda.ranked_windows)"));
   rank_ids(a.ids, r, vocab, k, sort_base, kRankTokens, side.s);
   GDN_CUDA_CHECK(cudaEventRecord(side.join, side.s));
   t->forward(a);
@@ -758,7 +758,8 @@ void backward(const EmbeddingBwd& a) {
   const RankSetup k = plan ? RankSetup{} : rank_setup(T, vocab, s);
   const size_t plan_bytes = plan ? 0 : align256(static_cast<size_t>(l.numel) * 4);
   const size_t sort_bytes = plan ? 0 : k.sort_bytes();
-  char* base = static_cast<char*>(ctx.scratch(part_bytes + plan_bytes + sort_bytes));
+  char* base = static_cast<char*>(
+      ctx.scratch(part_bytes + plan_bytes + sort_bytes, "embedding (cuda.ranked_windows)"));
   float* partial = reinterpret_cast<float*>(base);  // [nwin, 2, D]
   Ranked r;
   if (plan) {

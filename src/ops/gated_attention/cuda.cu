@@ -187,7 +187,7 @@ void forward_with(const GatedAttentionFwd& a, const attn::AttnKernels& kernels,
   Carve size{nullptr};
   size.take<int32_t>(nts);
   size.take<int32_t>(nts);
-  Carve c{static_cast<char*>(ctx.scratch(size.off))};
+  Carve c{static_cast<char*>(ctx.scratch(size.off, "gated_attention"))};
   int32_t* ts_big = c.take<int32_t>(nts);                // [N+1]
   int32_t* ts_small = c.take<int32_t>(nts);              // [N+1]
   const int32_t* cu = dev<const int32_t>(a.cu_seqlens);  // [N+1]
@@ -279,7 +279,7 @@ void backward_with(const GatedAttentionBwd& a, const attn::AttnKernels& kernels,
   bf16_t* dA = nullptr;
   Carve size{nullptr};
   carve_all(size, &ts_big, &ts_small, &D, &dA, &dq_hat, &dk_hat, &partial);
-  Carve c{static_cast<char*>(ctx.scratch(size.off))};
+  Carve c{static_cast<char*>(ctx.scratch(size.off, "gated_attention"))};
   carve_all(c, &ts_big, &ts_small, &D, &dA, &dq_hat, &dk_hat, &partial);
   const int32_t* cu = dev<const int32_t>(a.cu_seqlens);  // [N+1]
   Marks mark{marks, s};

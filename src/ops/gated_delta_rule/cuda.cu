@@ -276,7 +276,7 @@ void forward_fast(const GatedDeltaRuleFwd& a, const gdr::Dims& d) {
   const PrologueScratch ps = plan_prologue(sp, d);
   const FastFwdScratch f = plan_fast_fwd(sp, d, true, !sv, false);
   const size_t o_prog = sp.add(static_cast<int64_t>(gdr::fast_trail_prog_bytes(d)));
-  char* base = static_cast<char*>(ctx.scratch(sp.total()));
+  char* base = static_cast<char*>(ctx.scratch(sp.total(), "gated_delta_rule"));
   cudaStream_t s = ctx.stream();
   const Prologue p = run_prologue(d, ps, base, a.q, a.k, a.cu_seqlens, s);
   run_fast_fwd(d, f, base, p, a.v, a.g, a.beta, a.h0, f32_out_or_null(a.hT), nullptr, sv, true,
@@ -297,7 +297,7 @@ void backward_fast(const GatedDeltaRuleBwd& a, const gdr::Dims& d) {
   const size_t o_dqk = sp.add(T * d.Hk * d.dk * 4);
   const size_t o_dkk = sp.add(T * d.Hk * d.dk * 4);
   const size_t o_dgp = sp.add(T * d.Hv * 4);
-  char* base = static_cast<char*>(ctx.scratch(sp.total()));
+  char* base = static_cast<char*>(ctx.scratch(sp.total(), "gated_delta_rule"));
   cudaStream_t s = ctx.stream();
   const Prologue p = run_prologue(d, ps, base, a.q, a.k, a.cu_seqlens, s);
   bf16_t* Tinv = sv ? sv.Tm : at<bf16_t>(base, o_Tinv);
@@ -356,7 +356,7 @@ void forward_generic(const GatedDeltaRuleFwd& a, const gdr::Dims& d) {
   ScratchPlan sp;
   const PrologueScratch ps = plan_prologue(sp, d);
   const FwdScratch f = plan_fwd(sp, d);
-  char* base = static_cast<char*>(ctx.scratch(sp.total()));
+  char* base = static_cast<char*>(ctx.scratch(sp.total(), "gated_delta_rule"));
   cudaStream_t s = ctx.stream();
   const Prologue p = run_prologue(d, ps, base, a.q, a.k, a.cu_seqlens, s);
   const FwdPtrs r = run_fwd_chain(d, f, base, p, a.v, a.g, a.beta, a.h0, f32_out_or_null(a.hT), s);
@@ -380,7 +380,7 @@ void backward_generic(const GatedDeltaRuleBwd& a, const gdr::Dims& d) {
   const size_t o_dqh = sp.add(T * d.Hv * d.dk * 4);
   const size_t o_dkh = sp.add(T * d.Hv * d.dk * 4);
   const size_t o_dgp = sp.add(T * d.Hv * 4);
-  char* base = static_cast<char*>(ctx.scratch(sp.total()));
+  char* base = static_cast<char*>(ctx.scratch(sp.total(), "gated_delta_rule"));
   cudaStream_t s = ctx.stream();
   const Prologue p = run_prologue(d, ps, base, a.q, a.k, a.cu_seqlens, s);
   FwdPtrs r{at<bf16_t>(base, f.W), at<bf16_t>(base, f.U), at<bf16_t>(base, f.H)};

@@ -411,7 +411,7 @@ void backward(const GatedRmsNormBwd& a) {
   const int grid = static_cast<int>(
       std::min<int64_t>(batches, static_cast<int64_t>(ctx.sm_count()) * std::max(per_sm, 1)));
   float* partial = static_cast<float*>(  // [grid, D]
-      ctx.scratch(static_cast<size_t>(grid) * static_cast<size_t>(D) * sizeof(float)));
+      ctx.scratch(gated_rmsnorm_partial_bytes(grid, D), "gated_rmsnorm"));
   cudaStream_t s = ctx.stream();
   kernel<<<grid, kBlock, smem, s>>>(x, z, w, rstd, dy, dx, dz, partial, R, static_cast<int>(D),
                                     l.tpr);

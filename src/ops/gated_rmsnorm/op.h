@@ -24,6 +24,7 @@
 // device on cuda, whose per-block partial rows follow the resident grid size).
 #pragma once
 
+#include "gdn/backend/op_workspace.h"
 #include "gdn/core/tensor.h"
 
 namespace gdn::ops {
@@ -60,6 +61,20 @@ void gated_rmsnorm_backward(const GatedRmsNormBwd& a);
 // The dtype of rstd / dw for a given activation dtype (F64 for ref, F32 otherwise).
 inline DType gated_rmsnorm_stat_dtype(DType act) {
   return act == DType::F64 ? DType::F64 : DType::F32;
+}
+
+// CUDA workspace (gdn/backend/op_workspace.h). The CUDA backward takes [grid, D] fp32 per-block
+// dw partial sums (gated_rmsnorm_partial_bytes: the request for a grid); its persistent grid is at
+// most min(R, sm_count * occupancy) blocks (each block takes at least one row), so
+// gated_rmsnorm_workspace_bytes bounds every request of a call of R rows of width D on a device of
+// `sm_count` multiprocessors holding at most `max_blocks_per_sm` resident blocks
+// (cudaDeviceProp::multiProcessorCount, ::maxBlocksPerMultiProcessor). The forward takes none.
+inline size_t gated_rmsnorm_partial_bytes(int64_t grid, int64_t D) {
+  return static_cast<size_t>(grid) * static_cast<size_t>(D) * sizeof(float);
+}
+inline size_t gated_rmsnorm_workspace_bytes(int64_t R, int64_t D, int sm_count,
+                                            int max_blocks_per_sm) {
+  return gated_rmsnorm_partial_bytes(persistent_grid_bound(R, sm_count, max_blocks_per_sm), D);
 }
 
 }  // namespace gdn::ops

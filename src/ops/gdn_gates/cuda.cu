@@ -27,8 +27,8 @@ namespace {
 using cuda::bf16_t;
 
 constexpr float kThreshold = static_cast<float>(kGdnSoftplusThreshold);
-constexpr int kTileT = 64;  // tokens per backward block
-constexpr int kLanes = 8;   // token lanes per backward block (blockDim.y)
+constexpr int kTileT = static_cast<int>(kGdnGatesTileT);  // tokens per backward block (op.h)
+constexpr int kLanes = 8;  // token lanes per backward block (blockDim.y)
 
 __device__ __forceinline__ float bf16_to_f32(bf16_t v) { return __bfloat162float(v); }
 
@@ -193,7 +193,7 @@ void backward(const GdnGatesBwd& p) {
   float* ddt_bias = p.ddt_bias.ptr<float>();      // [Hv]
   cuda::Context& ctx = cuda::Context::get();
   float* partial = static_cast<float*>(  // [2, ntiles, Hv]
-      ctx.scratch(2 * static_cast<size_t>(ntiles) * static_cast<size_t>(H) * sizeof(float)));
+      ctx.scratch(gdn_gates_workspace_bytes(T, H), "gdn_gates"));
   cudaStream_t s = ctx.stream();
   const dim3 grid(static_cast<unsigned>(ntiles), static_cast<unsigned>(hblocks));
   gdn_gates_bwd_kernel<<<grid, dim3(32, kLanes), 0, s>>>(a, b, A_log, dt_bias, dg, dbeta, da, db,

@@ -39,6 +39,10 @@
 //     never NaN.
 #pragma once
 
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
 #include "gdn/core/tensor.h"
 
 namespace gdn::ops {
@@ -80,5 +84,15 @@ inline DType gdn_gates_dtype(DType act) { return act == DType::F64 ? DType::F64 
 
 // torch's softplus threshold: softplus(x) returns x for x > kSoftplusThreshold.
 inline constexpr double kGdnSoftplusThreshold = 20.0;
+
+// CUDA workspace (gdn/backend/op_workspace.h): the CUDA backward takes the per-tile partial sums
+// of dA_log and ddt_bias, [2, ceil(T / kGdnGatesTileT), Hv] fp32; exact for a call of T tokens and
+// Hv heads (the forward takes none).
+inline constexpr int64_t kGdnGatesTileT = 64;  // tokens per backward block
+inline size_t gdn_gates_workspace_bytes(int64_t T, int64_t Hv) {
+  const int64_t ntiles = (std::max<int64_t>(T, 0) + kGdnGatesTileT - 1) / kGdnGatesTileT;
+  return 2 * static_cast<size_t>(ntiles) * static_cast<size_t>(std::max<int64_t>(Hv, 0)) *
+         sizeof(float);
+}
 
 }  // namespace gdn::ops

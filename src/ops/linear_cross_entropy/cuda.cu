@@ -440,7 +440,8 @@ void run(const LinearCrossEntropyArgs& a, bool backward) {
     GDN_CHECK(reinterpret_cast<uintptr_t>(base) % 16 == 0,
               "{}: tensor 'workspace' must be 16-byte aligned on cuda", kOp);
   } else {
-    base = static_cast<char*>(ctx.scratch(static_cast<size_t>(plan.workspace_bytes)));
+    base = static_cast<char*>(
+        ctx.scratch(static_cast<size_t>(plan.workspace_bytes), "linear_cross_entropy"));
   }
   bf16_t* tile = reinterpret_cast<bf16_t*>(base);  // [R, ld]
   int64_t off = align16(2 * R * ld);

@@ -471,7 +471,7 @@ void backward(const RmsNormBwd& a) {
   const int grid = static_cast<int>(
       std::min<int64_t>(batches, static_cast<int64_t>(ctx.sm_count()) * std::max(per_sm, 1)));
   float* partial = static_cast<float*>(  // [grid, D]
-      ctx.scratch(static_cast<size_t>(grid) * static_cast<size_t>(D) * sizeof(float)));
+      ctx.scratch(rmsnorm_partial_bytes(grid, D), "rmsnorm"));
   const float shift = a.zero_centred ? 1.f : 0.f;
   cudaStream_t s = ctx.stream();
   if (l.vec == 8) {

@@ -15,6 +15,7 @@
 // Deterministic: yes (dw reduced in a fixed order).
 #pragma once
 
+#include "gdn/backend/op_workspace.h"
 #include "gdn/core/tensor.h"
 
 namespace gdn::ops {
@@ -49,5 +50,19 @@ void rmsnorm_backward(const RmsNormBwd& a);
 
 // The dtype of rstd / dw for a given activation dtype (F64 for ref, F32 otherwise).
 inline DType rmsnorm_stat_dtype(DType act) { return act == DType::F64 ? DType::F64 : DType::F32; }
+
+// CUDA workspace (gdn/backend/op_workspace.h). The backward of both CUDA implementations (cuda,
+// cuda.sm90_bulk) takes [grid, D] fp32 per-block dw partial sums: rmsnorm_partial_bytes is the
+// request for a grid. Their persistent grids are at most min(R, sm_count * occupancy) blocks
+// (each block takes at least one row), so rmsnorm_workspace_bytes bounds every request of a call
+// of R rows of width D on a device of `sm_count` multiprocessors holding at most
+// `max_blocks_per_sm` resident blocks (cudaDeviceProp::multiProcessorCount,
+// ::maxBlocksPerMultiProcessor). The forward and the cpu/ref implementations take none.
+inline size_t rmsnorm_partial_bytes(int64_t grid, int64_t D) {
+  return static_cast<size_t>(grid) * static_cast<size_t>(D) * sizeof(float);
+}
+inline size_t rmsnorm_workspace_bytes(int64_t R, int64_t D, int sm_count, int max_blocks_per_sm) {
+  return rmsnorm_partial_bytes(persistent_grid_bound(R, sm_count, max_blocks_per_sm), D);
+}
 
 }  // namespace gdn::ops

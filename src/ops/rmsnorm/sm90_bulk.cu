@@ -350,7 +350,7 @@ void backward(const RmsNormBwd& a) {
   const int grid = static_cast<int>(std::min<int64_t>(
       (R + G - 1) / G, static_cast<int64_t>(ctx.sm_count()) * std::max(per_sm, 1)));
   float* partial = static_cast<float*>(  // [grid, D]
-      ctx.scratch(static_cast<size_t>(grid) * static_cast<size_t>(D) * sizeof(float)));
+      ctx.scratch(rmsnorm_partial_bytes(grid, D), "rmsnorm (cuda.sm90_bulk)"));
   const float shift = a.zero_centred ? 1.f : 0.f;
   cudaStream_t s = ctx.stream();
   rmsnorm_bulk_bwd_kernel<<<grid, kThreads, smem, s>>>(x, w, rstd, dy, dx, partial, R,

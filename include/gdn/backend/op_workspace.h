@@ -1,0 +1,29 @@
+// Op workspace (issue 22): the device memory a CUDA op takes for its temporaries through
+// cuda::Context::scratch(). Each op that needs some declares an upper bound in its public op.h
+// (`<op>_workspace_bytes(...)`), computed by the same function its kernel sizes the request with.
+// A caller that planned the memory binds one region (cuda::Context::bind_workspace); a request
+// larger than the bound region is then an error (check_op_workspace), never a grow. Host code:
+// the check is testable without a GPU.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+namespace gdn {
+
+// An upper bound of the blocks of a persistent grid over `work` items (at most one block an item)
+// that is capped at the blocks resident at once on a device of `sm_count` multiprocessors: the
+// occupancy a kernel reaches is at most `max_blocks_per_sm` (cudaDeviceProp::
+// maxBlocksPerMultiProcessor, 32 on Hopper), so min(work, sm_count * max_blocks_per_sm) bounds
+// min(work, sm_count * max(occupancy, 1)) whatever the kernel's registers and shared memory.
+inline int64_t persistent_grid_bound(int64_t work, int sm_count, int max_blocks_per_sm) {
+  return std::min<int64_t>(std::max<int64_t>(work, 0), static_cast<int64_t>(std::max(sm_count, 1)) *
+                                                           std::max(max_blocks_per_sm, 1));
+}
+
+// Throws gdn::Error naming `op` and both sizes when `want` bytes do not fit a bound region of
+// `bound` bytes.
+void check_op_workspace(const char* op, size_t want, size_t bound);
+
+}  // namespace gdn
