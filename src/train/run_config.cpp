@@ -4,8 +4,10 @@
 #include <limits>
 
 #include "gdn/core/error.h"
+#include "gdn/core/tensor.h"
 #include "ops/linear_cross_entropy/op.h"
 #include "train/mqar.h"
+#include "train/trainer.h"
 
 namespace gdn::train {
 
@@ -269,6 +271,82 @@ TrainerState parse_trainer_state(const std::string& text, const std::string& lab
     s.world_size = v.get<int64_t>();
   }
   return s;
+}
+
+nlohmann::json default_train_config() {
+  return nlohmann::json::parse(R"({
+    "model": {"config": "tiny", "init_from": "", "seed": 1234},
+    "data": {"kind": "mqar", "path": "", "seed": 7, "eval_fraction": 0.01,
+             "mqar": {"vocab_size": 64, "num_pairs": 4, "seq_len": 32}},
+    "train": {"steps": 600, "micro_batch_tokens": 2048, "grad_accum": 1, "z_loss": 0.0001,
+              "device": "auto", "recompute": "none", "fail_on_nonfinite": false},
+    "optim": {"lr": 0.003, "min_lr": 0.0003, "warmup_steps": 40, "decay": "cosine",
+              "wsd_decay_fraction": 0.2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
+              "weight_decay": 0.1, "clip": 1.0, "split_master": true},
+    "kernels": {"fused_conv": true, "fused_qk_l2norm": true, "fused_swiglu": true,
+                "fused_zc_norm": true, "fused_lm_head": true},
+    "memory": {"grads_in_activations": true, "gdr_saved_min_doc_tokens": 128,
+               "lce_chunk_bytes": 268435456},
+    "eval": {"every": 100, "batches": 4},
+    "log": {"every": 10},
+    "checkpoint": {"every": 200, "keep": 2, "at_end": true},
+    "run": {"dir": "runs/default"},
+    "resume": {"allow_changes": false},
+    "dist": {"shard": "replicate", "timeout_s": 300.0, "numa_bind": "auto",
+             "unshard_stream": "comm"}
+  })");
+}
+
+Backend choose_backend(const std::string& device) {
+  GDN_CHECK_HINT(device == "auto" || device == "cpu" || device == "cuda" || device == "ref",
+                 "use auto, cpu, cuda or ref", "train.device '{}' is not a device", device);
+  Backend backend = device == "ref" ? Backend::Ref : Backend::Cpu;
+  if (device == "cuda" || (device == "auto" && cuda_available())) backend = Backend::Cuda;
+  GDN_CHECK_HINT(backend != Backend::Cuda || cuda_available(),
+                 "build the cuda preset and run on a machine with a GPU, or use --device cpu",
+                 "train.device is cuda but no CUDA device is available");
+  return backend;
+}
+
+std::unique_ptr<DataSource> make_data(const ConfigTree& cfg, const model::Qwen35Config& mcfg,
+                                      int64_t micro_tokens, int64_t accum, DataShard shard) {
+  const std::string kind = cfg.get_string("data.kind");
+  const uint64_t seed = static_cast<uint64_t>(cfg.get_int("data.seed"));
+  if (kind == "mqar") {
+    MqarConfig mq{cfg.get_int("data.mqar.vocab_size"), cfg.get_int("data.mqar.num_pairs"),
+                  cfg.get_int("data.mqar.seq_len")};
+    GDN_CHECK(mq.vocab_size <= mcfg.vocab_size,
+              "data.mqar.vocab_size {} exceeds the model vocabulary {}", mq.vocab_size,
+              mcfg.vocab_size);
+    return make_mqar_source(mq, seed, micro_tokens, accum, shard);
+  }
+  if (kind == "indexed")
+    return make_indexed_source(cfg.get_string("data.path"), seed, micro_tokens, accum,
+                               cfg.get_double("data.eval_fraction"), mcfg.vocab_size, shard);
+  GDN_FAIL_HINT("use mqar (built-in task) or indexed (a `gdntrain prepare` dataset)",
+                "data.kind '{}' is not a data source", kind);
+}
+
+Schedule schedule_from(const ConfigTree& cfg, int64_t steps) {
+  Schedule sched;
+  sched.lr = cfg.get_double("optim.lr");
+  sched.min_lr = cfg.get_double("optim.min_lr");
+  sched.warmup_steps = cfg.get_int("optim.warmup_steps");
+  sched.total_steps = steps;
+  sched.decay = decay_kind_from_name(cfg.get_string("optim.decay"));
+  sched.wsd_decay_fraction = cfg.get_double("optim.wsd_decay_fraction");
+  return sched;
+}
+
+OptimizerConfig optimizer_config_from(const ConfigTree& cfg) {
+  OptimizerConfig oc;
+  oc.hyper.beta1 = cfg.get_double("optim.beta1");
+  oc.hyper.beta2 = cfg.get_double("optim.beta2");
+  oc.hyper.eps = cfg.get_double("optim.eps");
+  oc.hyper.weight_decay = cfg.get_double("optim.weight_decay");
+  oc.clip = cfg.get_double("optim.clip");
+  oc.split_master = cfg.get_bool("optim.split_master");
+  return oc;
 }
 
 }  // namespace gdn::train

@@ -10,6 +10,9 @@
 
 #include "model/qwen35.h"
 #include "train/config_tree.h"
+#include "train/data_source.h"
+#include "train/optimizer.h"
+#include "train/schedule.h"
 
 namespace gdn::train {
 
@@ -57,5 +60,14 @@ struct TrainerState {
 };
 // Parses and checks trainer.json's text; `label` names the file in errors.
 TrainerState parse_trainer_state(const std::string& text, const std::string& label);
+
+// The pieces of the configuration the Trainer is built from (the keys validated above).
+// train.device: auto (cuda when a device is present), cpu, cuda or ref; throws naming the key.
+Backend choose_backend(const std::string& device);
+// data.kind mqar or indexed, read as this rank's `shard` of every step's micro-batches.
+std::unique_ptr<DataSource> make_data(const ConfigTree& cfg, const model::Qwen35Config& mcfg,
+                                      int64_t micro_tokens, int64_t accum, DataShard shard);
+Schedule schedule_from(const ConfigTree& cfg, int64_t steps);  // optim.lr, min_lr, warmup, decay
+OptimizerConfig optimizer_config_from(const ConfigTree& cfg);  // optim.beta*, eps, decay, clip
 
 }  // namespace gdn::train
