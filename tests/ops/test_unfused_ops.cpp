@@ -1,6 +1,6 @@
-// The building blocks of the unfused A/B routes (kernels.fused_* false, docs/TRAINING.md): silu, mul and
-// cross_entropy. cpu vs ref (forward and gradients), finite differences of ref, in-place use,
-// saturated inputs, bad input, the probe (and its rejection of a wrong gradient), `ops run`.
+// The building blocks of the unfused A/B routes (kernels.fused_* false, docs/TRAINING.md): silu,
+// mul and cross_entropy. cpu vs ref (forward and gradients), finite differences of ref, in-place
+// use, saturated inputs, bad input, the probe (and its rejection of a wrong gradient), `ops run`.
 #include <cmath>
 #include <cstring>
 

@@ -1,6 +1,7 @@
 // SiLU, elementwise: y = silu(x) = x * sigmoid(x). A building block of the unfused A/B routes
-// (kernels.fused_conv false: the conv without its SiLU, then this pass; kernels.fused_swiglu false: this pass,
-// then the mul op), which exist to be compared against the fused kernels (docs/TRAINING.md).
+// (kernels.fused_conv false: the conv without its SiLU, then this pass; kernels.fused_swiglu false:
+// this pass, then the mul op), which exist to be compared against the fused kernels
+// (docs/TRAINING.md).
 //
 //   s = sigmoid(x)
 //   forward:  y  = x * s                                     written (=)
