@@ -8,20 +8,14 @@
 #include "dist/comm.h"
 #include "gdn/core/error.h"
 #include "gdn/core/log.h"
+#include "support/error_of.h"
 
 namespace gdn::dist {
 namespace {
 
 using ::testing::HasSubstr;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.message();
-  }
-  return "(no error)";
-}
+using gdn::testing::error_of;
 
 TEST(LocalComm, CollectivesOfOneRank) {
   auto comm = make_comm(LaunchInfo{}, CommKind::Auto, {});

@@ -16,6 +16,7 @@
 #include "gdn/core/rng.h"
 #include "gdn/core/safetensors.h"
 #include "model/weights.h"
+#include "support/error_of.h"
 
 namespace gdn::model {
 namespace {
@@ -43,15 +44,7 @@ std::vector<float> values(const Tensor& t) {
   return std::vector<float>(p, p + t.numel());
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.message();
-  }
-  ADD_FAILURE() << "no gdn::Error thrown";
-  return "";
-}
+using gdn::testing::error_of;
 
 // Writes the store's tensors under `prefix` (F32) with edits: names in `drop` left out, `extra`
 // tensors added. For building deliberately wrong checkpoints.

@@ -16,6 +16,7 @@
 
 #include "gdn/core/error.h"
 #include "model/config.h"
+#include "support/error_of.h"
 #include "text/input_reader.h"
 #include "text/tokenizer.h"
 #include "train/indexed_dataset.h"
@@ -45,14 +46,7 @@ std::string slurp(const fs::path& p) {
   return ss.str();
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.message();
-  }
-  return "(no error)";
-}
+using gdn::testing::error_of;
 
 // Real English text as JSONL: every paragraph of the repository's docs is a document.
 // The paragraphs (over 40 characters) of the repository's docs as they stood on 2026-12-01, frozen

@@ -11,6 +11,7 @@
 
 #include "gdn/core/error.h"
 #include "gdn/core/rng.h"
+#include "support/error_of.h"
 #include "train/indexed_dataset.h"
 #include "train/prepare.h"
 
@@ -27,15 +28,7 @@ fs::path temp_dir(const std::string& tag) {
   return d;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.message();
-  }
-  ADD_FAILURE() << "no gdn::Error thrown";
-  return "";
-}
+using gdn::testing::error_of;
 
 std::vector<unsigned char> read_bytes(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);

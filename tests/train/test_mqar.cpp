@@ -9,6 +9,7 @@
 #include <set>
 
 #include "gdn/core/error.h"
+#include "support/error_of.h"
 #include "train/mqar.h"
 
 namespace gdn::train {
@@ -16,15 +17,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.message();
-  }
-  ADD_FAILURE() << "no gdn::Error thrown";
-  return "";
-}
+using gdn::testing::error_of;
 
 void check_layout(const MqarConfig& c, const MqarExample& ex) {
   const int64_t P = c.num_pairs, L = c.seq_len, K = c.vocab_size / 2;

@@ -9,6 +9,7 @@
 
 #include "gdn/core/error.h"
 #include "gdn/core/rng.h"
+#include "support/error_of.h"
 #include "train/indexed_dataset.h"
 #include "train/packing.h"
 
@@ -17,15 +18,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.message();
-  }
-  ADD_FAILURE() << "no gdn::Error thrown";
-  return "";
-}
+using gdn::testing::error_of;
 
 // Token j of document d is a unique value, so every token can be traced back to its source.
 int32_t token_of(int64_t d, int64_t j) { return static_cast<int32_t>(d * 1000 + j); }
