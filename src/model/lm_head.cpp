@@ -53,28 +53,25 @@ HeadTensors alloc_head(Step& st) {
 void fused_loss(Step& st, const HeadTensors& h, const Tensor& W, const Tensor& dW,
                 const StepOptions& opt, int64_t targets, StepStats* stats) {
   ProfileRange pr("lm_head_loss");
+  // The inputs both calls share; each sets its own outputs and reduction.
+  LinearCrossEntropyArgs common;
+  common.x = h.hn;
+  common.w = W;
+  common.targets = st.labels;
+  common.workspace = h.ws;
+  common.chunk_bytes = st.lce_chunk_bytes;
   if (opt.token_loss.defined()) {
-    LinearCrossEntropyArgs la;
-    la.x = h.hn;
-    la.w = W;
-    la.targets = st.labels;
+    LinearCrossEntropyArgs la = common;
     la.loss = opt.token_loss;
     la.lse = h.tl_lse;
     la.z_loss = h.tl_z;
-    la.workspace = h.ws;
-    la.chunk_bytes = st.lce_chunk_bytes;
     la.reduction = LceReduction::None;
     linear_cross_entropy_forward(la);
   }
-  LinearCrossEntropyArgs la;
-  la.x = h.hn;
-  la.w = W;
-  la.targets = st.labels;
+  LinearCrossEntropyArgs la = common;
   la.loss = h.loss;
   la.lse = h.lse;
   la.z_loss = h.zl;
-  la.workspace = h.ws;
-  la.chunk_bytes = st.lce_chunk_bytes;
   la.reduction = LceReduction::Mean;
   la.z_loss_scale = opt.z_loss;
   la.denominator = opt.loss_denominator;
