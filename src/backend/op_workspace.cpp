@@ -13,4 +13,14 @@ void check_op_workspace(const char* op, size_t want, size_t bound) {
                  op != nullptr ? op : "(unnamed op)", want, bound);
 }
 
+#if !GDN_WITH_CUDA
+OpWorkspaceDevice op_workspace_device() {
+  GDN_FAIL("op workspace: op_workspace_device needs a CUDA build");
+}
+OpWorkspaceBinding::OpWorkspaceBinding(void*, size_t) {
+  GDN_FAIL("op workspace: binding one needs a CUDA build");
+}
+OpWorkspaceBinding::~OpWorkspaceBinding() = default;
+#endif  // the CUDA build's definitions: src/backend/cuda/runtime.cu
+
 }  // namespace gdn

@@ -3,7 +3,15 @@
 #include <algorithm>
 #include <utility>
 
+#include "gdn/backend/op_workspace.h"
 #include "model/step.h"
+#include "ops/causal_conv1d/op.h"
+#include "ops/embedding/op.h"
+#include "ops/gated_attention/op.h"
+#include "ops/gated_delta_rule/op.h"
+#include "ops/gated_rmsnorm/op.h"
+#include "ops/gdn_gates/op.h"
+#include "ops/rmsnorm/op.h"
 
 namespace gdn::model {
 
@@ -77,6 +85,39 @@ void Qwen35Model::place_grads_in_activations(size_t forward_peak) {
   }
 }
 
+// The op workspace (gdn/backend/op_workspace.h): the largest declared bound of the step's op
+// calls that take CUDA scratch, at T = max_tokens and N = `docs` documents. The calls and their
+// shapes: the RMSNorms [T, D] (input, post-attention and final norm; plain with the materialised
+// 1 + w when kernels.fused_zc_norm is off, the same rows), the gated RMSNorm [T Hv, dv], the GDN
+// gates [T, Hv], the conv over each of the q, k, v channel blocks (the fused and unfused routes
+// make the same conv calls), the gated delta rule (with the in-kernel l2norm when
+// kernels.fused_qk_l2norm; `backward_saved`: every backward of these batches is given `saved`),
+// the gated attention, the embedding. The LM head's
+// linear_cross_entropy takes the workspace it is given (lm_head.cpp); the GEMMs take cuBLASLt's.
+size_t Qwen35Model::op_workspace_bound(int64_t docs, bool backward_saved) const {
+  const Qwen35Config& c = cfg_;
+  const int64_t T = max_tokens_, D = c.hidden_size;
+  const OpWorkspaceDevice dev = op_workspace_device();
+  const int sm = dev.sm_count, mb = dev.max_blocks_per_sm;
+  size_t bound = std::max(ops::rmsnorm_workspace_bytes(T, D, sm, mb),
+                          ops::embedding_workspace_bytes(T, c.vocab_size, D));
+  if (c.num_linear_attention_layers() > 0) {
+    const int64_t Hk = c.linear_num_key_heads, Hv = c.linear_num_value_heads,
+                  dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
+    bound = std::max({bound, ops::gated_rmsnorm_workspace_bytes(T * Hv, dv, sm, mb),
+                      ops::gdn_gates_workspace_bytes(T, Hv),
+                      ops::gated_delta_rule_workspace_bytes(T, docs, Hk, Hv, dk, dv,
+                                                            fused_.qk_l2norm, backward_saved)});
+    for (int64_t width : {c.key_dim(), c.value_dim()})
+      bound = std::max(
+          bound, ops::causal_conv1d_workspace_bytes(T, c.linear_conv_kernel_dim, width, sm, mb));
+  }
+  if (c.num_full_attention_layers() > 0)
+    bound = std::max(bound, ops::gated_attention_workspace_bytes(
+                                T, docs, c.num_attention_heads, c.num_key_value_heads, c.head_dim));
+  return bound;
+}
+
 std::string Qwen35Model::memory_plan() const {
   const bool all_fused =
       fused_.conv && fused_.qk_l2norm && fused_.swiglu && fused_.zc_norm && fused_.lm_head;
@@ -86,7 +127,7 @@ std::string Qwen35Model::memory_plan() const {
   return fmt::format(
              "memory plan ({} backend, micro-batch up to {} tokens / {} documents, recompute {}): "
              "parameters {}, gradients {}{}, activations {}{} (+ {} loss and backward scratch, "
-             "{} of it the per-layer recompute scratch); total {}",
+             "{} of it the per-layer recompute scratch){}; total {}",
              backend_name(backend_), max_tokens_, max_docs_, recompute_name(recompute_),
              format_bytes(static_cast<double>(param_bytes())),
              format_bytes(static_cast<double>(grad_total)),
@@ -95,7 +136,13 @@ std::string Qwen35Model::memory_plan() const {
              shared ? " with the gradients" : "",
              format_bytes(static_cast<double>(bwd_arena_.capacity())),
              format_bytes(static_cast<double>(tmp_arena_.capacity())),
-             format_bytes(static_cast<double>(param_bytes() + grad_bytes() + activation_bytes()))) +
+             backend_ != Backend::Cuda
+                 ? std::string()
+                 : fmt::format(", op workspace {} (batches of up to {} documents)",
+                               format_bytes(static_cast<double>(op_workspace_bytes())),
+                               op_workspace_docs_),
+             format_bytes(static_cast<double>(param_bytes() + grad_bytes() + activation_bytes() +
+                                              op_workspace_bytes()))) +
          (gdr_saved_plan_ == 0
               ? std::string()
               : fmt::format("; the activations include GDR saved states of {} per GDN layer "

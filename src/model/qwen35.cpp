@@ -7,6 +7,7 @@
 #include <mutex>
 #include <optional>
 
+#include "gdn/backend/op_workspace.h"
 #include "gdn/core/log.h"
 #include "gdn/core/profile.h"
 #include "model/step.h"
@@ -147,6 +148,20 @@ Qwen35Model::Qwen35Model(Qwen35Config cfg, Backend backend, int64_t max_tokens, 
     place_grads_in_activations(plan.peak());
   } else {
     act_arena_ = Arena("activations", dev, plan.peak());
+  }
+  // The op workspace: the kernels' temporaries come from this planned region instead of a
+  // grow-only buffer (gdn/backend/op_workspace.h). The gated delta rule's grows with the batch's
+  // chunks (one per 64 tokens plus one per document, like `saved` above), so it is planned for
+  // the documents `saved` is planned for (max_tokens / 128 with `saved` off): a micro-batch with
+  // more documents runs unbound (the grow-only scratch; one log line), so that a rare batch of
+  // many short documents neither fails nor makes every step hold the worst case.
+  if (dev == Device::CUDA) {
+    op_workspace_docs_ = gdr_saved_docs_ > 0
+                             ? gdr_saved_docs_
+                             : std::min(max_docs_, std::max<int64_t>(1, max_tokens_ / 128));
+    // Every backward of these batches is given `saved` when one is planned (make_step).
+    const bool backward_saved = gdr_saved_plan_ > 0;
+    ws_arena_ = Arena("op workspace", dev, op_workspace_bound(op_workspace_docs_, backward_saved));
   }
 }
 
@@ -335,6 +350,22 @@ void Qwen35Model::run(Arena& arena, Arena& tmp, Arena& bwd, const MicroBatch* mb
                       const StepOptions& opt, StepStats* stats) {
   Step st = make_step(arena, tmp, bwd, mb, opt.backward);
   const int64_t L = cfg_.num_hidden_layers, T = st.T, D = cfg_.hidden_size;
+  // The planned op workspace, for the batches it is planned for (the constructor).
+  std::optional<OpWorkspaceBinding> workspace;
+  if (st.live && backend_ == Backend::Cuda) {
+    if (st.N <= op_workspace_docs_) {
+      workspace.emplace(ws_arena_.capacity() > 0 ? ws_arena_.address_at(0) : nullptr,
+                        ws_arena_.capacity());
+    } else {
+      static std::once_flag once;
+      std::call_once(once, [&] {
+        log::info(
+            "model: a micro-batch of {} documents exceeds the {} the op workspace is "
+            "planned for; such batches take the grow-only scratch",
+            st.N, op_workspace_docs_);
+      });
+    }
+  }
   const auto layer = [&](int64_t l) -> const LayerParamIds& {
     return ids_.layers[static_cast<size_t>(l)];
   };

@@ -168,6 +168,10 @@ class Qwen35Model {
   // Activations kept across the step (with GradMemory::InActivations, the gradients on top) and
   // the loss and backward scratch (which holds the per-layer recompute scratch: the constructor).
   size_t activation_bytes() const { return act_arena_.capacity() + bwd_arena_.capacity(); }
+  // The planned op workspace (cuda; 0 elsewhere): the ops' temporaries (gdn/backend/
+  // op_workspace.h), bound for the steps of micro-batches of up to op_workspace_docs() documents.
+  size_t op_workspace_bytes() const { return ws_arena_.capacity(); }
+  int64_t op_workspace_docs() const { return op_workspace_docs_; }
   Recompute recompute() const { return recompute_; }
   GradMemory grad_memory() const { return grad_memory_; }
   const FusedRoutes& fused() const { return fused_; }
@@ -187,6 +191,9 @@ class Qwen35Model {
   void upload_inputs(const Step& st);
   // GradMemory::InActivations: places the gradients in act_arena_ from the planned ends.
   void place_grads_in_activations(size_t forward_peak);
+  // The op workspace that bounds every scratch request of a step of up to max_tokens tokens in
+  // `docs` documents (memory_plan.cpp; cuda), when every GDR backward is given `saved` or not.
+  size_t op_workspace_bound(int64_t docs, bool backward_saved) const;
 
   Qwen35Config cfg_;
   Backend backend_;
@@ -217,8 +224,10 @@ class Qwen35Model {
   FusedRoutes fused_;
   int64_t lce_chunk_bytes_;  // ModelOptions::lce_chunk_bytes: the LM head's logits budget
   OwnedTensor ones_;         // [D] compute dtype: the 1 of the unfused zero-centred norms' 1 + w
-  // bwd_arena_ before tmp_arena_, which borrows from it.
-  Arena param_arena_, grad_arena_, act_arena_, bwd_arena_, tmp_arena_;
+  // bwd_arena_ before tmp_arena_, which borrows from it. ws_arena_: the op workspace (cuda),
+  // planned for micro-batches of up to op_workspace_docs_ documents (the constructor says why).
+  Arena param_arena_, grad_arena_, act_arena_, bwd_arena_, tmp_arena_, ws_arena_;
+  int64_t op_workspace_docs_ = 0;
   std::vector<Tensor> params_, grads_;
   // A micro-batch's inputs (ids, labels, cu_seqlens) go to the device through page-locked
   // staging, two slots in turn: the copy out of a slot is issued without waiting, and the slot is

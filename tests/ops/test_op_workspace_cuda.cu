@@ -16,6 +16,9 @@
 #include "ops/adamw/op.h"
 #include "ops/causal_conv1d/op.h"
 #include "ops/cuda_test_util.h"
+#include "ops/embedding/op.h"
+#include "ops/gated_attention/op.h"
+#include "ops/gated_delta_rule/op.h"
 #include "ops/gated_rmsnorm/op.h"
 #include "ops/gdn_gates/op.h"
 #include "ops/rmsnorm/op.h"
@@ -193,6 +196,146 @@ TEST_F(OpWorkspaceCuda, AdamWSumsqRequestsStayWithinTheDeclaredBound) {
   EXPECT_LE(peak_of([&] { (void)grad_global_norm(grads); }), bound);
   OwnedTensor out = dev_zeros(DType::F64, {1});
   EXPECT_LE(peak_of([&] { grad_sumsq_into(grads, out); }), bound);
+}
+
+// Document boundaries of T tokens in N near-equal documents (N >= 1).
+std::vector<int32_t> even_docs(int64_t T, int64_t N) {
+  std::vector<int32_t> cu{0};
+  for (int64_t n = 1; n <= N; ++n) cu.push_back(static_cast<int32_t>(T * n / N));
+  return cu;
+}
+
+// Both routes (cuda.chunk64 at the model's head dims, cuda.chunk64_generic at any), forward and
+// backward, with and without `saved`, with and without the in-kernel l2norm: every request is
+// within the declared bound at the call's (T, N), and within the bound at a larger (T, N) (what a
+// planner declares for its largest batch).
+TEST_F(OpWorkspaceCuda, GatedDeltaRuleRequestsStayWithinTheDeclaredBound) {
+  struct Heads {
+    int64_t Hk, Hv, dk, dv;
+  };
+  for (const std::string impl : {"cuda.chunk64", "cuda.chunk64_generic"}) {
+    const GatedDeltaRuleTable* t =
+        testing::cuda_table<GatedDeltaRuleTable>("gated_delta_rule", impl);
+    ASSERT_NE(t, nullptr) << impl;
+    for (const Heads h : {Heads{16, 32, 128, 128}, Heads{2, 4, 64, 96}}) {
+      for (const auto& [T, N] :
+           {std::pair<int64_t, int64_t>{64, 1}, {1000, 3}, {4096, 1}, {4096, 64}, {4096, 700}}) {
+        for (const bool l2 : {false, true}) {
+          const std::vector<int32_t> docs = even_docs(T, N);
+          OwnedTensor cu = convert(testing::i32_tensor(docs), DType::I32, Device::CUDA);
+          OwnedTensor q = dev_zeros(DType::BF16, {T, h.Hk, h.dk}),
+                      k = dev_zeros(DType::BF16, {T, h.Hk, h.dk}),
+                      v = dev_zeros(DType::BF16, {T, h.Hv, h.dv}),
+                      g = dev_zeros(DType::F32, {T, h.Hv}), beta = dev_zeros(DType::F32, {T, h.Hv}),
+                      o = dev_zeros(DType::BF16, {T, h.Hv, h.dv}),
+                      dq = dev_zeros(DType::BF16, {T, h.Hk, h.dk}),
+                      dk = dev_zeros(DType::BF16, {T, h.Hk, h.dk}),
+                      dv = dev_zeros(DType::BF16, {T, h.Hv, h.dv}),
+                      dg = dev_zeros(DType::F32, {T, h.Hv}), db = dev_zeros(DType::F32, {T, h.Hv}),
+                      saved = dev_zeros(DType::BF16, {gdr_saved_numel(T, N, h.Hv, h.dk, h.dv)});
+          const size_t bound = gated_delta_rule_workspace_bytes(T, N, h.Hk, h.Hv, h.dk, h.dv, l2);
+          const size_t bound_saved =
+              gated_delta_rule_workspace_bytes(T, N, h.Hk, h.Hv, h.dk, h.dv, l2, true);
+          EXPECT_LE(bound_saved, bound);
+          EXPECT_LE(bound,
+                    gated_delta_rule_workspace_bytes(2 * T, N + 5, h.Hk, h.Hv, h.dk, h.dv, l2));
+          const std::string at = impl + " T " + std::to_string(T) + " N " + std::to_string(N) +
+                                 " dk " + std::to_string(h.dk) + " l2 " + std::to_string(l2);
+          for (const bool with_saved : {false, true}) {
+            const Tensor sv = with_saved ? Tensor(saved) : Tensor();
+            const GatedDeltaRuleFwd f{.q = q,
+                                      .k = k,
+                                      .v = v,
+                                      .g = g,
+                                      .beta = beta,
+                                      .cu_seqlens = cu,
+                                      .o = o,
+                                      .use_qk_l2norm = l2,
+                                      .saved = sv};
+            const GatedDeltaRuleBwd b{.q = q,
+                                      .k = k,
+                                      .v = v,
+                                      .g = g,
+                                      .beta = beta,
+                                      .cu_seqlens = cu,
+                                      .dout = o,
+                                      .dq = dq,
+                                      .dk = dk,
+                                      .dv = dv,
+                                      .dg = dg,
+                                      .dbeta = db,
+                                      .use_qk_l2norm = l2,
+                                      .saved = sv};
+            const size_t fwd = peak_of([&] { t->forward(f); });
+            const size_t bwd = peak_of([&] { t->backward(b); });
+            EXPECT_GT(fwd, 0u) << at;
+            EXPECT_LE(fwd, bound_saved) << at << " forward, saved " << with_saved;
+            EXPECT_LE(bwd, with_saved ? bound_saved : bound) << at << " backward";
+          }
+        }
+      }
+    }
+  }
+}
+
+// Both implementations (cuda.sm90_tma at hd 256, cuda.flash), forward and backward.
+TEST_F(OpWorkspaceCuda, GatedAttentionRequestsStayWithinTheDeclaredBound) {
+  for (const std::string impl : {"cuda.sm90_tma", "cuda.flash"}) {
+    const GatedAttentionTable* t =
+        testing::cuda_table<GatedAttentionTable>("gated_attention", impl);
+    ASSERT_NE(t, nullptr) << impl;
+    const int64_t Hq = 16, Hkv = 4, hd = 256;
+    for (const auto& [T, N] : {std::pair<int64_t, int64_t>{1, 1}, {1000, 3}, {4096, 64}}) {
+      OwnedTensor cu = convert(testing::i32_tensor(even_docs(T, N)), DType::I32, Device::CUDA);
+      OwnedTensor qg = dev_zeros(DType::BF16, {T, Hq, 2 * hd}),
+                  k = dev_zeros(DType::BF16, {T, Hkv, hd}),
+                  v = dev_zeros(DType::BF16, {T, Hkv, hd}), qw = dev_zeros(DType::BF16, {hd}),
+                  kw = dev_zeros(DType::BF16, {hd}), o = dev_zeros(DType::BF16, {T, Hq, hd}),
+                  qh = dev_zeros(DType::BF16, {T, Hq, hd}),
+                  kh = dev_zeros(DType::BF16, {T, Hkv, hd}),
+                  attn = dev_zeros(DType::BF16, {T, Hq, hd}), lse = dev_zeros(DType::F32, {T, Hq}),
+                  qr = dev_zeros(DType::F32, {T, Hq}), kr = dev_zeros(DType::F32, {T, Hkv}),
+                  dqg = dev_zeros(DType::BF16, {T, Hq, 2 * hd}),
+                  dk = dev_zeros(DType::BF16, {T, Hkv, hd}),
+                  dv = dev_zeros(DType::BF16, {T, Hkv, hd}), dqw = dev_zeros(DType::F32, {hd}),
+                  dkw = dev_zeros(DType::F32, {hd});
+      const GatedAttentionFwd f{qg, k, v, qw, kw, cu, o, qh, kh, attn, lse, qr, kr, 64};
+      const GatedAttentionBwd b{qg, k,  v, qw,  kw, cu, qh,  kh,  attn, lse,
+                                qr, kr, o, dqg, dk, dv, dqw, dkw, 64};
+      const size_t bound = gated_attention_workspace_bytes(T, N, Hq, Hkv, hd);
+      const std::string at = impl + " T " + std::to_string(T) + " N " + std::to_string(N);
+      EXPECT_LE(peak_of([&] { t->forward(f); }), bound) << at;
+      const size_t bwd = peak_of([&] { t->backward(b); });
+      EXPECT_GT(bwd, 0u) << at;
+      EXPECT_LE(bwd, bound) << at;
+    }
+  }
+}
+
+// Both implementations; cuda.ranked_windows with and without a plan; short batches (one block
+// or one rank kernel sorts) and long ones (cub's device-wide sort).
+TEST_F(OpWorkspaceCuda, EmbeddingRequestsStayWithinTheDeclaredBound) {
+  for (const std::string impl : {"cuda.ranked_windows", "cuda.sorted_windows"}) {
+    const EmbeddingTable* t = testing::cuda_table<EmbeddingTable>("embedding", impl);
+    ASSERT_NE(t, nullptr) << impl;
+    for (const int64_t T : {1, 100, 4096, 65536}) {
+      for (const auto& [V, D] : {std::pair<int64_t, int64_t>{248320, 1024}, {1000, 64}}) {
+        OwnedTensor ids = dev_zeros(DType::I32, {T}), w = dev_zeros(DType::BF16, {V, D}),
+                    y = dev_zeros(DType::BF16, {T, D}), dw = dev_zeros(DType::F32, {V, D}),
+                    plan = dev_zeros(DType::I32, {embedding_plan_numel(T, D)});
+        const size_t bound = embedding_workspace_bytes(T, V, D);
+        const std::string at = impl + " T " + std::to_string(T) + " V " + std::to_string(V);
+        for (const bool with_plan : {false, true}) {
+          const Tensor p = with_plan ? Tensor(plan) : Tensor();
+          EXPECT_LE(peak_of([&] { t->forward({ids, w, y, p}); }), bound) << at;
+          const size_t bwd = peak_of([&] { t->backward({ids, y, dw, p}); });
+          EXPECT_GT(bwd, 0u) << at;
+          EXPECT_LE(bwd, bound) << at << " plan " << with_plan;
+        }
+        EXPECT_LE(bound, embedding_workspace_bytes(2 * T, V, D)) << at;
+      }
+    }
+  }
 }
 
 }  // namespace

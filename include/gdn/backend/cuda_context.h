@@ -23,6 +23,8 @@
 #include <cstddef>
 #include <mutex>
 
+#include "gdn/backend/op_workspace.h"
+
 namespace gdn::cuda {
 
 class Context {
@@ -59,6 +61,8 @@ class Context {
   void bind_workspace(void* ptr, size_t bytes);
   void unbind_workspace();
   bool workspace_bound() const { return bound_; }
+  void* bound_workspace() const { return bound_ptr_; }
+  size_t bound_workspace_bytes() const { return bound_bytes_; }
 
   // Test hook: the largest `bytes` any scratch() call asked for since the last reset (bound or
   // not), so that GPU tests can check an op's requests against its declared bound.
@@ -79,26 +83,15 @@ class Context {
   std::mutex scratch_mu_;
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
-  friend class ScopedWorkspace;
   bool bound_ = false;
   void* bound_ptr_ = nullptr;
   size_t bound_bytes_ = 0;
   size_t peak_request_ = 0;
 };
 
-// Binds a planned op workspace for a scope and restores the previous binding (or none) on exit.
-class ScopedWorkspace {
- public:
-  ScopedWorkspace(void* ptr, size_t bytes);
-  ~ScopedWorkspace();
-  ScopedWorkspace(const ScopedWorkspace&) = delete;
-  ScopedWorkspace& operator=(const ScopedWorkspace&) = delete;
-
- private:
-  bool prev_bound_ = false;
-  void* prev_ = nullptr;
-  size_t prev_bytes_ = 0;
-};
+// Binds a planned op workspace for a scope and restores the previous binding (or none) on exit
+// (the class host code uses too, gdn/backend/op_workspace.h).
+using ScopedWorkspace = ::gdn::OpWorkspaceBinding;
 
 // Shorthand for the compute stream.
 inline cudaStream_t stream() { return Context::get().stream(); }

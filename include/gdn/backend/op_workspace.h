@@ -26,4 +26,28 @@ inline int64_t persistent_grid_bound(int64_t work, int sm_count, int max_blocks_
 // `bound` bytes.
 void check_op_workspace(const char* op, size_t want, size_t bound);
 
+// For host code (.cpp files, which cannot include gdn/backend/cuda_context.h). CUDA builds only:
+// without CUDA both are an error.
+//   op_workspace_device(): the current device's facts that the persistent-grid bounds take.
+//   OpWorkspaceBinding: binds [ptr, ptr + bytes) as the op workspace for its lifetime
+//   (cuda::ScopedWorkspace: the previous binding, or none, is restored after).
+struct OpWorkspaceDevice {
+  int sm_count = 0;           // cudaDeviceProp::multiProcessorCount
+  int max_blocks_per_sm = 0;  // cudaDeviceProp::maxBlocksPerMultiProcessor
+};
+OpWorkspaceDevice op_workspace_device();
+
+class OpWorkspaceBinding {
+ public:
+  OpWorkspaceBinding(void* ptr, size_t bytes);
+  ~OpWorkspaceBinding();
+  OpWorkspaceBinding(const OpWorkspaceBinding&) = delete;
+  OpWorkspaceBinding& operator=(const OpWorkspaceBinding&) = delete;
+
+ private:
+  bool prev_bound_ = false;
+  void* prev_ = nullptr;
+  size_t prev_bytes_ = 0;
+};
+
 }  // namespace gdn

@@ -259,16 +259,26 @@ void Context::unbind_workspace() {
   bound_bytes_ = 0;
 }
 
-ScopedWorkspace::ScopedWorkspace(void* ptr, size_t bytes) {
-  Context& ctx = Context::get();
-  prev_bound_ = ctx.bound_;
-  prev_ = ctx.bound_ptr_;
-  prev_bytes_ = ctx.bound_bytes_;
+}  // namespace gdn::cuda
+
+namespace gdn {
+
+// gdn/backend/op_workspace.h's host-code side of the binding (the same as cuda::ScopedWorkspace).
+OpWorkspaceDevice op_workspace_device() {
+  const cudaDeviceProp& p = cuda::Context::get().props();
+  return {p.multiProcessorCount, p.maxBlocksPerMultiProcessor};
+}
+
+OpWorkspaceBinding::OpWorkspaceBinding(void* ptr, size_t bytes) {
+  cuda::Context& ctx = cuda::Context::get();
+  prev_bound_ = ctx.workspace_bound();
+  prev_ = ctx.bound_workspace();
+  prev_bytes_ = ctx.bound_workspace_bytes();
   ctx.bind_workspace(ptr, bytes);
 }
 
-ScopedWorkspace::~ScopedWorkspace() {
-  Context& ctx = Context::get();
+OpWorkspaceBinding::~OpWorkspaceBinding() {
+  cuda::Context& ctx = cuda::Context::get();
   if (prev_bound_) {
     ctx.bind_workspace(prev_, prev_bytes_);
   } else {
@@ -276,4 +286,4 @@ ScopedWorkspace::~ScopedWorkspace() {
   }
 }
 
-}  // namespace gdn::cuda
+}  // namespace gdn

@@ -322,6 +322,30 @@ void forward(const EmbeddingFwd& a) {
   }
 }
 
+// The backward's scratch: keys_in, vals_in, keys_out, vals_out [T] u32, cub's temporaries,
+// partial [nwin, 2, D] (keys_in, vals_in and cub's temporaries unused when one block sorts).
+// embedding_sorted_windows_workspace_bytes is its total.
+struct BwdScratch {
+  size_t ids_bytes, cub_bytes, part_bytes;
+  size_t total() const { return 4 * ids_bytes + align256(cub_bytes) + part_bytes; }
+};
+BwdScratch backward_scratch(int64_t T, int64_t vocab, int64_t D) {
+  const int n = static_cast<int>(T);
+  const int nwin = (n + kWin - 1) / kWin;
+  BwdScratch sc{};
+  if (n > kSortMax) {
+    // The sentinel `vocab` must fit in the sorted bits.
+    const int end_bit = std::bit_width(static_cast<uint64_t>(vocab));
+    GDN_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+        nullptr, sc.cub_bytes, static_cast<const uint32_t*>(nullptr),
+        static_cast<uint32_t*>(nullptr), static_cast<const uint32_t*>(nullptr),
+        static_cast<uint32_t*>(nullptr), n, 0, end_bit, cuda::stream()));
+  }
+  sc.ids_bytes = align256(static_cast<size_t>(n) * sizeof(uint32_t));
+  sc.part_bytes = static_cast<size_t>(nwin) * 2 * static_cast<size_t>(D) * sizeof(float);
+  return sc;
+}
+
 void backward(const EmbeddingBwd& a) {
   const int64_t T = a.ids.size(0), vocab = a.dw.size(0), D = a.dy.size(1);
   if (T == 0 || D == 0) return;  // dW += 0
@@ -337,21 +361,12 @@ void backward(const EmbeddingBwd& a) {
   // The sentinel `vocab` must fit in the sorted bits.
   const int end_bit = std::bit_width(static_cast<uint64_t>(vocab));
 
-  // Scratch: keys_in, vals_in, keys_out, vals_out [T] u32, cub's temporaries, partial [nwin, 2, D]
-  // (keys_in, vals_in and cub's temporaries unused when one block sorts).
   const bool one_block = n <= kSortMax;
-  size_t cub_bytes = 0;
-  if (!one_block) {
-    GDN_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
-        nullptr, cub_bytes, static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
-        static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr), n, 0, end_bit,
-        cuda::stream()));
-  }
-  const size_t ids_bytes = align256(static_cast<size_t>(n) * sizeof(uint32_t));
-  const size_t part_bytes = static_cast<size_t>(nwin) * 2 * static_cast<size_t>(d) * sizeof(float);
+  const BwdScratch sc = backward_scratch(T, vocab, D);
+  const size_t ids_bytes = sc.ids_bytes;
+  size_t cub_bytes = sc.cub_bytes;  // cub's argument is a reference
   cuda::Context& ctx = cuda::Context::get();
-  char* base = static_cast<char*>(
-      ctx.scratch(4 * ids_bytes + align256(cub_bytes) + part_bytes, "embedding"));
+  char* base = static_cast<char*>(ctx.scratch(sc.total(), "embedding"));
   uint32_t* keys_in = reinterpret_cast<uint32_t*>(base);               // [T]
   uint32_t* vals_in = reinterpret_cast<uint32_t*>(base + ids_bytes);   // [T]
   uint32_t* keys = reinterpret_cast<uint32_t*>(base + 2 * ids_bytes);  // [T] sorted
@@ -404,6 +419,10 @@ void backward(const EmbeddingBwd& a) {
 const EmbeddingTable kTable{forward, backward};
 
 }  // namespace
+
+size_t embedding_sorted_windows_workspace_bytes(int64_t T, int64_t vocab, int64_t D) {
+  return T <= 0 || D <= 0 ? 0 : backward_scratch(T, vocab, D).total();
+}
 
 GDN_REGISTER(embedding_cuda) {
   Registry::global().add_impl(

@@ -736,6 +736,22 @@ void launch_dw(const DwArgs& args, cudaStream_t s) {
   GDN_CUDA_LAUNCH_CHECK("emb2_dw_kernel");
 }
 
+// The backward's scratch: the partials [nwin, 2, D]; without a plan (`k` given) also the plan's
+// parts (step 1 writes them) and the sort's buffers.
+struct BwdScratch {
+  size_t part_bytes = 0, plan_bytes = 0, sort_bytes = 0;
+  size_t total() const { return part_bytes + plan_bytes + sort_bytes; }
+};
+BwdScratch backward_scratch(const EmbeddingPlanLayout& l, int64_t D, const RankSetup* k) {
+  BwdScratch sc;
+  sc.part_bytes = align256(static_cast<size_t>(l.nwin) * 2 * static_cast<size_t>(D) * 4);
+  if (k != nullptr) {
+    sc.plan_bytes = align256(static_cast<size_t>(l.numel) * 4);
+    sc.sort_bytes = k->sort_bytes();
+  }
+  return sc;
+}
+
 void backward(const EmbeddingBwd& a) {
   const int64_t T = a.ids.size(0), vocab = a.dw.size(0), D = a.dy.size(1);
   if (T == 0 || D == 0) return;  // dW += 0
@@ -750,16 +766,13 @@ void backward(const EmbeddingBwd& a) {
   const int chunks =
       static_cast<int>((D + kGroups * kDwThreads * V - 1) / (kGroups * kDwThreads * V));
 
-  // Scratch: the partials [nwin, 2, D]; without a plan also the plan's parts (step 1 writes them).
   cuda::Context& ctx = cuda::Context::get();
-  const size_t part_bytes = align256(static_cast<size_t>(nwin) * 2 * static_cast<size_t>(d) * 4);
   cudaStream_t s = ctx.stream();
   const bool plan = a.plan.defined();
   const RankSetup k = plan ? RankSetup{} : rank_setup(T, vocab, s);
-  const size_t plan_bytes = plan ? 0 : align256(static_cast<size_t>(l.numel) * 4);
-  const size_t sort_bytes = plan ? 0 : k.sort_bytes();
-  char* base = static_cast<char*>(
-      ctx.scratch(part_bytes + plan_bytes + sort_bytes, "embedding (cuda.ranked_windows)"));
+  const BwdScratch sc = backward_scratch(l, D, plan ? nullptr : &k);
+  const size_t part_bytes = sc.part_bytes, plan_bytes = sc.plan_bytes;
+  char* base = static_cast<char*>(ctx.scratch(sc.total(), "embedding (cuda.ranked_windows)"));
   float* partial = reinterpret_cast<float*>(base);  // [nwin, 2, D]
   Ranked r;
   if (plan) {
@@ -792,6 +805,15 @@ void backward(const EmbeddingBwd& a) {
 const EmbeddingTable kTable{forward, backward};
 
 }  // namespace
+
+// The larger of the forward's request (the sort's buffers, with a plan) and the backward's without
+// a plan (which takes the same sort's and more).
+size_t embedding_ranked_windows_workspace_bytes(int64_t T, int64_t vocab, int64_t D) {
+  if (T <= 0 || D <= 0) return 0;
+  check_sizes(T, vocab, D);
+  const RankSetup k = rank_setup(T, vocab, cuda::stream());
+  return std::max(k.sort_bytes(), backward_scratch(EmbeddingPlanLayout(T, D), D, &k).total());
+}
 
 // Above cuda.sorted_windows (priority 10) for every shape (formerly "cuda.v2re"; its siblings
 // cuda.v2, cuda.v2r and cuda.v2ry, which differed in the tokens ranked per block, the prefetch and

@@ -2,6 +2,8 @@
 // tolerance, file runner).
 #include "ops/embedding/op.h"
 
+#include <algorithm>
+
 #include "backend/probe_layout.h"
 #include "backend/shape_class.h"
 #include "backend/tolerances.h"
@@ -9,6 +11,25 @@
 #include "gdn/backend/registry.h"
 
 namespace gdn::ops {
+
+#if GDN_WITH_CUDA
+// cuda.cu and cuda_ranked_windows.cu: each implementation's largest request.
+size_t embedding_sorted_windows_workspace_bytes(int64_t T, int64_t vocab, int64_t D);
+size_t embedding_ranked_windows_workspace_bytes(int64_t T, int64_t vocab, int64_t D);
+#endif
+
+size_t embedding_workspace_bytes(int64_t T, int64_t vocab, int64_t D) {
+  GDN_CHECK(T >= 0 && vocab >= 1 && D >= 0,
+            "embedding: embedding_workspace_bytes needs T, D >= 0 and vocab >= 1, got T = {}, "
+            "vocab = {}, D = {}",
+            T, vocab, D);
+#if GDN_WITH_CUDA
+  return std::max(embedding_sorted_windows_workspace_bytes(T, vocab, D),
+                  embedding_ranked_windows_workspace_bytes(T, vocab, D));
+#else
+  return 0;
+#endif
+}
 
 namespace {
 constexpr const char* kOp = "embedding";

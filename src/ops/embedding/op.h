@@ -99,4 +99,12 @@ inline int64_t embedding_id(const Tensor& ids, int64_t t) {
 // The dtype of dW for an activation dtype (F64 for ref, F32 otherwise).
 inline DType embedding_grad_dtype(DType act) { return act == DType::F64 ? DType::F64 : DType::F32; }
 
+// CUDA workspace (gdn/backend/op_workspace.h): the backward of both CUDA implementations takes
+// its sort buffers (cub's temporaries for long batches) and the windows' [nwin, 2, D] fp32
+// partials in one scratch request; cuda.ranked_windows also the plan's parts when the caller gives
+// no plan, and its forward (given a plan) the sort's buffers. embedding_workspace_bytes is the
+// largest request of a call of T tokens into a [vocab, D] table, which bounds every call of at
+// most T tokens (the requests are non-decreasing in T). 0 in builds without CUDA.
+size_t embedding_workspace_bytes(int64_t T, int64_t vocab, int64_t D);
+
 }  // namespace gdn::ops

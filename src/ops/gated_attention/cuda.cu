@@ -146,6 +146,48 @@ struct Carve {
   }
 };
 
+// The scratch of one call (one request, carved at 256-byte boundaries; with a null base, only its
+// size): the tile index's two tables; the backward adds D, dA, the fp32 dq_hat and dk_hat and the
+// q/k-norm weight gradients' per-block partials. gated_attention_cuda_workspace_bytes takes its
+// bound from the same functions.
+struct FwdScratch {
+  int32_t* ts_big;    // [N+1]
+  int32_t* ts_small;  // [N+1]
+};
+FwdScratch carve_fwd(Carve& c, int64_t N) {
+  const size_t nts = static_cast<size_t>(N) + 1;
+  FwdScratch f{};
+  f.ts_big = c.take<int32_t>(nts);
+  f.ts_small = c.take<int32_t>(nts);
+  return f;
+}
+struct BwdScratch {
+  int32_t* ts_big;    // [N+1]
+  int32_t* ts_small;  // [N+1]
+  float* D;           // [T, Hq]
+  bf16_t* dA;         // [T, Hq, hd]
+  float* dq_hat;      // [T, Hq, hd]
+  float* dk_hat;      // [T, Hkv, hd]
+  float* partial;     // [blocks, 2 hd]
+};
+unsigned epilogue_blocks(int64_t T) {
+  return static_cast<unsigned>((T + attn::kRowTokens - 1) / attn::kRowTokens);
+}
+BwdScratch carve_bwd(Carve& c, int64_t T, int64_t N, int64_t Hq, int64_t Hkv, int64_t hd) {
+  const size_t nts = static_cast<size_t>(N) + 1;
+  const size_t rows_q = static_cast<size_t>(T * Hq), rows_k = static_cast<size_t>(T * Hkv);
+  const size_t h = static_cast<size_t>(hd);
+  BwdScratch b{};
+  b.ts_big = c.take<int32_t>(nts);
+  b.ts_small = c.take<int32_t>(nts);
+  b.D = c.take<float>(rows_q);
+  b.dA = c.take<bf16_t>(rows_q * h);
+  b.dq_hat = c.take<float>(rows_q * h);
+  b.dk_hat = c.take<float>(rows_k * h);
+  b.partial = c.take<float>(static_cast<size_t>(epilogue_blocks(T)) * 2 * h);
+  return b;
+}
+
 unsigned grid_for(int T, int N, int tile, int heads) {
   return static_cast<unsigned>((static_cast<int64_t>(T + tile - 1) / tile + N) * heads);
 }
@@ -183,13 +225,10 @@ void forward_with(const GatedAttentionFwd& a, const attn::AttnKernels& kernels,
     check_aligned(*t, name);
   cuda::Context& ctx = cuda::Context::get();
   cudaStream_t s = ctx.stream();
-  const size_t nts = static_cast<size_t>(d.N) + 1;
   Carve size{nullptr};
-  size.take<int32_t>(nts);
-  size.take<int32_t>(nts);
+  carve_fwd(size, d.N);
   Carve c{static_cast<char*>(ctx.scratch(size.off, "gated_attention"))};
-  int32_t* ts_big = c.take<int32_t>(nts);                // [N+1]
-  int32_t* ts_small = c.take<int32_t>(nts);              // [N+1]
+  const auto [ts_big, ts_small] = carve_fwd(c, d.N);
   const int32_t* cu = dev<const int32_t>(a.cu_seqlens);  // [N+1]
   Marks mark{marks, s};
 
@@ -260,27 +299,13 @@ void backward_with(const GatedAttentionBwd& a, const attn::AttnKernels& kernels,
     check_aligned(*t, name);
   cuda::Context& ctx = cuda::Context::get();
   cudaStream_t s = ctx.stream();
-  const size_t nts = static_cast<size_t>(d.N) + 1;
-  const size_t rows_q = static_cast<size_t>(d.T) * d.Hq, rows_k = static_cast<size_t>(d.T) * d.Hkv;
-  const unsigned epi_blocks =
-      static_cast<unsigned>((d.T + attn::kRowTokens - 1) / attn::kRowTokens);
-  auto carve_all = [&](Carve& c, int32_t** ts_big, int32_t** ts_small, float** D, bf16_t** dA,
-                       float** dq_hat, float** dk_hat, float** partial) {
-    *ts_big = c.take<int32_t>(nts);                                        // [N+1]
-    *ts_small = c.take<int32_t>(nts);                                      // [N+1]
-    *D = c.take<float>(rows_q);                                            // [T, Hq]
-    *dA = c.take<bf16_t>(rows_q * static_cast<size_t>(d.hd));              // [T, Hq, hd]
-    *dq_hat = c.take<float>(rows_q * static_cast<size_t>(d.hd));           // [T, Hq, hd]
-    *dk_hat = c.take<float>(rows_k * static_cast<size_t>(d.hd));           // [T, Hkv, hd]
-    *partial = c.take<float>(static_cast<size_t>(epi_blocks) * 2 * d.hd);  // [blocks, 2*hd]
-  };
-  int32_t *ts_big = nullptr, *ts_small = nullptr;
-  float *D = nullptr, *dq_hat = nullptr, *dk_hat = nullptr, *partial = nullptr;
-  bf16_t* dA = nullptr;
+  const size_t rows_q = static_cast<size_t>(d.T) * d.Hq;
+  const unsigned epi_blocks = epilogue_blocks(d.T);
   Carve size{nullptr};
-  carve_all(size, &ts_big, &ts_small, &D, &dA, &dq_hat, &dk_hat, &partial);
+  carve_bwd(size, d.T, d.N, d.Hq, d.Hkv, d.hd);
   Carve c{static_cast<char*>(ctx.scratch(size.off, "gated_attention"))};
-  carve_all(c, &ts_big, &ts_small, &D, &dA, &dq_hat, &dk_hat, &partial);
+  const auto [ts_big, ts_small, D, dA, dq_hat, dk_hat, partial] =
+      carve_bwd(c, d.T, d.N, d.Hq, d.Hkv, d.hd);
   const int32_t* cu = dev<const int32_t>(a.cu_seqlens);  // [N+1]
   Marks mark{marks, s};
 
@@ -402,6 +427,15 @@ std::string supports_wgmma(const OpQuery& q) {
 }
 
 }  // namespace
+
+size_t gated_attention_cuda_workspace_bytes(int64_t T, int64_t N, int64_t Hq, int64_t Hkv,
+                                            int64_t hd) {
+  if (T <= 0) return 0;
+  Carve fwd{nullptr}, bwd{nullptr};
+  carve_fwd(fwd, N);
+  carve_bwd(bwd, T, N, Hq, Hkv, hd);
+  return std::max(fwd.off, bwd.off);
+}
 
 void attn::forward_marked(const GatedAttentionFwd& a, std::string_view impl, cudaEvent_t* marks) {
   forward_with(a, kernels_of(impl), marks);

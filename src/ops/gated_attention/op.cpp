@@ -11,6 +11,24 @@
 
 namespace gdn::ops {
 
+#if GDN_WITH_CUDA
+// cuda.cu: the larger carve of its forward and backward.
+size_t gated_attention_cuda_workspace_bytes(int64_t T, int64_t N, int64_t Hq, int64_t Hkv,
+                                            int64_t hd);
+#endif
+
+size_t gated_attention_workspace_bytes(int64_t T, int64_t N, int64_t Hq, int64_t Hkv, int64_t hd) {
+  GDN_CHECK(T >= 0 && N >= 0 && Hq >= 1 && Hkv >= 1 && hd >= 1,
+            "gated_attention: gated_attention_workspace_bytes needs T, N >= 0 and Hq, Hkv, hd >= "
+            "1, got T = {}, N = {}, Hq = {}, Hkv = {}, hd = {}",
+            T, N, Hq, Hkv, hd);
+#if GDN_WITH_CUDA
+  return gated_attention_cuda_workspace_bytes(T, N, Hq, Hkv, hd);
+#else
+  return 0;
+#endif
+}
+
 namespace {
 constexpr const char* kOp = "gated_attention";
 

@@ -116,4 +116,12 @@ inline DType gated_attention_stat_dtype(DType act) {
 // HF's rotary width: int(hd · partial_rotary_factor), truncated; the factor must be in [0, 1].
 int64_t gated_attention_rotary_dim(int64_t hd, double partial_rotary_factor);
 
+// CUDA workspace (gdn/backend/op_workspace.h): both CUDA implementations take, in one scratch
+// request per call, the tile index ([N+1] twice) and, in the backward, D [T, Hq], dA [T, Hq, hd]
+// bf16, dq_hat [T, Hq, hd] and dk_hat [T, Hkv, hd] fp32 and the norm weights' per-block partials
+// (cuda.cu carves them). gated_attention_workspace_bytes is the larger of the forward's and the
+// backward's request for T tokens in N documents, which bounds every call of at most T tokens and
+// N documents with these heads. 0 in builds without CUDA.
+size_t gated_attention_workspace_bytes(int64_t T, int64_t N, int64_t Hq, int64_t Hkv, int64_t hd);
+
 }  // namespace gdn::ops

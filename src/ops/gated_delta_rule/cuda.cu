@@ -86,17 +86,18 @@ bf16_t* bf_out(const Tensor& t) { return reinterpret_cast<bf16_t*>(t.ptr<bf16>()
 const float* f32_or_null(const Tensor& t) { return t.defined() ? t.ptr<float>() : nullptr; }
 float* f32_out_or_null(const Tensor& t) { return t.defined() ? t.ptr<float>() : nullptr; }
 
-gdr::Dims make_dims(const Tensor& q, const Tensor& v, const Tensor& cu, double scale, bool l2) {
+// The dims of a batch of T tokens in N documents (no tensors: the workspace bound uses it too).
+gdr::Dims make_dims(int64_t T, int64_t N, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv,
+                    double scale, bool l2) {
   gdr::Dims d{};
-  const int64_t T = q.size(0), N = cu.size(0) - 1;
   GDN_CHECK(T < (int64_t{1} << 30) && N < (int64_t{1} << 30),
             "{}: {} tokens / {} documents exceed the implementation's int32 indexing", kWhat, T, N);
   d.T = static_cast<int>(T);
   d.N = static_cast<int>(N);
-  d.Hk = static_cast<int>(q.size(1));
-  d.dk = static_cast<int>(q.size(2));
-  d.Hv = static_cast<int>(v.size(1));
-  d.dv = static_cast<int>(v.size(2));
+  d.Hk = static_cast<int>(Hk);
+  d.dk = static_cast<int>(dk);
+  d.Hv = static_cast<int>(Hv);
+  d.dv = static_cast<int>(dv);
   GDN_CHECK(d.Hv <= 65535, "{}: Hv = {} value heads exceed the grid's y limit 65535", kWhat, d.Hv);
   d.r = d.Hv / d.Hk;
   d.KP = gdr::pad16(d.dk);
@@ -105,6 +106,10 @@ gdr::Dims make_dims(const Tensor& q, const Tensor& v, const Tensor& cu, double s
   d.scale = static_cast<float>(gdr_effective_scale(scale, d.dk));
   d.l2norm = l2;
   return d;
+}
+gdr::Dims make_dims(const Tensor& q, const Tensor& v, const Tensor& cu, double scale, bool l2) {
+  return make_dims(q.size(0), cu.size(0) - 1, q.size(1), v.size(1), q.size(2), v.size(2), scale,
+                   l2);
 }
 
 // The chunk index: the caller's (a matching GdrChunkIndexScope) or built into scratch at `off`.
@@ -269,48 +274,72 @@ void save_factors(const gdr::Dims& d, const Prologue& p, const GatedDeltaRuleFwd
                  sv.gam, sv.Tm, s);
 }
 
+// Each entry point's scratch layout is one plan_* function of the dims and whether `saved` is
+// given, so that gated_delta_rule_cuda_workspace_bytes bounds every request with the same code.
+struct FastFwdPlan {
+  ScratchPlan sp;
+  PrologueScratch ps;
+  FastFwdScratch f;
+  size_t o_prog;
+};
+FastFwdPlan plan_forward_fast(const gdr::Dims& d, bool saved) {
+  FastFwdPlan p{};
+  p.ps = plan_prologue(p.sp, d);
+  p.f = plan_fast_fwd(p.sp, d, true, !saved, false);
+  p.o_prog = p.sp.add(static_cast<int64_t>(gdr::fast_trail_prog_bytes(d)));
+  return p;
+}
+
 void forward_fast(const GatedDeltaRuleFwd& a, const gdr::Dims& d) {
   cuda::Context& ctx = cuda::Context::get();
   const Saved sv = saved_view(a.saved, d);
-  ScratchPlan sp;
-  const PrologueScratch ps = plan_prologue(sp, d);
-  const FastFwdScratch f = plan_fast_fwd(sp, d, true, !sv, false);
-  const size_t o_prog = sp.add(static_cast<int64_t>(gdr::fast_trail_prog_bytes(d)));
-  char* base = static_cast<char*>(ctx.scratch(sp.total(), "gated_delta_rule"));
+  const FastFwdPlan pl = plan_forward_fast(d, static_cast<bool>(sv));
+  char* base = static_cast<char*>(ctx.scratch(pl.sp.total(), "gated_delta_rule"));
   cudaStream_t s = ctx.stream();
-  const Prologue p = run_prologue(d, ps, base, a.q, a.k, a.cu_seqlens, s);
-  run_fast_fwd(d, f, base, p, a.v, a.g, a.beta, a.h0, f32_out_or_null(a.hT), nullptr, sv, true,
-               {.o = bf_out(a.o), .prog = at<int>(base, o_prog)}, s);
+  const Prologue p = run_prologue(d, pl.ps, base, a.q, a.k, a.cu_seqlens, s);
+  run_fast_fwd(d, pl.f, base, p, a.v, a.g, a.beta, a.h0, f32_out_or_null(a.hT), nullptr, sv, true,
+               {.o = bf_out(a.o), .prog = at<int>(base, pl.o_prog)}, s);
+}
+
+struct FastBwdPlan {
+  ScratchPlan sp;
+  PrologueScratch ps;
+  FastFwdScratch f;
+  size_t o_Tinv, o_dvl, o_dHt, o_dVt, o_dqk, o_dkk, o_dgp;
+};
+FastBwdPlan plan_backward_fast(const gdr::Dims& d, bool saved) {
+  FastBwdPlan p{};
+  p.ps = plan_prologue(p.sp, d);
+  p.f = plan_fast_fwd(p.sp, d, !saved, !saved, true);
+  const int64_t T = d.T, nt = d.nt_max;
+  p.o_Tinv = p.sp.add(saved ? 0 : nt * d.Hv * gdr::kC * gdr::kC * 2);
+  p.o_dvl = p.sp.add(nt * d.Hv * d.dv * gdr::kC * 4);
+  p.o_dHt = p.sp.add(nt * d.Hv * d.dv * d.dk * 2);
+  p.o_dVt = p.sp.add(nt * d.Hv * d.dv * gdr::kC * 2);
+  p.o_dqk = p.sp.add(T * d.Hk * d.dk * 4);
+  p.o_dkk = p.sp.add(T * d.Hk * d.dk * 4);
+  p.o_dgp = p.sp.add(T * d.Hv * 4);
+  return p;
 }
 
 void backward_fast(const GatedDeltaRuleBwd& a, const gdr::Dims& d) {
   cuda::Context& ctx = cuda::Context::get();
   const Saved sv = saved_view(a.saved, d);
-  ScratchPlan sp;
-  const PrologueScratch ps = plan_prologue(sp, d);
-  const FastFwdScratch f = plan_fast_fwd(sp, d, !sv, !sv, true);
-  const int64_t T = d.T, nt = d.nt_max;
-  const size_t o_Tinv = sp.add(sv ? 0 : nt * d.Hv * gdr::kC * gdr::kC * 2);
-  const size_t o_dvl = sp.add(nt * d.Hv * d.dv * gdr::kC * 4);
-  const size_t o_dHt = sp.add(nt * d.Hv * d.dv * d.dk * 2);
-  const size_t o_dVt = sp.add(nt * d.Hv * d.dv * gdr::kC * 2);
-  const size_t o_dqk = sp.add(T * d.Hk * d.dk * 4);
-  const size_t o_dkk = sp.add(T * d.Hk * d.dk * 4);
-  const size_t o_dgp = sp.add(T * d.Hv * 4);
-  char* base = static_cast<char*>(ctx.scratch(sp.total(), "gated_delta_rule"));
+  const FastBwdPlan pl = plan_backward_fast(d, static_cast<bool>(sv));
+  char* base = static_cast<char*>(ctx.scratch(pl.sp.total(), "gated_delta_rule"));
   cudaStream_t s = ctx.stream();
-  const Prologue p = run_prologue(d, ps, base, a.q, a.k, a.cu_seqlens, s);
-  bf16_t* Tinv = sv ? sv.Tm : at<bf16_t>(base, o_Tinv);
-  float* dvl = at<float>(base, o_dvl);
-  const FastFwd r = run_fast_fwd(d, f, base, p, a.v, a.g, a.beta, a.h0, nullptr, Tinv, sv, !sv,
+  const Prologue p = run_prologue(d, pl.ps, base, a.q, a.k, a.cu_seqlens, s);
+  bf16_t* Tinv = sv ? sv.Tm : at<bf16_t>(base, pl.o_Tinv);
+  float* dvl = at<float>(base, pl.o_dvl);
+  const FastFwd r = run_fast_fwd(d, pl.f, base, p, a.v, a.g, a.beta, a.h0, nullptr, Tinv, sv, !sv,
                                  {.dout = bf(a.dout), .dvl = dvl}, s);
-  bf16_t* dHt = at<bf16_t>(base, o_dHt);
-  bf16_t* dVt = at<bf16_t>(base, o_dVt);
-  float* dqk = at<float>(base, o_dqk);
-  float* dkk = at<float>(base, o_dkk);
-  float* dgp = at<float>(base, o_dgp);
+  bf16_t* dHt = at<bf16_t>(base, pl.o_dHt);
+  bf16_t* dVt = at<bf16_t>(base, pl.o_dVt);
+  float* dqk = at<float>(base, pl.o_dqk);
+  float* dkk = at<float>(base, pl.o_dkk);
+  float* dgp = at<float>(base, pl.o_dgp);
   // W is dead once the reverse pass has run; `saved`'s is the caller's, so dW takes scratch then.
-  bf16_t* dW = sv ? at<bf16_t>(base, f.W) : r.W;
+  bf16_t* dW = sv ? at<bf16_t>(base, pl.f.W) : r.W;
   gdr::fast_state_bwd(d, p.ix, p.qn, p.kn, r.W, bf(a.dout), dvl, r.gam, f32_or_null(a.dhT), dHt,
                       dVt, f32_out_or_null(a.dh0), s);
   gdr::fast_dqkw(d, p.ix, p.qn, p.kn, bf(a.dout), r.Vt, dVt, r.Ht, dHt, r.gam, dqk, dkk, dW, dgp,
@@ -350,16 +379,27 @@ FwdPtrs run_fwd_chain(const gdr::Dims& d, const FwdScratch& f, char* base, const
   return r;
 }
 
+struct GenericFwdPlan {
+  ScratchPlan sp;
+  PrologueScratch ps;
+  FwdScratch f;
+};
+GenericFwdPlan plan_forward_generic(const gdr::Dims& d) {
+  GenericFwdPlan p{};
+  p.ps = plan_prologue(p.sp, d);
+  p.f = plan_fwd(p.sp, d);
+  return p;
+}
+
 void forward_generic(const GatedDeltaRuleFwd& a, const gdr::Dims& d) {
   cuda::Context& ctx = cuda::Context::get();
   const Saved sv = saved_view(a.saved, d);
-  ScratchPlan sp;
-  const PrologueScratch ps = plan_prologue(sp, d);
-  const FwdScratch f = plan_fwd(sp, d);
-  char* base = static_cast<char*>(ctx.scratch(sp.total(), "gated_delta_rule"));
+  const GenericFwdPlan pl = plan_forward_generic(d);
+  char* base = static_cast<char*>(ctx.scratch(pl.sp.total(), "gated_delta_rule"));
   cudaStream_t s = ctx.stream();
-  const Prologue p = run_prologue(d, ps, base, a.q, a.k, a.cu_seqlens, s);
-  const FwdPtrs r = run_fwd_chain(d, f, base, p, a.v, a.g, a.beta, a.h0, f32_out_or_null(a.hT), s);
+  const Prologue p = run_prologue(d, pl.ps, base, a.q, a.k, a.cu_seqlens, s);
+  const FwdPtrs r =
+      run_fwd_chain(d, pl.f, base, p, a.v, a.g, a.beta, a.h0, f32_out_or_null(a.hT), s);
   gdr::launch_output(d, p.ix, p.qn, p.kn, r.U, r.H, a.g.ptr<float>(), bf_out(a.o), s);
   if (sv) {
     gdr::launch_save_states(d, p.ix, r.H, r.U, sv.Ht, sv.Vt, s);
@@ -367,22 +407,34 @@ void forward_generic(const GatedDeltaRuleFwd& a, const gdr::Dims& d) {
   }
 }
 
+struct GenericBwdPlan {
+  ScratchPlan sp;
+  PrologueScratch ps;
+  FwdScratch f;
+  size_t o_dvloc, o_dvp, o_dH, o_dqh, o_dkh, o_dgp;
+};
+GenericBwdPlan plan_backward_generic(const gdr::Dims& d) {
+  GenericBwdPlan p{};
+  p.ps = plan_prologue(p.sp, d);
+  p.f = plan_fwd(p.sp, d);
+  const int64_t T = d.T;
+  p.o_dvloc = p.sp.add(T * d.Hv * d.dv * 4);
+  p.o_dvp = p.sp.add(T * d.Hv * d.dv * 2);
+  p.o_dH = p.sp.add(d.nt_max * d.Hv * d.dk * d.dv * 2);
+  p.o_dqh = p.sp.add(T * d.Hv * d.dk * 4);
+  p.o_dkh = p.sp.add(T * d.Hv * d.dk * 4);
+  p.o_dgp = p.sp.add(T * d.Hv * 4);
+  return p;
+}
+
 void backward_generic(const GatedDeltaRuleBwd& a, const gdr::Dims& d) {
   cuda::Context& ctx = cuda::Context::get();
   const Saved sv = saved_view(a.saved, d);
-  ScratchPlan sp;
-  const PrologueScratch ps = plan_prologue(sp, d);
-  const FwdScratch f = plan_fwd(sp, d);
-  const int64_t T = d.T;
-  const size_t o_dvloc = sp.add(T * d.Hv * d.dv * 4);
-  const size_t o_dvp = sp.add(T * d.Hv * d.dv * 2);
-  const size_t o_dH = sp.add(d.nt_max * d.Hv * d.dk * d.dv * 2);
-  const size_t o_dqh = sp.add(T * d.Hv * d.dk * 4);
-  const size_t o_dkh = sp.add(T * d.Hv * d.dk * 4);
-  const size_t o_dgp = sp.add(T * d.Hv * 4);
-  char* base = static_cast<char*>(ctx.scratch(sp.total(), "gated_delta_rule"));
+  const GenericBwdPlan pl = plan_backward_generic(d);
+  char* base = static_cast<char*>(ctx.scratch(pl.sp.total(), "gated_delta_rule"));
   cudaStream_t s = ctx.stream();
-  const Prologue p = run_prologue(d, ps, base, a.q, a.k, a.cu_seqlens, s);
+  const Prologue p = run_prologue(d, pl.ps, base, a.q, a.k, a.cu_seqlens, s);
+  const FwdScratch& f = pl.f;
   FwdPtrs r{at<bf16_t>(base, f.W), at<bf16_t>(base, f.U), at<bf16_t>(base, f.H)};
   if (sv) {
     // prep's W (and U, overwritten at every token of the batch), then H and V' from `saved`.
@@ -391,12 +443,12 @@ void backward_generic(const GatedDeltaRuleBwd& a, const gdr::Dims& d) {
   } else {
     r = run_fwd_chain(d, f, base, p, a.v, a.g, a.beta, a.h0, nullptr, s);
   }
-  float* dvloc = at<float>(base, o_dvloc);
-  bf16_t* dvp = at<bf16_t>(base, o_dvp);
-  bf16_t* dH = at<bf16_t>(base, o_dH);
-  float* dqh = at<float>(base, o_dqh);
-  float* dkh = at<float>(base, o_dkh);
-  float* dgp = at<float>(base, o_dgp);
+  float* dvloc = at<float>(base, pl.o_dvloc);
+  bf16_t* dvp = at<bf16_t>(base, pl.o_dvp);
+  bf16_t* dH = at<bf16_t>(base, pl.o_dH);
+  float* dqh = at<float>(base, pl.o_dqh);
+  float* dkh = at<float>(base, pl.o_dkh);
+  float* dgp = at<float>(base, pl.o_dgp);
   const float* g = a.g.ptr<float>();
   gdr::launch_dvloc(d, p.ix, p.qn, p.kn, bf(a.dout), g, dvloc, s);
   gdr::launch_state_bwd(d, p.ix, p.qn, p.kn, r.W, bf(a.dout), dvloc, g, f32_or_null(a.dhT), dvp, dH,
@@ -452,6 +504,22 @@ std::string supports_fast(const OpQuery& q) {
 }
 
 }  // namespace
+
+size_t gated_delta_rule_cuda_workspace_bytes(int64_t T, int64_t N, int64_t Hk, int64_t Hv,
+                                             int64_t dk, int64_t dv, bool l2norm,
+                                             bool backward_saved) {
+  if (T <= 0) return 0;
+  const gdr::Dims d = make_dims(T, std::max<int64_t>(N, 1), Hk, Hv, dk, dv, 0, l2norm);
+  // The generic route's plans do not depend on `saved`.
+  size_t bound = std::max(plan_forward_generic(d).sp.total(), plan_backward_generic(d).sp.total());
+  if (gdr::pad16(d.dk) <= 128 && gdr::pad16(d.dv) <= 128) {  // the fast route's dims
+    bound =
+        std::max({bound, plan_forward_fast(d, false).sp.total(),
+                  plan_forward_fast(d, true).sp.total(), plan_backward_fast(d, true).sp.total()});
+    if (!backward_saved) bound = std::max(bound, plan_backward_fast(d, false).sp.total());
+  }
+  return bound;
+}
 
 // Two candidates per shape class (op.h): the fast route, and the generic one (any class, and the
 // fallback when the fast one fails its probe). The fused forward (one kernel per document and

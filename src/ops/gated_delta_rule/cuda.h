@@ -54,6 +54,11 @@ class GdrChunkIndexScope {
   const GdrChunkIndexScope* prev_;
 };
 
+// gated_delta_rule_workspace_bytes of op.h on CUDA builds: the largest scratch plan of cuda.cu.
+size_t gated_delta_rule_cuda_workspace_bytes(int64_t T, int64_t N, int64_t Hk, int64_t Hv,
+                                             int64_t dk, int64_t dv, bool l2norm,
+                                             bool backward_saved);
+
 // Test and benchmark hook: the dk split of the fast route's sequential state passes (cuda_fast.h):
 // 0 = automatic (the default), 1, 2, 4 or 8 forces it for every later call on any thread.
 void gdr_set_state_split(int ks);

@@ -348,6 +348,20 @@ void gated_delta_rule_backward(const GatedDeltaRuleBwd& a) {
   dispatch().table<GatedDeltaRuleTable>(class_of(a)).backward(a);
 }
 
+size_t gated_delta_rule_workspace_bytes(int64_t T, int64_t N, int64_t Hk, int64_t Hv, int64_t dk,
+                                        int64_t dv, bool use_qk_l2norm, bool backward_saved) {
+  GDN_CHECK(T >= 0 && N >= 0 && Hk >= 1 && Hv >= 1 && dk >= 1 && dv >= 1,
+            "{}: gated_delta_rule_workspace_bytes needs T, N >= 0 and Hk, Hv, dk, dv >= 1, got "
+            "T = {}, N = {}, Hk = {}, Hv = {}, dk = {}, dv = {}",
+            kOp, T, N, Hk, Hv, dk, dv);
+#if GDN_WITH_CUDA
+  return gated_delta_rule_cuda_workspace_bytes(T, N, Hk, Hv, dk, dv, use_qk_l2norm, backward_saved);
+#else
+  (void)use_qk_l2norm, (void)backward_saved;
+  return 0;
+#endif
+}
+
 int64_t gdr_batch_index_numel(Device device, int64_t T, int64_t N) {
 #if GDN_WITH_CUDA
   if (device == Device::CUDA) return gdr_chunk_index_numel(T, N);

@@ -196,6 +196,19 @@ int64_t gdr_saved_chunks(int64_t T, int64_t N);
 // 289 MiB in bf16.
 int64_t gdr_saved_numel(int64_t T, int64_t N, int64_t Hv, int64_t dk, int64_t dv);
 
+// CUDA workspace (gdn/backend/op_workspace.h): both CUDA implementations take their temporaries
+// (the chunk index unless a GdrBatchIndex provides it, l2-normalised q and k, the chunk factors and
+// states, the backward's gradient buffers; cuda.cu lists them) in one scratch request per call,
+// laid out by a plan function of the call's dims. gated_delta_rule_workspace_bytes is the largest
+// of those plans (forward and backward, both routes, with and without `saved`) for T tokens in N
+// documents, which bounds every call of at most T tokens and N documents with these heads (the
+// plans are non-decreasing in T and N). With `backward_saved`, only backward calls given `saved`
+// are bounded (the forward's with and without it still are): a caller that always passes `saved`
+// to the backward plans less. 0 in builds without CUDA: the host backends take none.
+size_t gated_delta_rule_workspace_bytes(int64_t T, int64_t N, int64_t Hk, int64_t Hv, int64_t dk,
+                                        int64_t dv, bool use_qk_l2norm,
+                                        bool backward_saved = false);
+
 // A micro-batch's chunk index, shared by its calls. Every call derives from cu_seqlens which
 // chunks of 64 tokens each document has; on cuda that index is built on the device per call
 // unless a scope provides it (cuda.h: GdrChunkIndexScope), so a caller that runs many layers on
