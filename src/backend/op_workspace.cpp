@@ -21,6 +21,8 @@ OpWorkspaceBinding::OpWorkspaceBinding(void*, size_t) {
   GDN_FAIL("op workspace: binding one needs a CUDA build");
 }
 OpWorkspaceBinding::~OpWorkspaceBinding() = default;
+OpWorkspaceSuspend::OpWorkspaceSuspend() = default;
+OpWorkspaceSuspend::~OpWorkspaceSuspend() = default;
 #endif  // the CUDA build's definitions: src/backend/cuda/runtime.cu
 
 }  // namespace gdn

@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <optional>
 
 #include "backend/cpu/blas.h"
+#include "gdn/backend/op_workspace.h"
 #include "gdn/core/env.h"
 #include "gdn/core/log.h"
 
@@ -250,6 +252,10 @@ void Registry::do_resolve(std::string_view op_name, const OpQuery& query, Resolu
     ProbeError err;
     std::string failure;
     try {
+      // A probe runs at shapes of its own, outside the caller's planned op workspace (it may be
+      // resolving the first call of a shape class inside a model step).
+      std::optional<OpWorkspaceSuspend> unplanned;
+      if (query.backend == Backend::Cuda) unplanned.emplace();
       err = op.probe(*impl, query);
     } catch (const Error& e) {
       failure = fmt::format("probe raised an error: {}", e.message());

@@ -119,6 +119,29 @@ TEST_F(OpWorkspaceCuda, BoundRegionGivesTheSameBitsAndATooSmallOneIsAnError) {
   EXPECT_FALSE(cuda::Context::get().workspace_bound());
 }
 
+// The first call of a shape class resolves its implementation, whose probe runs at shapes of its
+// own: inside a bound region sized for the call alone, the probe runs unbound (it asks for more
+// than the region holds) and the call itself then takes the region, which stays bound.
+TEST_F(OpWorkspaceCuda, ProbesAtTheFirstCallOfAClassRunOutsideTheBoundRegion) {
+  cuda::Context& ctx = cuda::Context::get();
+  const int64_t R = 1, D = 1024;  // this process's first rmsnorm call: its class is unresolved
+  RmsNormCase c{dev_zeros(DType::BF16, {R, D}), to_dev(randn_as({D}, 3, DType::BF16), DType::BF16),
+                dev_zeros(DType::F32, {R}),     dev_zeros(DType::BF16, {R, D}),
+                dev_zeros(DType::BF16, {R, D}), dev_zeros(DType::F32, {D})};
+  const size_t declared = rmsnorm_workspace_bytes(R, D, sms, max_blocks);
+  OwnedTensor region = dev_zeros(DType::F32, {static_cast<int64_t>(declared / 4 + 1)});
+  ctx.reset_peak_scratch_request();
+  {
+    cuda::ScopedWorkspace bind(region.view().data(), declared);
+    rmsnorm_backward({c.x, c.w, c.rstd, c.dy, c.dx, c.dw, true});
+    EXPECT_TRUE(ctx.workspace_bound());
+    EXPECT_EQ(ctx.bound_workspace(), region.view().data());
+    EXPECT_EQ(ctx.bound_workspace_bytes(), declared);
+  }
+  GDN_CUDA_CHECK(cudaStreamSynchronize(ctx.stream()));
+  EXPECT_GT(ctx.peak_scratch_request(), declared) << "the probe asked for no more than the call";
+}
+
 TEST_F(OpWorkspaceCuda, GatedRmsNormRequestsStayWithinTheDeclaredBound) {
   for (const int64_t R : {1, 1000, 4096 * 32}) {
     for (const int64_t D : {64, 128, 256}) {

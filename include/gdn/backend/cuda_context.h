@@ -59,6 +59,9 @@ class Context {
   // ScopedWorkspace to restore it). A 0-byte region (ptr may then be null) is a binding too: every
   // non-zero request is then an error.
   void bind_workspace(void* ptr, size_t bytes);
+  // Frees the grow-only buffer (waits for the compute stream first); the next unbound request
+  // allocates again.
+  void release_scratch();
   void unbind_workspace();
   bool workspace_bound() const { return bound_; }
   void* bound_workspace() const { return bound_ptr_; }

@@ -37,6 +37,24 @@ struct OpWorkspaceDevice {
 };
 OpWorkspaceDevice op_workspace_device();
 
+// While alive, scratch() is unbound again (the grow-only buffer), for work that is not part of the
+// planned step: the resolver's probes, which run at the first call of a shape class, inside the
+// step, at shapes of their own. On exit the previous binding is restored and, when one was bound,
+// the grow-only buffer the suspended work grew is freed (a device synchronisation, once per probe)
+// so that the planned region is the step's only op workspace. Nothing to do without CUDA.
+class OpWorkspaceSuspend {
+ public:
+  OpWorkspaceSuspend();
+  ~OpWorkspaceSuspend();
+  OpWorkspaceSuspend(const OpWorkspaceSuspend&) = delete;
+  OpWorkspaceSuspend& operator=(const OpWorkspaceSuspend&) = delete;
+
+ private:
+  bool prev_bound_ = false;
+  void* prev_ = nullptr;
+  size_t prev_bytes_ = 0;
+};
+
 class OpWorkspaceBinding {
  public:
   OpWorkspaceBinding(void* ptr, size_t bytes);

@@ -244,6 +244,16 @@ void* Context::scratch(size_t bytes, const char* op) {
   return scratch_;
 }
 
+void Context::release_scratch() {
+  std::lock_guard lock(scratch_mu_);
+  if (scratch_ == nullptr) return;
+  note_drain();
+  GDN_CUDA_CHECK(cudaStreamSynchronize(stream_));  // work on the stream may still read it
+  GDN_CUDA_CHECK(cudaFree(scratch_));
+  scratch_ = nullptr;
+  scratch_bytes_ = 0;
+}
+
 void Context::bind_workspace(void* ptr, size_t bytes) {
   GDN_CHECK(ptr != nullptr || bytes == 0, "bind_workspace: a null region of {} bytes", bytes);
   std::lock_guard lock(scratch_mu_);
@@ -284,6 +294,25 @@ OpWorkspaceBinding::~OpWorkspaceBinding() {
   } else {
     ctx.unbind_workspace();
   }
+}
+
+OpWorkspaceSuspend::OpWorkspaceSuspend() {
+  cuda::Context& ctx = cuda::Context::get();
+  prev_bound_ = ctx.workspace_bound();
+  prev_ = ctx.bound_workspace();
+  prev_bytes_ = ctx.bound_workspace_bytes();
+  if (prev_bound_) ctx.unbind_workspace();
+}
+
+OpWorkspaceSuspend::~OpWorkspaceSuspend() {
+  if (!prev_bound_) return;
+  cuda::Context& ctx = cuda::Context::get();
+  try {
+    ctx.release_scratch();
+  } catch (const Error& e) {  // a destructor does not throw; the next launch reports the device
+    log::warn("op workspace: releasing the grow-only scratch failed: {}", e.message());
+  }
+  ctx.bind_workspace(prev_, prev_bytes_);
 }
 
 }  // namespace gdn
