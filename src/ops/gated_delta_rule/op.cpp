@@ -2,6 +2,7 @@
 #include "ops/gated_delta_rule/op.h"
 
 #include <cmath>
+#include <new>
 #include <optional>
 #include <vector>
 
@@ -372,14 +373,17 @@ int64_t gdr_batch_index_numel(Device device, int64_t T, int64_t N) {
 
 GdrBatchIndex::GdrBatchIndex(const Tensor& cu_seqlens, int64_t T, const Tensor& index) {
 #if GDN_WITH_CUDA
-  if (cu_seqlens.device() == Device::CUDA) scope_ = new GdrChunkIndexScope(cu_seqlens, T, index);
+  static_assert(sizeof(GdrChunkIndexScope) <= kScopeBytes &&
+                alignof(GdrChunkIndexScope) <= alignof(std::max_align_t));
+  if (cu_seqlens.device() == Device::CUDA)
+    scope_ = new (storage_) GdrChunkIndexScope(cu_seqlens, T, index);
 #endif
   (void)cu_seqlens, (void)T, (void)index;
 }
 
 GdrBatchIndex::~GdrBatchIndex() {
 #if GDN_WITH_CUDA
-  delete scope_;
+  if (scope_ != nullptr) scope_->~GdrChunkIndexScope();
 #endif
 }
 

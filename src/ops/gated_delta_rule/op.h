@@ -125,6 +125,8 @@
 // fp32, summed over the r heads in head order).
 #pragma once
 
+#include <cstddef>
+
 #include "gdn/core/tensor.h"
 
 namespace gdn::ops {
@@ -230,7 +232,11 @@ class GdrBatchIndex {
   GdrBatchIndex& operator=(const GdrBatchIndex&) = delete;
 
  private:
-  GdrChunkIndexScope* scope_ = nullptr;  // cuda only
+  // The cuda scope, constructed in place (a step allocates nothing on the host heap for it; op.cpp
+  // checks that it fits); null on the host.
+  static constexpr size_t kScopeBytes = 1024;
+  alignas(std::max_align_t) unsigned char storage_[kScopeBytes];
+  GdrChunkIndexScope* scope_ = nullptr;
 };
 
 }  // namespace gdn::ops
