@@ -106,6 +106,7 @@ class Trainer {
     double z_loss = 0;
     Backend backend = Backend::Cpu;
     bool on_device = false;  // cuda: the optimizer state and the step's statistics on the device
+    bool sharded = false;    // dist.shard = optimizer at world size > 1 (ZeRO-2)
   };
   void init_weights(OptimizerState& state, bool device_init);
   void init_model();
