@@ -34,9 +34,10 @@ Tensor flat(const Tensor& t, int64_t begin, int64_t len) {
   return Tensor(static_cast<char*>(t.data()) + bytes, t.dtype(), {len}, t.device());
 }
 
-// Device: every parameter and shard boundary on 256 bytes of fp32 (64 elements), so that the
-// update's vector path applies to every piece. The host needs no alignment.
-constexpr int64_t kDeviceAlign = 64;
+// Every parameter and shard boundary on 64 elements (256 bytes of fp32), so that the device
+// update's vector path applies to every piece. The host needs no alignment but uses the same
+// layout, so that the cpu tests run the device's gaps and padding.
+constexpr int64_t kAlign = 64;
 // All ranks' part of one collective: 2^26 elements (256 MiB of fp32) at most.
 constexpr int64_t kBucketElems = int64_t{1} << 26;
 
@@ -62,7 +63,7 @@ class ShardedOptimizer final : public Optimizer {
         whole_.push_back(i);
     }
     const int world = comm_.size();
-    layout_ = ShardLayout(std::move(sharded), world, dev_ == Device::CUDA ? kDeviceAlign : 1,
+    layout_ = ShardLayout(std::move(sharded), world, kAlign,
                           bucket > 0 ? bucket : (kBucketElems + world - 1) / world);
     own_ = layout_.shard_pieces(comm_.rank());
     for (int64_t k = 0; k < layout_.buckets(); ++k)
@@ -176,13 +177,14 @@ class ShardedOptimizer final : public Optimizer {
     const double bf16 = dev_ == Device::CUDA ? 2.0 * S : 0.0;
     return fmt::format(
         "optimizer state (dist.shard = optimizer, rank {} of {}, {} memory): {} in all: master "
-        "weights ({}) and Adam m and v {} (a shard of {} of the {} sharded elements, and {} "
-        "elements of {} fp32-compute tensors kept whole; one process holds {}), reduced fp32 "
+        "weights ({}) and Adam m and v {} (a shard of {} of the {} sharded elements, {} with "
+        "alignment and padding, and {} elements of {} fp32-compute tensors kept whole; one "
+        "process holds {}), reduced fp32 "
         "gradients {}{}, one collective's bucket {}",
         comm_.rank(), comm_.size(), dev_ == Device::CUDA ? "device" : "host",
         format_bytes(static_cast<double>(bytes_)), split_ ? "split: I16 low half" : "fp32",
-        format_bytes(state), layout_.shard_numel(), layout_.numel(), whole, whole_.size(),
-        format_bytes(single), format_bytes(4.0 * S),
+        format_bytes(state), layout_.shard_numel(), layout_.numel(), layout_.padded_numel(), whole,
+        whole_.size(), format_bytes(single), format_bytes(4.0 * S),
         bf16 > 0 ? fmt::format(", bf16 values of the shard {}", format_bytes(bf16)) : "",
         format_bytes(4.0 * static_cast<double>(bucket_.numel())));
   }

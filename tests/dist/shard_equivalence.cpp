@@ -7,17 +7,21 @@
 //
 //   shard_equivalence --gdntrain PATH --mpiexec "mpirun ... -np" --work DIR --steps 12
 //                     --micro 2 --ref 1 --cmp 2:optimizer --cmp 2:optimizer>1@6
-//                     [--rel 1e-6] [--expect-clip 0.05] [--set key=value ...]
+//                     [--rel 1e-6] [--expect-clip 0.05] [--identical 2:optimizer=2:replicate]
+//                     [--set key=value ...]
 //
 // A run is RANKS[:SHARD] (SHARD defaults to replicate); A>B@K runs A for K steps (--stop-after,
 // which writes a checkpoint) and B from that checkpoint (--resume) to the end. --expect-clip C:
 // the reference must clip (gradient norm > C) on at least half of its steps, so that the global
-// norm's path is exercised. Prints the largest relative differences of every comparison.
+// norm's path is exercised. --identical A=B: the final checkpoints of runs A and B (every run
+// writes one) hold byte for byte the same model.safetensors and optimizer.safetensors. Prints
+// the largest relative differences of every comparison.
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -30,7 +34,7 @@ namespace fs = std::filesystem;
 
 struct Args {
   std::string gdntrain, mpiexec, work, ref;
-  std::vector<std::string> cmps, sets;
+  std::vector<std::string> cmps, sets, identical;
   int steps = 12, micro = 2;
   double rel = 1e-6, expect_clip = 0;
 };
@@ -66,6 +70,8 @@ Args parse(int argc, char** argv) {
       a.expect_clip = std::stod(v);
     else if (k == "--set")
       a.sets.push_back(v);
+    else if (k == "--identical")
+      a.identical.push_back(v);
     else
       usage("unknown option " + k);
   }
@@ -100,7 +106,7 @@ bool run_part(const Args& a, const Part& p, const std::string& dir, const std::s
   cmd += "'" + a.gdntrain + "' train --device cpu --steps " + std::to_string(a.steps) +
          " --run-dir '" + dir + "' --set train.grad_accum=" + std::to_string(a.micro / p.np) +
          " --set dist.shard=" + p.shard +
-         " --set eval.every=0 --set checkpoint.at_end=false --set log.every=4" + extra;
+         " --set eval.every=0 --set checkpoint.every=0 --set log.every=4" + extra;
   for (const std::string& s : a.sets) cmd += " --set '" + s + "'";
   return run(cmd) == 0;
 }
@@ -127,6 +133,11 @@ std::map<int64_t, nlohmann::json> read_metrics(const std::string& path) {
     if (j.contains("step") && j.contains("loss")) out[j["step"].get<int64_t>()] = j;
   }
   return out;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
 }
 
 double rel_diff(double a, double b) {
@@ -196,6 +207,7 @@ int main(int argc, char** argv) {
   }
   // Every run against every earlier one (the reference first).
   std::vector<std::pair<std::string, std::map<int64_t, nlohmann::json>>> runs = {{a.ref, ref}};
+  std::map<std::string, std::string> dirs = {{a.ref, ref_dir}};
   for (size_t c = 0; c < a.cmps.size(); ++c) {
     const std::string& spec = a.cmps[c];
     const std::string dir = a.work + "/cmp" + std::to_string(c);
@@ -207,6 +219,22 @@ int main(int argc, char** argv) {
     const auto got = read_metrics(dir + "/metrics.jsonl");
     for (const auto& [other, want] : runs) failures += compare(a, spec, got, other, want);
     runs.emplace_back(spec, got);
+    dirs[spec] = dir;
+  }
+  for (const std::string& pair : a.identical) {
+    const size_t eq = pair.find('=');
+    if (eq == std::string::npos) usage("--identical A=B: " + pair);
+    const std::string x = pair.substr(0, eq), y = pair.substr(eq + 1);
+    if (!dirs.contains(x) || !dirs.contains(y)) usage("--identical names a run not given: " + pair);
+    const std::string step = "/checkpoints/step-" + std::to_string(a.steps) + "/";
+    for (const char* file : {"model.safetensors", "optimizer.safetensors"}) {
+      const std::string fx = read_file(dirs[x] + step + file),
+                        fy = read_file(dirs[y] + step + file);
+      const bool same = !fx.empty() && fx == fy;
+      std::printf("%s: %s (%zu bytes) and %s (%zu bytes) %s\n", file, x.c_str(), fx.size(),
+                  y.c_str(), fy.size(), same ? "are byte for byte the same" : "DIFFER");
+      if (!same) ++failures;
+    }
   }
   std::printf("%s\n", failures == 0 ? "PASS" : "FAIL");
   return failures == 0 ? 0 : 1;
