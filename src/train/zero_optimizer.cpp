@@ -251,13 +251,16 @@ class ShardedOptimizer final : public Optimizer {
   // Every rank holds the whole state (a fresh initialisation or a checkpoint): it keeps its
   // slice, fills its whole compute copy, and lets the rest go.
   void load(OptimizerState state) {
-    state.ensure(specs_);
+    GDN_CHECK(state.master.size() == specs_.size(), "dist.shard = optimizer: no master weights");
+    // A fresh run has no moments: the shard's are zero already (no whole zero stores on the host).
+    const bool moments = state.m.size() != 0;
     const int64_t S = layout_.shard_numel();
     std::vector<float> master(static_cast<size_t>(S)), m(master.size()), v(master.size());
     for (const ShardPiece& p : own_) {
       const int64_t at = p.flat_begin - own_begin();
       const auto bytes = static_cast<size_t>(p.len) * sizeof(float);
       std::memcpy(&master[at], state.master.tensor(p.param).ptr<float>() + p.param_begin, bytes);
+      if (!moments) continue;
       std::memcpy(&m[at], state.m.tensor(p.param).ptr<float>() + p.param_begin, bytes);
       std::memcpy(&v[at], state.v.tensor(p.param).ptr<float>() + p.param_begin, bytes);
     }
@@ -294,8 +297,10 @@ class ShardedOptimizer final : public Optimizer {
     }
     for (size_t w = 0; w < whole_.size(); ++w) {
       copy_into(wmaster_[w], state.master.tensor(whole_[w]));
-      copy_into(wm_[w], state.m.tensor(whole_[w]));
-      copy_into(wv_[w], state.v.tensor(whole_[w]));
+      if (moments) {
+        copy_into(wm_[w], state.m.tensor(whole_[w]));
+        copy_into(wv_[w], state.v.tensor(whole_[w]));
+      }
       copy_into(model_.param(whole_[w]), state.master.tensor(whole_[w]));
     }
   }
