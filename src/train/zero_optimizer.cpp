@@ -75,10 +75,10 @@ class ShardedOptimizer final : public Optimizer {
   void reduce_grads() override {
     ProfileRange pr("grad_reduce_scatter");
     // The whole parameters' gradients summed in place (as replicate does), the rest scattered.
-    for (size_t i : whole_) {
-      const Tensor& g = model_.grad(i);
+    for (size_t w = 0; w < whole_.size(); ++w) {
+      const Tensor& g = model_.grad(whole_[w]);
       comm_.all_reduce(g.data(), g.data(), g.numel(), g.dtype(), dist::ReduceOp::Sum);
-      if (grad32_[whole_index(i)].defined()) copy_into(grad32_[whole_index(i)], g);
+      if (grad32_[w].defined()) copy_into(grad32_[w], g);
     }
     for (int64_t k = 0; k < layout_.buckets(); ++k) {
       const int64_t len = layout_.bucket_len(k);
@@ -179,8 +179,7 @@ class ShardedOptimizer final : public Optimizer {
         "optimizer state (dist.shard = optimizer, rank {} of {}, {} memory): {} in all: master "
         "weights ({}) and Adam m and v {} (a shard of {} of the {} sharded elements, {} with "
         "alignment and padding, and {} elements of {} fp32-compute tensors kept whole; one "
-        "process holds {}), reduced fp32 "
-        "gradients {}{}, one collective's bucket {}",
+        "process holds {}), reduced fp32 gradients {}{}, one collective's bucket {}",
         comm_.rank(), comm_.size(), dev_ == Device::CUDA ? "device" : "host",
         format_bytes(static_cast<double>(bytes_)), split_ ? "split: I16 low half" : "fp32",
         format_bytes(state), layout_.shard_numel(), layout_.numel(), layout_.padded_numel(), whole,
@@ -191,11 +190,6 @@ class ShardedOptimizer final : public Optimizer {
 
  private:
   int64_t own_begin() const { return layout_.shard_begin(comm_.rank()); }
-  size_t whole_index(size_t i) const {
-    for (size_t w = 0; w < whole_.size(); ++w)
-      if (whole_[w] == i) return w;
-    GDN_FAIL("parameter {} is not kept whole", i);
-  }
   const Tensor& whole_grad(size_t w) const {
     return grad32_[w].defined() ? grad32_[w] : model_.grad(whole_[w]);
   }
