@@ -269,7 +269,9 @@ class ShardedOptimizer final : public Optimizer {
       // update writes them); the compute copy of every parameter the same way.
       std::vector<uint16_t> hi(master.size());
       std::vector<int16_t> lo(split_ ? master.size() : 0);
-      for (size_t j = 0; j < master.size(); ++j) {
+      const auto n = static_cast<int64_t>(master.size());
+#pragma omp parallel for schedule(static) if (n > (int64_t{1} << 18))
+      for (int64_t j = 0; j < n; ++j) {
         const uint32_t b = f32_bits(master[j]);
         hi[j] = split_ ? split_hi(b) : float_to_bf16_bits(master[j]);
         if (split_) lo[j] = split_lo(b, hi[j]);
@@ -284,7 +286,9 @@ class ShardedOptimizer final : public Optimizer {
         if (model_.param(i).dtype() != DType::BF16) continue;  // kept whole: below
         std::vector<uint16_t> c(static_cast<size_t>(src.numel()));
         const float* x = src.ptr<float>();  // [n]
-        for (size_t j = 0; j < c.size(); ++j)
+        const auto nc = static_cast<int64_t>(c.size());
+#pragma omp parallel for schedule(static) if (nc > (int64_t{1} << 18))
+        for (int64_t j = 0; j < nc; ++j)
           c[j] = split_ ? split_hi(f32_bits(x[j])) : float_to_bf16_bits(x[j]);
         copy_bytes(model_.param(i).data(), dev_, c.data(), Device::CPU, c.size() * 2);
       }
