@@ -64,20 +64,36 @@ std::string read_text_file(const std::string& path) {
 }
 
 // --resume: the training configuration the checkpoint was written with (its own copy, else the
-// run directory's config.json, which this start has not rewritten yet) against this one.
-void check_resume_against(const std::string& ckpt, const std::string& run_dir,
-                          const ConfigTree& cfg) {
+// run directory's config.json, which this start has not rewritten yet) against this one. Returns
+// the saved train.grad_accum (this run's when nothing was saved). A changed train.grad_accum is
+// not a change of the run when the world size changed with it so that the step's micro-batches
+// (grad_accum x ranks) stay the same: they are then the same batches in the same order
+// (data_source.h numbers them over the whole step), and the ranks' sum is the same sum.
+int64_t check_resume_against(const std::string& ckpt, const std::string& run_dir,
+                             const ConfigTree& cfg, int64_t saved_world, int64_t world) {
+  const int64_t accum = cfg.get_int("train.grad_accum");
   std::string saved_path = ckpt + "/" + kTrainConfigFile;
   if (!fs::exists(saved_path)) saved_path = run_dir + "/config.json";
   if (!fs::exists(saved_path)) {
     log::warn("--resume: {} has no saved training configuration to compare with", ckpt);
-    return;
+    return accum;
   }
   const nlohmann::json text = nlohmann::json::parse(read_text_file(saved_path), nullptr, false);
   GDN_CHECK(!text.is_discarded() && text.is_object(), "{} is not a JSON object", saved_path);
   // Keys added since that run was written count with their defaults (which it ran with).
   nlohmann::json saved = default_train_config();
   saved.merge_patch(text);
+  const nlohmann::json& sa = saved["train"]["grad_accum"];
+  GDN_CHECK(sa.is_number_integer() && sa.get<int64_t>() >= 1,
+            "{}: train.grad_accum must be a positive integer, got {}", saved_path, sa.dump());
+  const int64_t saved_accum = sa.get<int64_t>();
+  if (saved_world != world && saved_accum != accum && saved_world * saved_accum == world * accum) {
+    log::info(
+        "--resume: {} rank(s) x train.grad_accum {} now, {} x {} in {}: the same {} micro-batches "
+        "a step, in the same order",
+        world, accum, saved_world, saved_accum, ckpt, world * accum);
+    saved["train"]["grad_accum"] = accum;
+  }
   const bool allow = cfg.get_bool("resume.allow_changes");
   for (const ConfigChange& ch : check_resume_config(saved, cfg.json(), allow, saved_path)) {
     if (ch.key.starts_with("resume.")) continue;
@@ -87,6 +103,7 @@ void check_resume_against(const std::string& ckpt, const std::string& run_dir,
     else
       log::info("--resume: {} changed from {} to {}", ch.key, ch.saved, ch.now);
   }
+  return saved_accum;
 }
 
 // --resume: the checkpoint's tensors must be the configured model's, name for name and shape for
@@ -162,7 +179,9 @@ TrainerState open_run(CheckpointDir& cd, const std::string& run_dir, const Confi
   auto latest = cd.latest();
   GDN_CHECK_HINT(latest.has_value(), "run without --resume to start a new run",
                  "--resume: no complete checkpoint in {}/checkpoints", run_dir);
-  check_resume_against(*latest, run_dir, cfg);
+  const TrainerState st =
+      parse_trainer_state(read_text_file(*latest + "/trainer.json"), *latest + "/trainer.json");
+  const int64_t saved_accum = check_resume_against(*latest, run_dir, cfg, st.world_size, world);
   state.ensure(specs);
   model::HfCheckpoint ck = model::load_hf_checkpoint(*latest);
   check_same_tensors(*latest, ck.params.specs(), state.master.specs());
@@ -170,16 +189,24 @@ TrainerState open_run(CheckpointDir& cd, const std::string& run_dir, const Confi
     copy_into(state.master.tensor(i), ck.params.tensor(i));
   untouched = std::move(ck.extras.untouched);  // carried by every checkpoint of the run
   load_moments(*latest + "/optimizer.safetensors", state);
-  const TrainerState st =
-      parse_trainer_state(read_text_file(*latest + "/trainer.json"), *latest + "/trainer.json");
-  if (st.world_size != world) {
-    GDN_CHECK_HINT(cfg.get_bool("resume.allow_changes"),
-                   fmt::format("start it with {} rank(s), or pass --set resume.allow_changes=true "
-                               "to continue with a global batch of another size",
-                               st.world_size),
-                   "--resume: {} was written by a run of {} rank(s), this one has {}: the step's "
-                   "batch (train.grad_accum x ranks) would change",
-                   *latest, st.world_size, world);
+  // Another world size resumes when train.grad_accum changed with it (check_resume_against).
+  const int64_t micro = st.world_size * saved_accum;
+  if (st.world_size != world && micro != world * cfg.get_int("train.grad_accum")) {
+    GDN_CHECK_HINT(
+        cfg.get_bool("resume.allow_changes"),
+        micro % world == 0
+            ? fmt::format(
+                  "start it with {} rank(s), or with {} rank(s) and --set "
+                  "train.grad_accum={} (the same {} micro-batches a step), or pass --set "
+                  "resume.allow_changes=true to continue with a global batch of another size",
+                  st.world_size, world, micro / world, micro)
+            : fmt::format("start it with a number of ranks that divides {} and train.grad_accum = "
+                          "{} / ranks, or pass --set resume.allow_changes=true to continue with a "
+                          "global batch of another size",
+                          micro, micro),
+        "--resume: {} was written by a run of {} rank(s), this one has {}: the step's batch "
+        "(train.grad_accum x ranks) would change from {} to {} micro-batches",
+        *latest, st.world_size, world, micro, world * cfg.get_int("train.grad_accum"));
     log::warn("--resume: {} was written by {} rank(s), continuing with {} (resume.allow_changes)",
               *latest, st.world_size, world);
   }

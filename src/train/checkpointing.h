@@ -35,9 +35,12 @@ void save_checkpoint(CheckpointDir& cd, int64_t step, const model::Qwen35Config&
 // `state` (made for `specs` where empty) and `untouched`, after checking its saved configuration
 // against `cfg` and its tensors against `specs`; truncates metrics.jsonl past its step; returns
 // its counters. Without: checks that `cd` holds no checkpoint of an earlier run, removes an old
-// metrics.jsonl and returns zero counters. `world`: this run's ranks; a checkpoint of another
-// world size is refused unless resume.allow_changes. `writes` false (ranks > 0 of a data-parallel
-// run, which come after rank 0 has opened the directory): reads only; no removal or truncation.
+// metrics.jsonl and returns zero counters. `world`: this run's ranks. A checkpoint of another
+// world size resumes when the step's micro-batches stay the same (train.grad_accum x ranks: the
+// same batches in the same order), whatever either run's dist.shard; otherwise it is refused
+// unless resume.allow_changes. Every rank loads the whole state (a sharded optimizer keeps its
+// slice). `writes` false (ranks > 0 of a data-parallel run, which come after rank 0 has opened the
+// directory): reads only; no removal or truncation.
 TrainerState open_run(CheckpointDir& cd, const std::string& run_dir, const ConfigTree& cfg,
                       bool resume, const std::vector<model::ParamSpec>& specs,
                       OptimizerState& state, std::vector<model::RawTensor>& untouched,

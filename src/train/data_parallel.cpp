@@ -37,11 +37,11 @@ DistConfig dist_config_from(const ConfigTree& cfg) {
 }
 
 void check_shard_supported(ShardMode shard, int world) {
-  GDN_CHECK_HINT(shard == ShardMode::Replicate || world == 1,
-                 "use --set dist.shard=\"replicate\" (data parallelism with whole replicas works "
-                 "at every world size); at world size 1 optimizer and full run as replicate",
-                 "dist.shard = '{}' is not yet supported with {} ranks: only replicate is "
-                 "implemented so far (docs/DISTRIBUTED.md)",
+  GDN_CHECK_HINT(shard != ShardMode::Full || world == 1,
+                 "use --set dist.shard=\"optimizer\" (ZeRO-2: sharded master weights and Adam "
+                 "state) or \"replicate\"; at world size 1 full runs as replicate",
+                 "dist.shard = '{}' (ZeRO-3) is not yet implemented with {} ranks: replicate "
+                 "and optimizer are (docs/DISTRIBUTED.md)",
                  shard_mode_name(shard), world);
 }
 
@@ -63,7 +63,7 @@ DistContext start_distributed(const DistConfig& dc, bool host_buffers) {
 }
 
 void GradSync::all_reduce_grads(const model::Qwen35Model& m) {
-  if (comm_ == nullptr) return;
+  if (comm_ == nullptr || !reduce_grads_) return;
   ProfileRange pr("grad_all_reduce");
   // One collective per tensor, in the model's order (the same on every rank). The NCCL ones are
   // enqueued on the compute stream behind the backward and ahead of the norm and the update.

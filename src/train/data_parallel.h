@@ -8,8 +8,10 @@
 // ranks, so that each rank's update is the one a single process with grad_accum * world would make
 // and the replicas stay identical. Nothing is sent for the earlier micro-batches. The all-reduce
 // runs after the whole backward (no overlap with it yet).
-// optimizer and full (ZeRO-2, ZeRO-3) are not implemented: at world size > 1 they are an error;
-// at world size 1 there is nothing to shard and they run as replicate.
+// dist.shard = optimizer (ZeRO-2): the gradients are reduce-scattered instead, by the sharded
+// optimizer (optimizer.h, zero_optimizer.cpp); GradSync then only sums the step's counts and
+// losses. full (ZeRO-3) is not implemented: at world size > 1 it is an error. At world size 1
+// there is nothing to shard and both run as replicate.
 #pragma once
 
 #include <cstdint>
@@ -41,8 +43,8 @@ struct DistConfig {
 };
 DistConfig dist_config_from(const ConfigTree& cfg);
 
-// Throws when `shard` cannot run at `world` ranks: optimizer and full at world > 1 (not yet
-// supported; the error names dist.shard and says that replicate works).
+// Throws when `shard` cannot run at `world` ranks: full at world > 1 (not yet implemented; the
+// error names dist.shard and says that replicate and optimizer work).
 void check_shard_supported(ShardMode shard, int world);
 
 // The process's place in the run, and its communicator (null at world size 1: the single-process
@@ -65,7 +67,9 @@ DistContext start_distributed(const DistConfig& dc, bool host_buffers);
 // single-process path is bitwise unchanged.
 class GradSync {
  public:
-  explicit GradSync(dist::Comm* comm) : comm_(comm) {}
+  // `reduce_grads` false: the optimizer reduces the gradients (dist.shard = optimizer).
+  explicit GradSync(dist::Comm* comm, bool reduce_grads = true)
+      : comm_(comm), reduce_grads_(reduce_grads) {}
   bool active() const { return comm_ != nullptr; }
   // Sums every parameter gradient of `m` over the ranks, in place (host F32 tensors under MPI,
   // device buffers on the compute stream under NCCL). Call once per step, after the last
@@ -77,6 +81,7 @@ class GradSync {
 
  private:
   dist::Comm* comm_;
+  bool reduce_grads_;
 };
 
 }  // namespace gdn::train

@@ -17,14 +17,13 @@ void OptimizerState::ensure(const std::vector<model::ParamSpec>& specs) {
   }
 }
 
-namespace {
-
-// Weight decay applies to matrices only: not to norms, A_log, dt_bias or embeddings.
-bool decays(const std::string& name) {
+bool weight_decay_applies(std::string_view name) {
   return !(name.ends_with("norm.weight") || name.ends_with("layernorm.weight") ||
            name.ends_with("A_log") || name.ends_with("dt_bias") ||
            name.find("embed_tokens") != std::string::npos);
 }
+
+namespace {
 
 ops::AdamWHyper hyper_at(const OptimizerConfig& oc, double lr, int64_t t, double grad_scale) {
   ops::AdamWHyper h = oc.hyper;
@@ -47,8 +46,8 @@ class HostOptimizer final : public Optimizer {
     if (f64_grads) grad32_ = model::ParamStore(specs_);
     for (size_t i = 0; i < specs_.size(); ++i)
       params_.push_back({state_.master.tensor(i), f64_grads ? grad32_.tensor(i) : model_.grad(i),
-                         state_.m.tensor(i), state_.v.tensor(i), Tensor(), decays(specs_[i].name),
-                         specs_[i].name});
+                         state_.m.tensor(i), state_.v.tensor(i), Tensor(),
+                         weight_decay_applies(specs_[i].name), specs_[i].name});
   }
 
   void step(double lr, int64_t t, const GradCheck& check) override {
@@ -90,7 +89,7 @@ class DeviceOptimizer final : public Optimizer {
       const bool bf16 = model_.param(i).dtype() == DType::BF16;
       if (!bf16) f32_compute_.push_back(i);
       params_.push_back({master_[i], model_.grad(i), m_[i], v_[i],
-                         bf16 ? model_.param(i) : Tensor(), decays(specs_[i].name),
+                         bf16 ? model_.param(i) : Tensor(), weight_decay_applies(specs_[i].name),
                          specs_[i].name});
     }
   }

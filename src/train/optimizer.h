@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "gdn/core/tensor.h"
@@ -19,7 +20,14 @@
 #include "model/weights.h"
 #include "ops/adamw/op.h"
 
+namespace gdn::dist {
+class Comm;
+}
+
 namespace gdn::train {
+
+// Weight decay applies to matrices only: not to norms, A_log, dt_bias or embeddings.
+bool weight_decay_applies(std::string_view name);
 
 // Master weights and Adam moments in host stores laid out like the parameters: what a checkpoint
 // holds and a resume loads.
@@ -53,7 +61,18 @@ class Optimizer {
   virtual void step(double lr, int64_t t, const GradCheck& check) = 0;
   // The state in host stores, for a checkpoint (cuda: copied from the device first, which waits
   // for it).
+  // A sharded optimizer gathers it: a collective that every rank calls, and only rank 0's result
+  // holds the state (the other ranks' is empty).
   virtual const OptimizerState& host_state() = 0;
+  // True when the state is sharded over the ranks (host_state is then a collective).
+  virtual bool sharded() const { return false; }
+  // Once a step, after the last micro-batch's backward and before the gradient norm: a sharded
+  // optimizer reduce-scatters the gradients into its shard (nothing otherwise).
+  virtual void reduce_grads() {}
+  // The sum of squares of the step's whole (reduced) gradient, the same bits on every rank, into
+  // `out` (F64 [1] on the gradients' device), or false when this optimizer does not hold the
+  // reduced gradients: the caller then sums the model's.
+  virtual bool grad_sumsq_into(const Tensor& out) { return false; }
   // Bytes of optimizer state held on the device (0 for the host optimizer), and a log line that
   // describes it ("" for the host optimizer).
   virtual size_t device_bytes() const = 0;
@@ -78,5 +97,15 @@ std::unique_ptr<Optimizer> make_device_optimizer(model::Qwen35Model& model,
                                                  const std::vector<model::ParamSpec>& specs,
                                                  OptimizerState state, bool with_moments,
                                                  const OptimizerConfig& oc, const DeviceInit* init);
+
+// dist.shard = optimizer (zero_optimizer.cpp, docs/DISTRIBUTED.md): ZeRO-2 over `comm` (MPI for
+// cpu and ref, NCCL for cuda). Every rank passes the whole `state` (master weights, and the
+// moments when resuming) and keeps its 1/N slice of a flat layout (shard_layout.h) of the master
+// weights and Adam moments; the model's compute copy is filled from the masters. `bucket`:
+// elements per rank of one collective (0: 2^26 / world).
+std::unique_ptr<Optimizer> make_sharded_optimizer(model::Qwen35Model& model,
+                                                  const std::vector<model::ParamSpec>& specs,
+                                                  OptimizerState state, const OptimizerConfig& oc,
+                                                  dist::Comm& comm, int64_t bucket = 0);
 
 }  // namespace gdn::train

@@ -30,14 +30,20 @@ class HostStats final : public StepStatsReader {
     p.loss += s.loss;
     p.z_loss += s.z_loss;
   }
-  GradCheck reduce(const model::Qwen35Model& m, PendingStep& p) override {
+  GradCheck reduce(const model::Qwen35Model& m, Optimizer& opt, PendingStep& p) override {
     if (comm_ != nullptr) {  // each rank's losses are already over the global denominator
       double sums[2] = {p.loss, p.z_loss};
       comm_->all_reduce(sums, sums, 2, DType::F64, dist::ReduceOp::Sum);
       p.loss = sums[0];
       p.z_loss = sums[1];
     }
-    if (p.nonfinite.empty()) {
+    // A sharded optimizer's sum is a collective: every rank computes it, even after a failed
+    // forward (the NaN loss then skips the step everywhere).
+    double sumsq = 0;
+    if (opt.grad_sumsq_into(Tensor(&sumsq, DType::F64, {1}))) {
+      p.grad_norm =
+          p.nonfinite.empty() ? std::sqrt(sumsq) : std::numeric_limits<double>::quiet_NaN();
+    } else if (p.nonfinite.empty()) {
       ProfileRange pr("grad_norm");
       p.grad_norm = ops::grad_global_norm(m.grads());
     } else {
@@ -80,7 +86,7 @@ class DeviceStats final : public StepStatsReader {
     copy_bytes_async(z_.ptr<float>() + k, Device::CUDA, s.z_loss_dev.data(), Device::CUDA,
                      sizeof(float));
   }
-  GradCheck reduce(const model::Qwen35Model& m, PendingStep& p) override {
+  GradCheck reduce(const model::Qwen35Model& m, Optimizer& opt, PendingStep& p) override {
     if (!p.nonfinite.empty()) {  // a host-side check threw: make the device skip the update
       const float nan = std::numeric_limits<float>::quiet_NaN();
       copy_bytes(loss_.ptr<float>(), Device::CUDA, &nan, Device::CPU, sizeof(float));
@@ -92,7 +98,7 @@ class DeviceStats final : public StepStatsReader {
     }
     {
       ProfileRange pr("grad_norm");
-      ops::grad_sumsq_into(m.grads(), sumsq_);
+      if (!opt.grad_sumsq_into(sumsq_)) ops::grad_sumsq_into(m.grads(), sumsq_);
     }
     return GradCheck{0, 0, sumsq_, loss_};
   }

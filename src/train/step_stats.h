@@ -43,8 +43,9 @@ class StepStatsReader {
   // After the micro-batches (and the gradients' sum over the ranks): the gradient norm (host) or
   // its sum of squares (device), and what the update needs to clip or skip. With a communicator
   // the step's losses are summed over the ranks first: every rank then sees the global loss, and
-  // all skip a step that is not finite on any of them.
-  virtual GradCheck reduce(const model::Qwen35Model& m, PendingStep& p) = 0;
+  // all skip a step that is not finite on any of them. The sum of squares is the optimizer's when
+  // it holds the reduced gradients (dist.shard = optimizer), else that of the model's gradients.
+  virtual GradCheck reduce(const model::Qwen35Model& m, Optimizer& opt, PendingStep& p) = 0;
   // After the update: the step's numbers on their way to the host; `ends_window`: it is a logging
   // step, whose progress line ends a tokens/s window.
   virtual void issue(PendingStep& p, bool ends_window) = 0;

@@ -31,7 +31,9 @@ Trainer::Trainer(const ConfigTree& cfg, const TrainOptions& opt)
   // Before any other work: the rank prefix, dist.shard checked against the world size, the
   // communicator (NCCL picks this rank's GPU before the model touches it). Rank 0 alone talks.
   dist_ = start_distributed(dist_config_from(cfg_), !s_.on_device);
-  sync_ = std::make_unique<GradSync>(dist_.comm.get());
+  // ZeRO-2 across ranks; at world size 1 there is nothing to shard (today's optimizer).
+  s_.sharded = dist_.distributed() && dist_config_from(cfg_).shard == ShardMode::Optimizer;
+  sync_ = std::make_unique<GradSync>(dist_.comm.get(), /*reduce_grads=*/!s_.sharded);
   if (dist_.rank() != 0) opts_.quiet = true;
   if (!opts_.quiet) log::info("effective configuration:\n{}", cfg_.json().dump(2));
   if (!opts_.quiet && dist_.distributed())
@@ -40,9 +42,10 @@ Trainer::Trainer(const ConfigTree& cfg, const TrainOptions& opt)
               cfg_.get_int("train.grad_accum"), cfg_.get_int("train.micro_batch_tokens"));
   OptimizerState state;  // host stores (cpu: the live ones; cuda: made only where needed)
   // On cuda a fresh run initialises the fp32 master weights on the device (the same Philox
-  // draws, rng.h); the host stores are then made only when a checkpoint is written.
+  // draws, rng.h); the host stores are then made only when a checkpoint is written. A sharded
+  // optimizer takes its slice of host stores drawn on every rank.
   const bool device_init =
-      s_.on_device && cfg_.get_string("model.init_from").empty() && !opts_.resume;
+      s_.on_device && !s_.sharded && cfg_.get_string("model.init_from").empty() && !opts_.resume;
   init_weights(state, device_init);
   const double t_params = since_launch();
   init_model();
@@ -52,7 +55,9 @@ Trainer::Trainer(const ConfigTree& cfg, const TrainOptions& opt)
   start_step_ = next_step_ = resumed.step;
   // The optimizer works where the gradients are (optimizer.h).
   const OptimizerConfig oc = optimizer_config_from(cfg_);
-  if (s_.on_device) {
+  if (s_.sharded) {
+    opt_ = make_sharded_optimizer(*model_, specs_, std::move(state), oc, *dist_.comm);
+  } else if (s_.on_device) {
     const DeviceInit init{&mcfg_, static_cast<uint64_t>(cfg_.get_int("model.seed"))};
     opt_ = make_device_optimizer(*model_, specs_, std::move(state), opts_.resume, oc,
                                  device_init ? &init : nullptr);
@@ -202,7 +207,8 @@ bool Trainer::step() {
   // Data parallel: the gradients summed over the ranks (nothing at world size 1); every rank
   // then computes the same norm and makes the same update.
   sync_->all_reduce_grads(*model_);
-  const GradCheck check = stats_->reduce(*model_, cur);
+  opt_->reduce_grads();  // dist.shard = optimizer: the reduce-scatter into this rank's shard
+  const GradCheck check = stats_->reduce(*model_, *opt_, cur);
   // The previous step's host side, while the device works on this one; before the update, so
   // that its Adam step count knows whether that step was skipped.
   if (finish_pending()) return stopped_ = true;
@@ -410,9 +416,13 @@ Trainer::Evaluation Trainer::evaluate() {
 }
 
 void Trainer::checkpoint(int64_t steps_done) {
-  if (!writes_run_dir()) return;  // rank 0 writes the (identical) replica's checkpoint
+  // Rank 0 writes the checkpoint a single process writes: the (identical) replica's, or the
+  // state a sharded optimizer gathers from every rank (a collective).
+  if (!writes_run_dir() && !opt_->sharded()) return;
+  const OptimizerState& state = opt_->host_state();
+  if (!writes_run_dir()) return;
   const TrainerState st{steps_done, res_.skipped_steps, tokens_total_, dist_.world()};
-  save_checkpoint(*cd_, steps_done, mcfg_, opt_->host_state(), untouched_,
+  save_checkpoint(*cd_, steps_done, mcfg_, state, untouched_,
                   trainer_state_json(st, s_.data_kind, s_.data_seed), cfg_.json());
 }
 

@@ -74,9 +74,11 @@ struct TrainOptions {
 // previous step (step_stats.h). run() steps until train.steps or --stop-after.
 //
 // Under a launcher with world size > 1 (data_parallel.h, docs/DISTRIBUTED.md) every rank runs
-// this loop on its own slice of each step's micro-batches, and GradSync sums the gradients between
-// the backward and the update; rank 0 alone prints progress and writes RUN_DIR (config.json,
-// metrics.jsonl, checkpoints, profiles), the others wait for it where they read RUN_DIR.
+// this loop on its own slice of each step's micro-batches, and between the backward and the update
+// GradSync sums the gradients (dist.shard = replicate) or the sharded optimizer reduce-scatters
+// them (optimizer: ZeRO-2, optimizer.h); rank 0 alone prints progress and writes RUN_DIR
+// (config.json, metrics.jsonl, checkpoints, profiles), the others wait for it where they read
+// RUN_DIR.
 class Trainer {
  public:
   Trainer(const ConfigTree& cfg, const TrainOptions& opt);
@@ -106,6 +108,7 @@ class Trainer {
     double z_loss = 0;
     Backend backend = Backend::Cpu;
     bool on_device = false;  // cuda: the optimizer state and the step's statistics on the device
+    bool sharded = false;    // dist.shard = optimizer at world size > 1 (ZeRO-2)
   };
   void init_weights(OptimizerState& state, bool device_init);
   void init_model();
