@@ -5,9 +5,11 @@
 #include <cmath>
 #include <limits>
 
+#include "gdn/backend/op_workspace.h"
 #include "gdn/core/log.h"
 #include "gdn/core/safetensors.h"
 #include "model/qwen35.h"
+#include "ops/adamw/op.h"
 #include "train/checkpointing.h"
 #include "train/data_source.h"
 #include "train/flops.h"
@@ -63,6 +65,13 @@ Trainer::Trainer(const ConfigTree& cfg, const TrainOptions& opt)
                                  device_init ? &init : nullptr);
   } else {
     opt_ = make_host_optimizer(*model_, specs_, std::move(state), oc);
+  }
+  // The op workspace of the update (gdn/backend/op_workspace.h): the gradient norm's partial sums
+  // and the clip control, bound around them in step() like the model's around its step.
+  if (s_.on_device) {
+    std::vector<int64_t> numels;
+    for (const model::ParamSpec& p : specs_) numels.push_back(p.numel());
+    opt_ws_ = Arena("optimizer workspace", Device::CUDA, ops::adamw_workspace_bytes(numels));
   }
   if (writes_run_dir()) metrics_.emplace(s_.run_dir + "/metrics.jsonl");
   log_start(t_params, t_model);
@@ -208,6 +217,8 @@ bool Trainer::step() {
   // then computes the same norm and makes the same update.
   sync_->all_reduce_grads(*model_);
   opt_->reduce_grads();  // dist.shard = optimizer: the reduce-scatter into this rank's shard
+  std::optional<OpWorkspaceBinding> workspace;
+  if (s_.on_device) workspace.emplace(opt_ws_.address_at(0), opt_ws_.capacity());
   const GradCheck check = stats_->reduce(*model_, *opt_, cur);
   // The previous step's host side, while the device works on this one; before the update, so
   // that its Adam step count knows whether that step was skipped.
@@ -327,8 +338,9 @@ void Trainer::log_first_step() const {
         "device memory in use after the first step: {} (planned arenas: model {}, optimizer {})",
         format_bytes(static_cast<double>(device_memory_used())),
         format_bytes(static_cast<double>(model_->param_bytes() + model_->grad_bytes() +
-                                         model_->activation_bytes())),
-        format_bytes(static_cast<double>(opt_->device_bytes())));
+                                         model_->activation_bytes() +
+                                         model_->op_workspace_bytes())),
+        format_bytes(static_cast<double>(opt_->device_bytes() + opt_ws_.capacity())));
 }
 
 // A logging step: tokens/s (and MFU on the device) over the window it ends, and the progress line.

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "gdn/core/arena.h"
 #include "gdn/core/profile.h"
 #include "model/config.h"
 #include "model/weights.h"
@@ -147,6 +148,7 @@ class Trainer {
   Schedule sched_;
   std::optional<CheckpointDir> cd_;
   std::unique_ptr<Optimizer> opt_;
+  Arena opt_ws_;  // cuda: the update's op workspace (the constructor)
   std::optional<MetricsWriter> metrics_;
   std::unique_ptr<StepStatsReader> stats_;
   int64_t start_step_ = 0, next_step_ = 0;

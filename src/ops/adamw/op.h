@@ -140,8 +140,9 @@ inline DType adamw_state_dtype(DType act) { return act == DType::F64 ? DType::F6
 // control: 2 fp32); grad_sumsq / grad_sumsq_into take one fp64 partial sum per kAdamWSumUnit
 // elements of each gradient plus one for the result (adamw_sumsq_bytes of the gradients' units).
 // adamw_workspace_bytes bounds every request of the optimizer's calls over gradients of the given
-// element counts. The optimizer runs outside the model's planned step: until its caller binds a
-// region (cuda::Context::bind_workspace) it keeps the unbound, grow-only scratch.
+// element counts. The optimizer runs outside the model's planned step: the trainer binds a region
+// of this size around the update (src/train/trainer.cpp); other callers take the unbound,
+// grow-only scratch.
 inline constexpr int64_t kAdamWSumUnit = 32768;
 inline constexpr size_t kAdamWClipBytes = 2 * sizeof(float);
 inline int64_t adamw_sumsq_units(int64_t numel) {
