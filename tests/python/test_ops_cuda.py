@@ -1,0 +1,82 @@
+"""gdntrain.torch's ops on CUDA (label gpu; needs an sm_90 GPU and a GDN_CUDA build): bfloat16
+CUDA tensors run the cuda backend; they are compared with the fp64 ref backend on the same
+(bf16-rounded) inputs within the bf16 probe tolerances of src/backend/tolerances.h; opcheck on
+CUDA; the ops follow torch's current stream; float32 CUDA tensors are rejected."""
+import pytest
+import torch
+
+import gdntrain
+import gdntrain.torch as gt
+from _support import assert_close_rel, grads_of
+from test_ops_cpu import CASES, OPS
+
+# src/backend/tolerances.h (fwd, bwd)
+BF16_TOL = {"rmsnorm": (5e-3, 5e-3), "gated_rmsnorm": (5e-3, 5e-3), "swiglu": (5e-3, 5e-3),
+            "conv": (5e-3, 5e-3), "gdr": (1.3e-2, 2.5e-2), "lce": (4.5e-3, 1.2e-2)}
+
+
+def tol_of(name):
+    for k, v in BF16_TOL.items():
+        if name.startswith(k):
+            return v
+    raise KeyError(name)
+
+
+def test_module_has_cuda():
+    assert gdntrain._C.cuda_built(), "this gdntrain._C was built without CUDA"
+    assert torch.cuda.is_available(), "no CUDA device visible to torch"
+
+
+def _to_cuda_bf16(ts):
+    return [None if t is None else t.to(torch.bfloat16).cuda() for t in ts]
+
+
+def _rounded_f64(ts):
+    return [None if t is None else t.to(torch.bfloat16).double() for t in ts]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_cuda_bf16_matches_ref(name):
+    fn, inputs, _, _ = CASES[name]()
+    tf, tb = tol_of(name)
+    outs, grads = grads_of(fn, _to_cuda_bf16(inputs), dy_round=torch.bfloat16)
+    routs, rgrads = grads_of(fn, _rounded_f64(inputs), dy_round=torch.bfloat16)
+    for i, (a, b) in enumerate(zip(outs, routs)):
+        if a is not None:
+            assert a.is_cuda and a.dtype == torch.bfloat16
+            assert_close_rel(f"{name} output {i}", a.cpu(), b, tf)
+    for i, (a, b) in enumerate(zip(grads, rgrads)):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.is_cuda and a.dtype == torch.bfloat16
+            assert_close_rel(f"{name} grad {i}", a.cpu(), b, tb)
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_opcheck_cuda(name):
+    op, args = OPS[name](torch.float64)
+    args = tuple(a.to(torch.bfloat16).cuda().requires_grad_() if isinstance(a, torch.Tensor)
+                 and a.is_floating_point() else (a.cuda() if isinstance(a, torch.Tensor) else a)
+                 for a in args)
+    torch.library.opcheck(op, args)
+
+
+def test_current_stream_is_used():
+    """Work queued on a side stream: our op on that stream reads the side stream's result (a
+    wrong stream would race with the long matmul chain that produces x)."""
+    s = torch.cuda.Stream()
+    w = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+    with torch.cuda.stream(s):
+        a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+        for _ in range(20):
+            a = (a @ a).clamp_(-1, 1)
+        x = a * 0 + 1  # all ones, only after the chain
+        y = gt.rmsnorm(x, w)
+    s.synchronize()
+    assert torch.equal(y, torch.ones_like(y))
+
+
+def test_float32_on_cuda_is_rejected():
+    with pytest.raises(TypeError, match=r"gdntrain\.swiglu: argument 'gate' has dtype "
+                       r"torch\.float32 on cuda"):
+        gt.swiglu(torch.randn(2, 8, device="cuda"), torch.randn(2, 8, device="cuda"))
