@@ -1,5 +1,4 @@
-// The Python extension's view of caller memory (python/src, docs/PYTHON.md): gdn::Tensor views of
-// buffers owned by the caller (PyTorch), and the CUDA stream the caller's work is ordered on.
+// The Python extension's link to the caller's CUDA stream (python/src, docs/PYTHON.md).
 #pragma once
 
 #include <cstdint>
@@ -8,10 +7,25 @@ namespace gdn::python {
 
 // True when this build has the CUDA backend (GDN_CUDA=ON).
 bool cuda_built();
-// Makes later CUDA ops of libgdn issue on `stream` (a cudaStream_t as an integer; 0 = the legacy
-// default stream), ordered after the work they issued before (Context::use_stream). `device` is
-// the caller's CUDA device index, which must be the device of libgdn's CUDA context. Throws
-// gdn::Error in a build without CUDA.
-void use_cuda_stream(uintptr_t stream, int device);
+
+// For the lifetime of a StreamOrder, libgdn's CUDA work is ordered after everything issued so far
+// on the caller's stream `stream` (a cudaStream_t as an integer; 0 = the legacy default stream),
+// and the caller's stream waits, from the destructor on, for everything libgdn issued meanwhile.
+// libgdn issues its kernels on its own compute stream (gdn/backend/cuda_context.h); two events
+// (no host wait) make that invisible to the caller: its stream sees the op as if it had run on it,
+// and PyTorch's caching allocator, which orders memory reuse by the caller's stream, stays right.
+// `device` is the caller's CUDA device index and must be the device of libgdn's CUDA context.
+// In a build without CUDA the constructor throws gdn::Error. Hold the GIL while one exists (the
+// two events are shared).
+class StreamOrder {
+ public:
+  StreamOrder(uintptr_t stream, int device);
+  ~StreamOrder();
+  StreamOrder(const StreamOrder&) = delete;
+  StreamOrder& operator=(const StreamOrder&) = delete;
+
+ private:
+  uintptr_t stream_ = 0;
+};
 
 }  // namespace gdn::python

@@ -3,7 +3,8 @@
 // contiguous memory the caller owns, which becomes a non-owning gdn::Tensor view; the op then runs
 // through the same validation and resolver as in the C++ engine (src/ops/*/op.h), which picks the
 // backend from the views (F64 host: ref, F32 host: cpu, device: cuda). `stream` is the caller's
-// CUDA stream (cudaStream_t as an integer) for device tensors, ignored for host ones. The PyTorch
+// CUDA stream (cudaStream_t as an integer) for device tensors, ignored for host ones: libgdn's
+// work is ordered after and before the caller's (StreamOrder, bridge.h). The PyTorch
 // ops (python/gdntrain/torch) allocate every output and pass it in.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
@@ -43,10 +44,15 @@ Tensor view(nb::handle h, const char* name) {
                 device < 0 ? Device::CPU : Device::CUDA);
 }
 
-// Runs `f` without the GIL, after binding the caller's stream when `device` >= 0 (CUDA).
+// Runs `f`: on the host without the GIL; on CUDA (device >= 0) ordered with the caller's stream
+// (StreamOrder) and with the GIL held (the launches are asynchronous anyway).
 template <class F>
 void run(int device, uintptr_t stream, F&& f) {
-  if (device >= 0) use_cuda_stream(stream, device);
+  if (device >= 0) {
+    const StreamOrder order(stream, device);
+    f();
+    return;
+  }
   nb::gil_scoped_release release;
   f();
 }
