@@ -6,6 +6,7 @@ Other combinations raise TypeError naming the op, the argument and the dtype. Se
 """
 from ._ops import (LinearCrossEntropyLoss, causal_conv1d, chunk_gated_delta_rule, gated_rmsnorm,
                    linear_cross_entropy, rmsnorm, swiglu)
+from .qwen3_5 import apply_to_qwen3_5
 
 __all__ = ["rmsnorm", "gated_rmsnorm", "swiglu", "causal_conv1d", "chunk_gated_delta_rule",
-           "linear_cross_entropy", "LinearCrossEntropyLoss"]
+           "linear_cross_entropy", "LinearCrossEntropyLoss", "apply_to_qwen3_5"]
