@@ -80,3 +80,21 @@ def test_float32_on_cuda_is_rejected():
     with pytest.raises(TypeError, match=r"gdntrain\.swiglu: argument 'gate' has dtype "
                        r"torch\.float32 on cuda"):
         gt.swiglu(torch.randn(2, 8, device="cuda"), torch.randn(2, 8, device="cuda"))
+
+
+def test_apply_to_qwen3_5_bf16_cuda():
+    """The patched tiny model in bf16 on CUDA: loss within bf16 noise of unpatched HF (bf16, torch
+    fallbacks) on the same batch, every gradient present and finite."""
+    import copy
+
+    from test_qwen3_5_hf import tiny
+    ref = tiny(["linear_attention", "full_attention", "linear_attention"], seed=3)
+    ref = ref.to(device="cuda", dtype=torch.bfloat16)
+    ours = gt.apply_to_qwen3_5(copy.deepcopy(ref))
+    ids = torch.randint(0, 160, (2, 128), generator=torch.Generator().manual_seed(2)).cuda()
+    a = ref(input_ids=ids, labels=ids, use_cache=False).loss
+    b = ours(input_ids=ids, labels=ids, use_cache=False).loss
+    b.backward()
+    assert abs(a.item() - b.item()) <= 2e-2 * abs(a.item()), (a.item(), b.item())
+    for n, p in ours.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), n
