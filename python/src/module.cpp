@@ -7,6 +7,7 @@
 // work is ordered after and before the caller's (StreamOrder, bridge.h). The PyTorch
 // ops (python/gdntrain/torch) allocate every output and pass it in.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/function.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -24,6 +25,8 @@
 #include "ops/linear_cross_entropy/op.h"
 #include "ops/rmsnorm/op.h"
 #include "ops/swiglu/op.h"
+#include "train/config_tree.h"
+#include "train/trainer.h"
 
 namespace nb = nanobind;
 
@@ -258,4 +261,41 @@ NB_MODULE(_C, m) {
       nb::arg("z_loss"), nb::arg("dloss").none(), nb::arg("dx").none(), nb::arg("dw").none(),
       nb::arg("reduction"), nb::arg("z_loss_scale"), nb::arg("label_smoothing"), nb::arg("device"),
       nb::arg("stream"));
+
+  // The trainer (src/train/trainer.h), as `gdntrain train` runs it (apps/gdntrain/cmd_train.cpp):
+  // the built-in defaults, then `config_json` (a JSON object's text, may be empty) or the file
+  // `config_path`, then each "key=value" of `sets`. `on_step` gets each step's metrics record as
+  // JSON text (called with the GIL; training runs without it). Returns the result as JSON text.
+  m.def("default_train_config", [] { return train::default_train_config().dump(); });
+  m.def(
+      "train",
+      [](const std::string& config_json, const std::string& config_path,
+         const std::vector<std::string>& sets, nb::object on_step, bool resume, bool quiet,
+         int64_t stop_after) {
+        train::ConfigTree cfg(train::default_train_config());
+        if (!config_json.empty()) cfg.merge_text(config_json, true, "<python config>");
+        if (!config_path.empty()) cfg.merge_file(config_path);
+        for (const auto& s : sets) cfg.set(s);
+        train::TrainOptions to;
+        to.resume = resume;
+        to.quiet = quiet;
+        to.stop_after = stop_after;
+        if (!on_step.is_none())
+          to.on_step = [on_step](const nlohmann::json& rec) {
+            nb::gil_scoped_acquire gil;
+            on_step(rec.dump());
+          };
+        train::TrainResult r;
+        {
+          nb::gil_scoped_release release;
+          r = train::run_training(cfg, to);
+        }
+        nlohmann::json out = {
+            {"steps_done", r.steps_done},       {"final_loss", r.final_loss},
+            {"eval_loss", r.eval_loss},         {"eval_accuracy", r.eval_accuracy},
+            {"skipped_steps", r.skipped_steps}, {"losses", r.losses}};
+        return out.dump();
+      },
+      nb::arg("config_json"), nb::arg("config_path"), nb::arg("sets"), nb::arg("on_step").none(),
+      nb::arg("resume"), nb::arg("quiet"), nb::arg("stop_after"));
 }
