@@ -52,13 +52,24 @@ def test_cuda_bf16_matches_ref(name):
             assert_close_rel(f"{name} grad {i}", a.cpu(), b, tb)
 
 
+# Arguments of the raw ops that are in the "state" dtype (float32 on cuda), not the activation one:
+# g, beta and the initial state of the gated delta rule (src/ops/gated_delta_rule/op.h).
+STATE_ARGS = {"chunk_gated_delta_rule": (3, 4, 6)}
+
+
 @pytest.mark.parametrize("name", list(OPS))
 def test_opcheck_cuda(name):
     op, args = OPS[name](torch.float64)
-    args = tuple(a.to(torch.bfloat16).cuda().requires_grad_() if isinstance(a, torch.Tensor)
-                 and a.is_floating_point() else (a.cuda() if isinstance(a, torch.Tensor) else a)
-                 for a in args)
-    torch.library.opcheck(op, args)
+    state = STATE_ARGS.get(name, ())
+
+    def to_cuda(i, a):
+        if not isinstance(a, torch.Tensor):
+            return a
+        if not a.is_floating_point():
+            return a.cuda()
+        dt = torch.float32 if i in state else torch.bfloat16
+        return a.to(dt).cuda().requires_grad_()
+    torch.library.opcheck(op, tuple(to_cuda(i, a) for i, a in enumerate(args)))
 
 
 def test_current_stream_is_used():
