@@ -313,6 +313,7 @@ bool Trainer::finish(PendingStep& q) {
   }
   if (logs_at(q.step)) log_progress(q, rec, now, do_eval);
   if (metrics_) metrics_->write(rec);
+  if (opts_.on_step && writes_run_dir()) opts_.on_step(rec);
   if (checkpoints_at(q.step)) checkpoint(q.step + 1);
   return stops_at(q.step);
 }

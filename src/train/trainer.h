@@ -16,6 +16,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -65,6 +66,9 @@ struct TrainOptions {
                              // written at the stop
   int64_t profile_step = 0;  // > 0: time this step (1-based) op by op: a table in the log and
                              // RUN_DIR/profile_step<N>.json
+  // Called with each step's metrics record (the metrics.jsonl line, written first) on the rank
+  // that writes RUN_DIR; the Python module's per-step callback (python/src/module.cpp).
+  std::function<void(const nlohmann::json&)> on_step;
 };
 
 // Where a training step lives. Construction is the start: the configuration checked, the backend,
