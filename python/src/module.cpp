@@ -8,6 +8,7 @@
 // ops (python/gdntrain/torch) allocate every output and pass it in.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/function.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -19,12 +20,14 @@
 #include "gdn/core/dtype.h"
 #include "gdn/core/error.h"
 #include "gdn/core/tensor.h"
+#include "model/probe_model.h"
 #include "ops/causal_conv1d/op.h"
 #include "ops/gated_delta_rule/op.h"
 #include "ops/gated_rmsnorm/op.h"
 #include "ops/linear_cross_entropy/op.h"
 #include "ops/rmsnorm/op.h"
 #include "ops/swiglu/op.h"
+#include "text/tokenizer.h"
 #include "train/config_tree.h"
 #include "train/trainer.h"
 
@@ -261,6 +264,53 @@ NB_MODULE(_C, m) {
       nb::arg("z_loss"), nb::arg("dloss").none(), nb::arg("dx").none(), nb::arg("dw").none(),
       nb::arg("reduction"), nb::arg("z_loss_scale"), nb::arg("label_smoothing"), nb::arg("device"),
       nb::arg("stream"));
+
+  // The tokenizer of `gdntrain tokenize` and `prepare` (src/text/tokenizer.h): an HF
+  // tokenizer.json's BPE (ByteLevel), exact against HF `tokenizers` (tests/text).
+  nb::class_<text::Tokenizer>(m, "Tokenizer")
+      .def_static("from_file", &text::Tokenizer::from_file, nb::arg("path"))
+      .def(
+          "encode", [](const text::Tokenizer& t, const std::string& s) { return t.encode(s); },
+          nb::arg("text"))
+      .def(
+          "decode",
+          [](const text::Tokenizer& t, const std::vector<int32_t>& ids) { return t.decode(ids); },
+          nb::arg("ids"))
+      .def("vocab_size", &text::Tokenizer::vocab_size)
+      .def(
+          "token_to_id",
+          [](const text::Tokenizer& t, const std::string& token) { return t.token_to_id(token); },
+          nb::arg("token"))
+      .def("describe", &text::Tokenizer::describe);
+
+  // `gdntrain probe --model`: every (op, shape class) one training step of the model resolves on
+  // `backend` (model/probe_model.h), as JSON text: a list of {op, backend, shape_class, impl,
+  // fwd_err, bwd_err, probe_ms, rejected}. `model` is "tiny" (the built-in default) or a
+  // config.json / checkpoint directory.
+  m.def(
+      "probe_model",
+      [](const std::string& model, const std::string& backend, const std::string& recompute) {
+        const model::Qwen35Config cfg =
+            model == "tiny" ? model::tiny_config() : model::load_model_config(model);
+        const Backend b = backend_from_name(backend);
+        std::vector<Registry::Decision> ds;
+        {
+          nb::gil_scoped_release release;
+          ds = model::probe_model(cfg, b, model::recompute_from_name(recompute));
+        }
+        nlohmann::json out = nlohmann::json::array();
+        for (const Registry::Decision& d : ds)
+          out.push_back({{"op", d.op},
+                         {"backend", std::string(backend_name(b))},
+                         {"shape_class", d.query.shape_class},
+                         {"impl", d.result.impl->name},
+                         {"fwd_err", d.result.error.fwd},
+                         {"bwd_err", d.result.error.bwd},
+                         {"probe_ms", d.result.probe_ms},
+                         {"rejected", d.result.rejected}});
+        return out.dump();
+      },
+      nb::arg("model"), nb::arg("backend"), nb::arg("recompute"));
 
   // The trainer (src/train/trainer.h), as `gdntrain train` runs it (apps/gdntrain/cmd_train.cpp):
   // the built-in defaults, then `config_json` (a JSON object's text, may be empty) or the file
