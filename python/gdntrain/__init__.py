@@ -11,7 +11,7 @@ import pkgutil
 __path__ = pkgutil.extend_path(__path__, __name__)
 
 from . import _C  # noqa: E402
-from .tools import Tokenizer, probe  # noqa: E402
+from .tools import Tokenizer, dump, probe  # noqa: E402
 from .trainer import Trainer, default_config  # noqa: E402
 
-__all__ = ["_C", "Trainer", "default_config", "Tokenizer", "probe"]
+__all__ = ["_C", "Trainer", "default_config", "Tokenizer", "probe", "dump"]

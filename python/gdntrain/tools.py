@@ -1,5 +1,6 @@
-"""gdntrain's tokenizer and kernel probe from Python: the same code as `gdntrain tokenize` /
-`gdntrain prepare` (src/text/tokenizer.h) and `gdntrain probe --model` (src/model/probe_model.h)."""
+"""gdntrain's tokenizer, kernel probe and dump from Python: the same code as `gdntrain tokenize` /
+`gdntrain prepare` (src/text/tokenizer.h), `gdntrain probe --model` (src/model/probe_model.h) and
+`gdntrain dump` (src/model/dump.h)."""
 import json
 import os
 from typing import List, Optional, Union
@@ -38,3 +39,15 @@ def probe(model: Union[str, os.PathLike] = "tiny", backend: str = "cpu",
     {op, backend, shape_class, impl, fwd_err, bwd_err, probe_ms, rejected}. `model` is "tiny" or a
     config.json / checkpoint directory."""
     return json.loads(_C.probe_model(os.fspath(model), backend, recompute))
+
+
+def dump(model: Union[str, os.PathLike], docs: Union[str, os.PathLike],
+         backend: str = "cpu") -> dict:
+    """`gdntrain dump` without the file: an HF checkpoint directory `model` run forward and
+    backward on the documents of the safetensors file `docs` (doc{i}.input_ids) packed into one
+    micro-batch. Returns {"tensors": {name: array}, "mean_loss", "tokens", "docs"}, the arrays
+    named as in the dump file (doc{i}.logits, doc{i}.loss_sum, grad.<HF name>; src/model/dump.h):
+    float32 NumPy arrays over gdntrain's own memory, no copy (torch.from_numpy or
+    torch.from_dlpack shares it too)."""
+    arrays, mean_loss, tokens, ndocs = _C.dump(os.fspath(model), os.fspath(docs), backend)
+    return {"tensors": dict(arrays), "mean_loss": mean_loss, "tokens": tokens, "docs": ndocs}

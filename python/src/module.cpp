@@ -7,6 +7,7 @@
 // work is ordered after and before the caller's (StreamOrder, bridge.h). The PyTorch
 // ops (python/gdntrain/torch) allocate every output and pass it in.
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/function.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
@@ -20,6 +21,7 @@
 #include "gdn/core/dtype.h"
 #include "gdn/core/error.h"
 #include "gdn/core/tensor.h"
+#include "model/dump.h"
 #include "model/probe_model.h"
 #include "ops/causal_conv1d/op.h"
 #include "ops/gated_delta_rule/op.h"
@@ -311,6 +313,33 @@ NB_MODULE(_C, m) {
         return out.dump();
       },
       nb::arg("model"), nb::arg("backend"), nb::arg("recompute"));
+
+  // `gdntrain dump` (model/dump.h): the logits, per-document losses and parameter gradients of an
+  // HF checkpoint on the documents of a safetensors file, returned as NumPy arrays over the dump's
+  // own host memory (no copy; each array keeps its tensor alive, and torch.from_numpy or any
+  // DLPack consumer takes it without a copy either), with the mean loss and the counts.
+  m.def(
+      "dump",
+      [](const std::string& model_dir, const std::string& docs, const std::string& backend) {
+        model::DumpResult r;
+        {
+          nb::gil_scoped_release release;
+          r = model::dump(model_dir, docs, backend_from_name(backend));
+        }
+        nb::dict arrays;
+        for (auto& [name, t] : r.tensors) {
+          GDN_CHECK(t.view().dtype() == DType::F32 && t.view().device() == Device::CPU,
+                    "gdntrain.dump: tensor '{}' is not F32 on the host", name);
+          auto* owned = new OwnedTensor(std::move(t));
+          nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<OwnedTensor*>(p); });
+          std::vector<size_t> shape;
+          for (int64_t d : owned->view().shape_vec()) shape.push_back(static_cast<size_t>(d));
+          arrays[name.c_str()] = nb::ndarray<nb::numpy, float>(owned->view().data(), shape.size(),
+                                                               shape.data(), owner);
+        }
+        return nb::make_tuple(arrays, r.mean_loss, r.tokens, r.docs);
+      },
+      nb::arg("model_dir"), nb::arg("docs"), nb::arg("backend"));
 
   // The trainer (src/train/trainer.h), as `gdntrain train` runs it (apps/gdntrain/cmd_train.cpp):
   // the built-in defaults, then `config_json` (a JSON object's text, may be empty) or the file

@@ -56,3 +56,40 @@ def test_probe_bad_input():
         gdntrain.probe("tiny", "tpu")
     with pytest.raises(RuntimeError, match="recompute"):
         gdntrain.probe("tiny", "cpu", recompute="sometimes")
+
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "..", "data", "golden", "r1_tied")
+
+
+def test_dump_matches_hf_float64_without_copies():
+    """gdntrain.dump of the r1_tied fixture (scripts/make_golden.py: HF transformers in float64,
+    document by document) on the fp64 ref backend: logits, losses and every gradient within the
+    C++ golden test's bounds (tests/model/test_golden.cpp), as arrays over gdntrain's memory."""
+    import numpy as np
+    import torch
+    from safetensors.numpy import load_file
+    res = gdntrain.dump(GOLDEN, os.path.join(GOLDEN, "docs.safetensors"), "ref")
+    want = load_file(os.path.join(GOLDEN, "out.safetensors"))
+    got = res["tensors"]
+    assert set(got) == set(want)
+    assert res["docs"] == 4 and res["tokens"] == 5 + 1 + 70 + 13
+    for name, w in want.items():
+        g = got[name]
+        assert g.dtype == np.float32 and g.shape == w.shape, name
+        d = np.linalg.norm(g.astype(np.float64) - w) / max(np.linalg.norm(w), 1e-300)
+        bound = 1e-6 if not name.startswith("grad.") else 2e-6
+        if name.endswith("loss_sum") and w.item() == 0:
+            assert g.item() == 0, name
+            continue
+        assert d <= bound, f"{name}: relative error {d:.3e} > {bound:.0e}"
+    # no copy: torch shares the array's memory, and the array outlives the result dict
+    a = got["doc0.logits"]
+    t = torch.from_numpy(a)
+    assert t.data_ptr() == a.__array_interface__["data"][0]
+    del res, got
+    assert torch.isfinite(t).all()
+
+
+def test_dump_bad_input_names_the_cause(tmp_path):
+    with pytest.raises(RuntimeError, match="no_such_dir"):
+        gdntrain.dump(tmp_path / "no_such_dir", os.path.join(GOLDEN, "docs.safetensors"))
