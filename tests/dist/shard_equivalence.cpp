@@ -33,7 +33,7 @@ namespace {
 namespace fs = std::filesystem;
 
 struct Args {
-  std::string gdntrain, mpiexec, work, ref;
+  std::string gdntrain, mpiexec, work, ref, device = "cpu";
   std::vector<std::string> cmps, sets, identical;
   int steps = 12, micro = 2;
   double rel = 1e-6, expect_clip = 0;
@@ -72,6 +72,8 @@ Args parse(int argc, char** argv) {
       a.sets.push_back(v);
     else if (k == "--identical")
       a.identical.push_back(v);
+    else if (k == "--device")
+      a.device = v;
     else
       usage("unknown option " + k);
   }
@@ -103,7 +105,7 @@ int run(const std::string& cmd) {
 bool run_part(const Args& a, const Part& p, const std::string& dir, const std::string& extra) {
   if (a.micro % p.np != 0) usage("--micro must be a multiple of every run's ranks");
   std::string cmd = p.np > 1 ? a.mpiexec + " " + std::to_string(p.np) + " " : std::string();
-  cmd += "'" + a.gdntrain + "' train --device cpu --steps " + std::to_string(a.steps) +
+  cmd += "'" + a.gdntrain + "' train --device " + a.device + " --steps " + std::to_string(a.steps) +
          " --run-dir '" + dir + "' --set train.grad_accum=" + std::to_string(a.micro / p.np) +
          " --set dist.shard=" + p.shard +
          " --set eval.every=0 --set checkpoint.every=0 --set log.every=4" + extra;
