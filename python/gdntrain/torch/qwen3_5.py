@@ -86,14 +86,43 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     outputs = self.model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=position_ids, past_key_values=past_key_values,
                          inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
-    hidden = outputs.last_hidden_state
+    loss = _fused_loss(self, outputs.last_hidden_state, labels, shift_labels, num_items)
+    return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+                                  hidden_states=outputs.hidden_states,
+                                  attentions=outputs.attentions)
+
+
+def _fused_loss(self, hidden, labels, shift_labels, num_items):
+    """HF's ForCausalLMLoss semantics (labels shifted by one, ignore_index -100, mean over the
+    valid targets, or sum / num_items_in_batch when that is given) by our fused LM-head loss."""
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
     w = self.lm_head.weight.to(hidden.dtype)
     if num_items is None:
-        loss = linear_cross_entropy(hidden, w, shift_labels, reduction="mean")
-    else:
-        loss = linear_cross_entropy(hidden, w, shift_labels, reduction="sum") / num_items
+        return linear_cross_entropy(hidden, w, shift_labels, reduction="mean")
+    return linear_cross_entropy(hidden, w, shift_labels, reduction="sum") / num_items
+
+
+def _conditional_generation_forward(self, input_ids=None, attention_mask=None, position_ids=None,
+                                    past_key_values=None, inputs_embeds=None, labels=None,
+                                    logits_to_keep=0, **kwargs):
+    """HF Qwen3_5ForConditionalGeneration.forward (the official Qwen3.5 checkpoints' class):
+    with labels, the language model's last hidden states go to the fused loss instead of
+    materialising [tokens, vocab] logits; the vision inputs (pixel_values, image_grid_thw, ...)
+    pass through to self.model unchanged in **kwargs."""
+    if labels is None and kwargs.get("shift_labels") is None:
+        return self._gdntrain_hf_forward(input_ids=input_ids, attention_mask=attention_mask,
+                                         position_ids=position_ids,
+                                         past_key_values=past_key_values,
+                                         inputs_embeds=inputs_embeds,
+                                         logits_to_keep=logits_to_keep, **kwargs)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    shift_labels = kwargs.pop("shift_labels", None)
+    num_items = kwargs.pop("num_items_in_batch", None)
+    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=position_ids, past_key_values=past_key_values,
+                         inputs_embeds=inputs_embeds, **kwargs)
+    loss = _fused_loss(self, outputs[0], labels, shift_labels, num_items)
     return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
                                   hidden_states=outputs.hidden_states,
                                   attentions=outputs.attentions)
@@ -130,6 +159,8 @@ def apply_to_qwen3_5(model, rms_norm=True, gated_rms_norm=True, swiglu_mlp=True,
             _patch(mod, _gdn_forward)
         elif fused_linear_cross_entropy and isinstance(mod, hf.Qwen3_5ForCausalLM):
             _patch(mod, _causal_lm_forward)
+        elif fused_linear_cross_entropy and isinstance(mod, hf.Qwen3_5ForConditionalGeneration):
+            _patch(mod, _conditional_generation_forward)
         else:
             continue
         patched += 1
