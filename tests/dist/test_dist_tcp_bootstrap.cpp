@@ -4,8 +4,14 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cstddef>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -32,8 +38,8 @@ struct Outcome {
 };
 Outcome run_ranks(int world, size_t nbytes, std::chrono::milliseconds timeout,
                   std::vector<int> present, std::chrono::milliseconds root_delay = 0ms,
-                  int world_seen_by_last = -1) {
-  const TcpRendezvous where{"127.0.0.1", find_free_tcp_port(), timeout};
+                  int world_seen_by_last = -1, int port = 0) {
+  const TcpRendezvous where{"127.0.0.1", port > 0 ? port : find_free_tcp_port(), timeout};
   Outcome out;
   out.data.resize(static_cast<size_t>(world));
   out.errors.resize(static_cast<size_t>(world));
@@ -78,9 +84,36 @@ TEST(TcpBootstrap, PeersWaitForALateRankZero) {
   }
 }
 
+// A port on the loopback that this process holds bound but never listens on: a connection to it
+// is refused, and no other process (an mpirun daemon, another test) can take it meanwhile, which
+// a port found free and released (find_free_tcp_port) does not guarantee.
+class HeldPort {
+ public:
+  HeldPort() {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = 0;
+    socklen_t n = sizeof(a);
+    if (fd_ < 0 || ::bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+        ::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &n) != 0)
+      throw std::runtime_error("HeldPort: cannot bind a loopback port");
+    port_ = ntohs(a.sin_port);
+  }
+  ~HeldPort() { ::close(fd_); }
+  HeldPort(const HeldPort&) = delete;
+  HeldPort& operator=(const HeldPort&) = delete;
+  int port() const { return port_; }
+
+ private:
+  int fd_ = -1, port_ = 0;
+};
+
 TEST(TcpBootstrap, RankZeroNeverComingIsAnErrorWithinTheTimeout) {
+  const HeldPort held;
   const auto t0 = Clock::now();
-  Outcome r = run_ranks(3, 128, 1500ms, {1, 2});
+  Outcome r = run_ranks(3, 128, 1500ms, {1, 2}, 0ms, -1, held.port());
   const double s = std::chrono::duration<double>(Clock::now() - t0).count();
   for (int i : {1, 2}) {
     EXPECT_THAT(r.errors[i],
