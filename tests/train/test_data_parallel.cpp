@@ -5,9 +5,13 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "gdn/core/error.h"
 #include "train/data_parallel.h"
@@ -139,10 +143,36 @@ TEST(DataParallel, WithoutACommunicatorGradSyncDoesNothing) {
   EXPECT_EQ(v[1], 2.0);
 }
 
+// Unsets the launchers' variables (src/dist/launch.cpp reads these) for its lifetime and restores
+// them after, so that a test of the single-process path runs as one even when the test binary was
+// itself started by torchrun, mpirun or srun.
+class NoLauncherEnv {
+ public:
+  NoLauncherEnv() {
+    for (const char* k :
+         {"WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+          "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+          "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
+          "SLURM_NODEID", "SLURM_NTASKS_PER_NODE", "SLURM_STEP_NUM_TASKS",
+          "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"}) {
+      if (const char* v = std::getenv(k)) saved_.emplace_back(k, v);
+      ::unsetenv(k);
+    }
+  }
+  ~NoLauncherEnv() {
+    for (const auto& [k, v] : saved_) ::setenv(k.c_str(), v.c_str(), 1);
+  }
+  NoLauncherEnv(const NoLauncherEnv&) = delete;
+  NoLauncherEnv& operator=(const NoLauncherEnv&) = delete;
+
+ private:
+  std::vector<std::pair<std::string, std::string>> saved_;
+};
+
 // At world size 1 the shard modes are the same run (bitwise), and the keys are saved with it.
 TEST(DataParallel, AtWorldSizeOneEveryShardModeIsTheSingleProcessRun) {
-  if (dist::detect_launch(dist::process_env()).launcher != dist::Launcher::None)
-    GTEST_SKIP() << "started by a launcher";
+  const NoLauncherEnv single_process;
+  ASSERT_EQ(dist::detect_launch(dist::process_env()).launcher, dist::Launcher::None);
   const fs::path dir = fs::temp_directory_path() / fmt::format("gdn_dp_w1_{}", ::getpid());
   fs::remove_all(dir);
   std::vector<std::vector<double>> losses;
