@@ -1,4 +1,5 @@
-// dist.shard = optimizer end to end (issue 23): real `gdntrain train` processes on the cpu
+// Data parallelism end to end (issue 23; dist.shard = replicate and optimizer): real
+// `gdntrain train` processes on the cpu
 // backend, under mpirun where a run has more than one rank, each with the same global batch of
 // --micro micro-batches a step (train.grad_accum = micro / ranks), compared step by step with a
 // reference run and with each other: the training loss to a relative difference <= --rel, the
@@ -151,7 +152,7 @@ double rel_diff(double a, double b) {
 int compare(const Args& a, const std::string& name, const std::map<int64_t, nlohmann::json>& got,
             const std::string& other, const std::map<int64_t, nlohmann::json>& ref) {
   int failures = 0;
-  double max_loss = 0, max_gnorm = 0;
+  double max_loss = 0, max_gnorm = 0, max_z = 0;
   int bitwise = 0;
   for (int64_t s = 1; s <= a.steps; ++s) {
     const auto x = got.find(s), y = ref.find(s);
@@ -166,6 +167,8 @@ int compare(const Args& a, const std::string& name, const std::map<int64_t, nloh
         rel_diff(x->second["grad_norm"].get<double>(), y->second["grad_norm"].get<double>());
     max_loss = std::max(max_loss, dl);
     max_gnorm = std::max(max_gnorm, dg);
+    max_z = std::max(
+        max_z, rel_diff(x->second["z_loss"].get<double>(), y->second["z_loss"].get<double>()));
     bitwise += l0 == l1;
     if (dl > a.rel || x->second["tokens"] != y->second["tokens"]) {
       std::printf("FAIL: %s vs %s step %lld: loss %.9f vs %.9f (rel %.2e), tokens %s vs %s\n",
@@ -176,8 +179,9 @@ int compare(const Args& a, const std::string& name, const std::map<int64_t, nloh
   }
   std::printf(
       "%s vs %s, %d steps of %d micro-batches: max relative difference loss %.3e (bound %.1e), "
-      "grad_norm %.3e; %d of %d losses bitwise equal\n",
-      name.c_str(), other.c_str(), a.steps, a.micro, max_loss, a.rel, max_gnorm, bitwise, a.steps);
+      "z_loss %.3e, grad_norm %.3e; %d of %d losses bitwise equal\n",
+      name.c_str(), other.c_str(), a.steps, a.micro, max_loss, a.rel, max_z, max_gnorm, bitwise,
+      a.steps);
   return failures;
 }
 
